@@ -1,0 +1,39 @@
+# Two commands do all set-up: `make verify` (the main job) and `make test`.
+# GPU nodes: make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,notebooks
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(subst $(comma),_,$(EXTRAS))
+space := $(subst ,, )
+comma := ,
+
+.PHONY: verify test test-fast test-thorough test-gpu bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+verify: $(STAMP)
+	$(PY) -m muon_dist.verify
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x
+
+test-thorough: $(STAMP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

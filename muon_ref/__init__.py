@@ -1,0 +1,39 @@
+"""muon_ref: the single-device reference Muon (the oracle every other Muon in this repo is checked against).
+
+Pure math on torch tensors; never imports torch.distributed.
+"""
+
+from .config import CONFIG_KEYS, LR_SCALE_ALIASES, MuonConfig, lr_scale
+from .functional import (
+    MatrixLayout,
+    apply_update,
+    matrix_layout,
+    momentum_direction,
+    muon_step,
+    orthogonalize,
+)
+from .newton_schulz import newton_schulz
+from .optim import Muon
+from .polar import (
+    Band,
+    critical_points,
+    max_singular_value_error,
+    orthogonality_error,
+    polar_error,
+    polar_factor,
+    scalar_map,
+    schedule_band,
+    signed_singular_values,
+    step_image,
+    step_polynomial,
+)
+from .presets import PRESETS
+from .schedules import SCHEDULES, Schedule, get_schedule, register_schedule
+
+__all__ = [
+    "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "PRESETS", "SCHEDULES",
+    "Schedule", "apply_update", "critical_points", "get_schedule", "lr_scale", "matrix_layout",
+    "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "orthogonality_error",
+    "orthogonalize", "polar_error", "polar_factor", "register_schedule", "scalar_map", "schedule_band",
+    "signed_singular_values", "step_image", "step_polynomial",
+]

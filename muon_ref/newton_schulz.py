@@ -1,0 +1,165 @@
+"""The Newton-Schulz kernel: the orthogonalisation every Muon in this repo is checked against.
+
+For one matrix G of shape (m, n), with X_0 the normalised (and, when m > n, transposed) input:
+    X_0     = G' / d,            G' = G^T if m > n else G,   d = ||G'||_F * safety + eps  (eps_mode "add")
+                                                         or  d = max(||G'||_F, eps)       (eps_mode "clamp")
+    A_t     = X_t X_t^T
+    B_t     = b_t A_t + c_t A_t A_t
+    X_{t+1} = a_t X_t + B_t X_t           = p_t(X_t) with p_t(x) = a_t x + b_t x^3 + c_t x^5 on singular values
+    NS(G)   = X_k^T if m > n else X_k
+In exact arithmetic NS(G) = U f(S) V^T for G = U S V^T with f = p_k o ... o p_1 applied to S / d
+(proofs/newton_schulz.md). Leading dims are independent matrices: the kernel is defined on one matrix and
+mapped over the others, each with its own transpose decision and its own norm.
+
+What changes bits, as options (each origin is reproduced by its preset, see muon_ref/presets.py):
+    step_form "addmm": B = addmm(A, A, A, beta=b, alpha=c); X = addmm(X, B, X, beta=a)   (torch, Emerging)
+              "keller": B = b*A + (c*A) @ A;                 X = a*X + B @ X              (Keller, Moonlight, PE)
+              "dion":   B = b*A + c*(A @ A);                 X = a*X + B @ X              (Dion, xtuner)
+    normalize_before_cast: normalise in the input dtype, then cast (Emerging's F.normalize in fp32)
+    eps_mode "add" | "clamp", safety (prescale of the norm), precondition "aol" (Turbo-Muon: replaces
+    the Frobenius normalisation by X <- diag(s) X, s_i = (sum_j |(X X^T)_ij|)^(-1/2), reusing the Gram).
+A zero matrix maps to zeros (never NaN), whatever eps: the only deviation from the origins, and it only
+changes outputs that the origins would make NaN (0/0 when eps = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .schedules import Schedule, get_schedule
+
+StepForm = Literal["addmm", "keller", "dion"]
+EpsMode = Literal["add", "clamp"]
+STEP_FORMS: tuple[str, ...] = ("addmm", "keller", "dion")
+EPS_MODES: tuple[str, ...] = ("add", "clamp")
+
+# torch.optim.Muon's EPS (torch/optim/_muon.py), also KellerJordan's 1e-7
+DEFAULT_EPS = 1e-7
+
+
+def _normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
+    """X / d with d = ||X||_F * safety + eps ("add") or max(||X||_F * safety, eps) ("clamp"); zero stays zero."""
+    norm = X.norm()
+    if safety != 1.0:
+        norm = norm * safety
+    denom = norm + eps if eps_mode == "add" else norm.clamp(min=eps)
+    # 0/0 only when X == 0 and eps == 0; d is replaced by 1 there, so the zero matrix maps to zero.
+    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
+    return X / denom
+
+
+def _step(X: Tensor, a: float, b: float, c: float, step_form: StepForm) -> Tensor:
+    """One quintic step X <- a X + (b A + c A^2) X with A = X X^T, in the origin's operation order."""
+    A = X @ X.mT
+    if step_form == "addmm":
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        return torch.addmm(X, B, X, beta=a)
+    if step_form == "keller":
+        B = b * A + c * A @ A  # parsed as (c * A) @ A, as in KellerJordan/Muon muon.py
+    else:
+        B = b * A + c * (A @ A)  # as in microsoft/dion muon.py and xtuner muon.py
+    return a * X + B @ X
+
+
+def _aol_first_step(X: Tensor, a: float, b: float, c: float, step_form: StepForm, eps: float) -> Tensor:
+    """AOL preconditioning fused with step 1, reusing the Gram (thib-s/flash-newton-schulz NS_ours)."""
+    A = X @ X.mT
+    row_sums = A.abs().sum(dim=-1).clamp_min(eps)
+    row_sums = torch.where(row_sums == 0, torch.ones_like(row_sums), row_sums)  # zero rows stay zero
+    s = torch.rsqrt(row_sums)
+    X = X * s.unsqueeze(-1)
+    A = A * s.unsqueeze(-1) * s.unsqueeze(-2)
+    if step_form == "addmm":
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        return torch.addmm(X, B, X, beta=a)
+    B = b * A + c * A @ A if step_form == "keller" else b * A + c * (A @ A)
+    return a * X + B @ X
+
+
+def newton_schulz_matrix(
+    G: Tensor,
+    coefficients: tuple[tuple[float, float, float], ...],
+    *,
+    eps: float,
+    dtype: torch.dtype | None,
+    step_form: StepForm,
+    eps_mode: EpsMode,
+    safety: float,
+    normalize_before_cast: bool,
+    precondition: str | None,
+) -> Tensor:
+    """The kernel on one 2-D matrix, all options explicit. Returns the compute dtype (dtype, or G's)."""
+    transpose = G.size(0) > G.size(1)  # decided on this matrix's own shape, never a padded one
+    X = G.mT if transpose else G
+    compute_dtype = G.dtype if dtype is None else dtype
+    if precondition == "aol":
+        X = X.to(compute_dtype)
+        if coefficients:
+            X = _aol_first_step(X, *coefficients[0], step_form=step_form, eps=eps)
+            coefficients = coefficients[1:]
+    elif normalize_before_cast:
+        X = _normalise(X, eps, eps_mode, safety).to(compute_dtype)
+    else:
+        X = _normalise(X.to(compute_dtype), eps, eps_mode, safety)
+    for a, b, c in coefficients:
+        X = _step(X, a, b, c, step_form)
+    return X.mT if transpose else X
+
+
+def _resolve_precondition(sched: Schedule, precondition: str | None) -> str | None:
+    """None: the schedule's own; "none": no preconditioner; "aol": the AOL preconditioner."""
+    if precondition is None:
+        return sched.precondition
+    if precondition not in ("none", "aol"):
+        raise ValueError(f"precondition must be None, 'none' or 'aol', got {precondition!r}")
+    return None if precondition == "none" else precondition
+
+
+def newton_schulz(
+    G: Tensor,
+    schedule: str | Schedule = "keller",
+    *,
+    steps: int | None = None,
+    eps: float | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    step_form: StepForm = "addmm",
+    eps_mode: EpsMode = "clamp",
+    safety: float | None = None,
+    normalize_before_cast: bool = False,
+    precondition: str | None = None,
+) -> Tensor:
+    """Orthogonalise G of shape [..., m, n]: each trailing matrix independently, in `dtype` (None: G's).
+
+    Defaults reproduce torch.optim.Muon's kernel (addmm form, eps clamped at 1e-7, bf16, norm after the
+    cast). `eps`, `safety` and `precondition` default to the schedule's own (its origin's) values.
+    Returns a new tensor of shape [..., m, n] in the compute dtype; G is never written.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    if G.is_complex() or not G.is_floating_point():
+        raise ValueError(f"newton_schulz needs a real floating tensor, got dtype {G.dtype}")
+    if step_form not in STEP_FORMS:
+        raise ValueError(f"step_form must be one of {STEP_FORMS}, got {step_form!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    sched = get_schedule(schedule)
+    kwargs = dict(
+        eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
+        dtype=dtype,
+        step_form=step_form,
+        eps_mode=eps_mode,
+        safety=sched.safety if safety is None else safety,
+        normalize_before_cast=normalize_before_cast,
+        precondition=_resolve_precondition(sched, precondition),
+    )
+    coefficients = sched.steps_for(steps)
+    if G.ndim == 2:
+        return newton_schulz_matrix(G, coefficients, **kwargs)
+    stack = G.reshape(-1, *G.shape[-2:])
+    out = [newton_schulz_matrix(stack[i], coefficients, **kwargs) for i in range(stack.size(0))]
+    if not out:
+        return torch.empty(G.shape, dtype=G.dtype if dtype is None else dtype, device=G.device)
+    return torch.stack(out).reshape(*G.shape[:-2], *out[0].shape[-2:])
