@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 verify: $(STAMP)
-	$(PY) -m muon_dist.verify
+	$(PY) -m muon_ref.conformance
 
 test: $(STAMP)
 	$(PY) -m pytest -q

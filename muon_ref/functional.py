@@ -112,6 +112,8 @@ def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonC
         new = p.add(O, alpha=-cfg.lr)
     else:
         step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
+        if cfg.scale_apply == "update_lr_cast":
+            step = torch.tensor(step, dtype=O.dtype)  # the scalar rounded to O's dtype, as _foreach_mul_ does
         new = p.sub(O * step)
     return new.to(param.dtype)
 

@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # nesterov False, adjust_lr "rms_norm", you5); per-expert fan_out = rows // num_experts
     "xtuner": dict(
         lr=0.01, weight_decay=0.01, momentum=0.95, nesterov=False, momentum_style="sum", nesterov_form="mul_add",
-        weight_decay_form="mul", lr_scale="rms_norm", scale_sqrt="sqrt", scale_apply="update_lr",
+        weight_decay_form="mul", lr_scale="rms_norm", scale_sqrt="sqrt", scale_apply="update_lr_cast",
         schedule="you5", ns_steps=5, eps=1e-8, ns_dtype=torch.bfloat16, step_form="dion", eps_mode="add",
     ),
     # NVIDIA-NeMo/Emerging-Optimizers orthogonalized_optimizers/muon.py + muon_utils.py (lr 3e-4,

@@ -1,0 +1,22 @@
+"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev | ci | thorough; ci is the default) and shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=10, **_COMMON)
+settings.register_profile("ci", max_examples=40, derandomize=True, database=None, print_blob=True, **_COMMON)
+settings.register_profile("thorough", max_examples=500, print_blob=True, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Two cores: intra-op threads only add scheduling noise to these small matrices.
+torch.set_num_threads(1)
+
+
+def examples(fraction: float) -> int:
+    """A per-test example count relative to the active profile (at least 1)."""
+    return max(1, int(settings().max_examples * fraction))

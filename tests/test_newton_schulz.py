@@ -1,0 +1,129 @@
+"""Newton-Schulz properties: each test is one property of muon_ref.newton_schulz, with its contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from muon_ref import SCHEDULES, newton_schulz, polar_error, polar_factor, schedule_band, signed_singular_values
+
+dims = st.integers(1, 24)
+F64 = dict(dtype=torch.float64)
+
+
+def gaussian(shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@example(m=5, n=3, seed=0)
+@given(m=dims, n=dims, seed=st.integers(0, 2**16))
+def test_transposing_the_input_transposes_the_output_bitwise_for_non_square_matrices(m, n, seed):
+    if m == n:  # a square matrix is never transposed inside; covered in float64 below
+        return
+    G = gaussian((m, n), seed)
+    assert torch.equal(newton_schulz(G.mT), newton_schulz(G).mT)
+
+
+@given(n=dims, seed=st.integers(0, 2**16))
+def test_square_transpose_equivariance_holds_in_float64_to_rounding(n, seed):
+    # bf16 differs by up to 1.2e-2 here (conventions.md): the product order differs, not the math
+    G = gaussian((n, n), seed, torch.float64)
+    torch.testing.assert_close(newton_schulz(G.mT, **F64), newton_schulz(G, **F64).mT, rtol=0, atol=1e-12)
+
+
+@given(m=dims, n=dims, zero_rows=st.integers(0, 4), zero_cols=st.integers(0, 4), seed=st.integers(0, 2**16))
+def test_zero_rows_and_columns_stay_zero_and_leave_the_rest_unchanged(m, n, zero_rows, zero_cols, seed):
+    G = gaussian((m, n), seed, torch.float64)
+    padded = torch.zeros(m + zero_rows, n + zero_cols, dtype=torch.float64)
+    padded[:m, :n] = G
+    out = newton_schulz(padded, **F64)
+    assert torch.count_nonzero(out[m:, :]) == 0 and torch.count_nonzero(out[:, n:]) == 0  # exactly zero
+    # the rest agrees to rounding; the transpose decision may differ between the two shapes
+    torch.testing.assert_close(out[:m, :n], newton_schulz(G, **F64), rtol=0, atol=1e-10)
+
+
+@given(m=dims, n=dims, seed=st.integers(0, 2**16))
+def test_orthogonal_invariance_holds_in_float64(m, n, seed):
+    # NS(Q G R) = Q NS(G) R exactly in real arithmetic; float64 rounding of the extra products: 1e-10
+    G = gaussian((m, n), seed, torch.float64)
+    Q, _ = torch.linalg.qr(gaussian((m, m), seed + 1, torch.float64))
+    R, _ = torch.linalg.qr(gaussian((n, n), seed + 2, torch.float64))
+    torch.testing.assert_close(newton_schulz(Q @ G @ R, **F64), Q @ newton_schulz(G, **F64) @ R, rtol=0, atol=1e-10)
+
+
+@given(m=dims, n=dims, seed=st.integers(0, 2**16), power=st.integers(-20, 20))
+def test_scaling_by_a_power_of_two_leaves_the_output_bitwise_unchanged_with_eps_zero(m, n, seed, power):
+    G = gaussian((m, n), seed)
+    assert torch.equal(newton_schulz(G * 2.0**power, eps=0.0), newton_schulz(G, eps=0.0))
+
+
+@given(m=dims, n=dims, seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e3))
+def test_scale_invariance_holds_in_float64_with_eps_zero(m, n, seed, scale):
+    G = gaussian((m, n), seed, torch.float64)
+    torch.testing.assert_close(newton_schulz(G * scale, eps=0.0, **F64), newton_schulz(G, eps=0.0, **F64),
+                               rtol=0, atol=1e-12)
+
+
+@settings(max_examples=20)
+@given(name=st.sampled_from(sorted(SCHEDULES)), m=st.integers(2, 16), n=st.integers(2, 16), seed=st.integers(0, 2**16))
+def test_float64_singular_values_lie_inside_the_schedules_exact_band(name, m, n, seed):
+    G = gaussian((m, n), seed, torch.float64)
+    if SCHEDULES[name].precondition is not None:  # AOL rescales rows, not by ||G||_F: the band is for its input
+        return
+    sched = SCHEDULES[name]
+    safety = sched.safety
+    s = torch.linalg.svdvals(G)
+    lower = float(s.min() / (s.square().sum().sqrt() * safety))
+    band = schedule_band(name, lower, 1.0 / safety)
+    d = signed_singular_values(newton_schulz(G, name, eps=0.0, **F64), G)
+    assert float(d.min()) >= band.min - 1e-9 and float(d.max()) <= band.max + 1e-9
+
+
+@pytest.mark.parametrize("name, steps", [("polar_express", 12), ("quintic", 30), ("cubic", 60)])
+def test_float64_newton_schulz_with_a_converging_schedule_approaches_the_polar_factor(name, steps):
+    G = gaussian((24, 16), 0, torch.float64) + 3 * torch.eye(24, 16, dtype=torch.float64)  # condition ~ 5
+    assert polar_error(newton_schulz(G, name, steps=steps, **F64), G) < 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("eps", [0.0, 1e-7])
+def test_a_zero_matrix_maps_to_zero_never_nan(name, eps):
+    out = newton_schulz(torch.zeros(3, 6, 5), name, eps=eps)
+    assert out.shape == (3, 6, 5) and torch.count_nonzero(out) == 0
+
+
+def test_leading_dims_are_independent_matrices_bitwise():
+    G = gaussian((2, 3, 7, 5), 0)
+    out = newton_schulz(G)
+    for i in range(2):
+        for j in range(3):
+            assert torch.equal(out[i, j], newton_schulz(G[i, j]))
+
+
+def test_the_input_is_never_written():
+    for form in ("addmm", "keller", "dion"):
+        G = gaussian((9, 4), 0, torch.bfloat16)  # bf16: the cast is a no-op, an in-place op would write G
+        before = G.clone()
+        newton_schulz(G, step_form=form)
+        assert torch.equal(G, before)
+
+
+def test_aol_preconditioning_replaces_normalisation_and_stays_bounded():
+    G = gaussian((32, 16), 0, torch.float64) * 1e3  # no Frobenius normalisation: AOL must bound it
+    out = newton_schulz(G, "aol", **F64)
+    assert float(torch.linalg.matrix_norm(out, ord=2)) < 1.2
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    with pytest.raises(ValueError, match="shape"):
+        newton_schulz(torch.zeros(5))
+    with pytest.raises(ValueError, match="dtype"):
+        newton_schulz(torch.zeros(3, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="step_form"):
+        newton_schulz(torch.zeros(3, 3), step_form="fused")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        newton_schulz(torch.zeros(3, 3), "nope")
+    with pytest.raises(ValueError, match="exactly 5 steps"):
+        newton_schulz(torch.zeros(3, 3), "polar_express_modded", steps=6)

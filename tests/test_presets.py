@@ -1,0 +1,112 @@
+"""Each preset reproduces the public implementation it names, bit for bit (torch.equal on params and state)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from muon_ref import Muon, PRESETS
+from muon_ref import conformance
+from muon_ref.conformance import Case, run_case
+from tests.conftest import examples
+
+dims = st.integers(1, 48)
+shapes_2d = st.one_of(
+    st.tuples(dims, dims),  # tall, wide, square
+    st.tuples(st.just(1), dims),  # 1 x n
+)
+
+
+@example(shape=(64, 32), nesterov=True, lr_scale="original", weight_decay=0.1)
+@example(shape=(1, 7), nesterov=False, lr_scale="match_rms_adamw", weight_decay=0.0)
+@settings(max_examples=examples(1.0))
+@given(shape=shapes_2d, nesterov=st.booleans(), lr_scale=st.sampled_from(["original", "match_rms_adamw"]),
+       weight_decay=st.sampled_from([0.0, 0.1]))
+def test_torch_preset_equals_torch_optim_muon_bitwise(shape, nesterov, lr_scale, weight_decay):
+    outcome = run_case(Case("torch", shape, steps=5, nesterov=nesterov, lr_scale=lr_scale, weight_decay=weight_decay, lr=0.02))
+    assert outcome.bitwise, outcome
+
+
+@settings(max_examples=examples(0.5))
+@given(shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)), weight_decay=st.sampled_from([0.0, 0.05]))
+def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(shape, weight_decay):
+    assert run_case(Case("keller", shape, steps=5, weight_decay=weight_decay)).bitwise
+
+
+def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_them():
+    import muon
+
+    p = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError):  # its update is viewed (8, 27) and cannot be added to (8, 3, 3, 3)
+        muon.SingleDeviceMuon([p]).step()
+    q = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+    q.grad = torch.randn_like(q)
+    Muon([q], preset="keller", flatten=True).step()
+    assert torch.isfinite(q).all()
+
+
+@settings(max_examples=examples(0.5))
+@given(preset=st.sampled_from(["moonlight", "dion", "xtuner", "emerging"]), shape=shapes_2d, nesterov=st.booleans())
+def test_presets_equal_their_written_out_origins_bitwise(preset, shape, nesterov):
+    assert run_case(Case(preset, shape, steps=4, nesterov=nesterov)).bitwise
+
+
+@pytest.mark.parametrize("case", [Case("dion", (3, 16, 24)), Case("xtuner", (4 * 12, 20), num_experts=4)])
+def test_expert_presets_equal_their_origins_bitwise(case):
+    assert run_case(case).bitwise
+
+
+def test_conformance_report_exits_zero_and_lists_every_preset(capsys):
+    assert conformance.main(["--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    for preset in PRESETS:
+        assert f"\n{preset} " in out
+
+
+# Negative controls: one wrong convention each, and the equivalence check must catch it.
+WRONG = [
+    ("torch", dict(momentum_style="sum", nesterov_form="add_alpha"), (37, 23)),  # sum instead of EMA
+    ("torch", dict(step_form="keller"), (37, 23)),  # separate ops instead of torch.addmm
+    ("keller", dict(step_form="addmm"), (37, 23)),  # torch.addmm instead of separate ops
+    ("moonlight", dict(step_form="dion"), (37, 23)),  # c * (A @ A) instead of (c * A) @ A
+    ("dion", dict(momentum_style="ema", nesterov_form="lerp"), (37, 23)),  # EMA instead of sum
+    ("xtuner", dict(scale_apply="update_lr"), (37, 23)),  # lr * s kept in fp32, not rounded to bf16
+    ("emerging", dict(normalize_before_cast=False), (37, 23)),  # normalise after the bf16 cast
+]
+
+
+@pytest.mark.parametrize("preset, wrong, shape", WRONG, ids=[f"{p}-{next(iter(w))}" for p, w, _ in WRONG])
+def test_a_wrong_convention_breaks_the_bitwise_equivalence(preset, wrong, shape, monkeypatch):
+    assert run_case(Case(preset, shape, steps=3)).bitwise  # the control: right convention, same case
+    monkeypatch.setitem(PRESETS, preset, {**PRESETS[preset], **wrong})
+    assert not run_case(Case(preset, shape, steps=3)).bitwise
+
+
+def test_sqrt_and_pow_shape_scales_differ_in_the_last_bit_for_some_shapes():
+    from muon_ref import lr_scale
+
+    # (145, 9): math.sqrt(145 / 9) != (145 / 9) ** 0.5; in fp32 parameters the difference rounds away,
+    # in fp64 parameters it reaches the update, so the origin's evaluation is configuration (scale_sqrt).
+    assert lr_scale("original", 145, 9, "sqrt") != lr_scale("original", 145, 9, "pow")
+    assert lr_scale("original", 64, 32, "sqrt") == lr_scale("original", 64, 32, "pow")
+
+
+def test_torch_muon_overwrites_its_bf16_momentum_buffer_without_nesterov_and_the_reference_does_not():
+    # torch 2.13 _zeropower_via_newtonschulz: grad.bfloat16() returns the bf16 buffer itself, then div_
+    # normalises it in place. The reference never writes its inputs; the torch preset's bitwise contract
+    # is stated for fp32 parameters (and for nesterov=True in any dtype). This test pins the upstream bug.
+    g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    p = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16))
+    torch_opt, ref_opt = torch.optim.Muon([p], nesterov=False), Muon([q], preset="torch", nesterov=False)
+    p.grad, q.grad = g.clone(), g.clone()
+    torch_opt.step()
+    ref_opt.step()
+    expected = torch.zeros(16, 8, dtype=torch.bfloat16).lerp(g, 0.05)
+    assert torch.equal(ref_opt.state[q]["momentum_buffer"], expected)
+    assert float(torch_opt.state[p]["momentum_buffer"].float().norm()) == pytest.approx(1.0, abs=2e-2)
