@@ -1,0 +1,55 @@
+"""The NS cost model and the assignment rules of muon_dist.balance."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muon_dist.balance import compare, imbalance, lpt, ns_flops, per_shape, round_robin
+from muon_dist.shapes import SHAPE_TABLES, ParamSpec
+
+costs_st = st.lists(st.integers(1, 10**6), min_size=1, max_size=60)
+
+
+def test_ns_flops_counts_the_three_products_of_each_step_on_the_wide_orientation():
+    m, n = 3, 7  # A = X X^T: 2*9*7, A A: 2*27, B X: 2*9*7 per step
+    assert ns_flops(n, m, steps=2) == ns_flops(m, n, steps=2) == 2 * (2 * 9 * 7 + 2 * 27 + 2 * 9 * 7)
+
+
+@given(costs=costs_st, world_size=st.integers(1, 16))
+def test_lpt_max_load_is_within_one_largest_unit_of_the_mean(costs, world_size):
+    # list scheduling bound: each unit goes to a rank whose load is at most the mean of the loads before it
+    owner = lpt(costs, world_size)
+    loads = [sum(c for c, r in zip(costs, owner) if r == k) for k in range(world_size)]
+    assert all(0 <= r < world_size for r in owner)
+    assert max(loads) <= sum(costs) / world_size + max(costs)
+
+
+@given(costs=costs_st, world_size=st.integers(1, 16))
+def test_lpt_is_never_worse_than_round_robin_by_more_than_the_largest_unit(costs, world_size):
+    rr = imbalance(costs, round_robin(costs, world_size), world_size)
+    mean = sum(costs) / world_size
+    assert imbalance(costs, lpt(costs, world_size), world_size) <= rr + max(costs) / mean
+
+
+def test_a_lopsided_assignment_scores_above_one_negative_control():
+    assert imbalance([5, 5, 5, 5], [0, 0, 0, 1], 2) == 1.5
+    assert imbalance([5, 5, 5, 5], lpt([5, 5, 5, 5], 2), 2) == 1.0
+
+
+def test_per_shape_batching_puts_remainders_on_the_first_ranks():
+    specs = [ParamSpec(f"p{i}", (4, 4), "matrix") for i in range(5)] + [ParamSpec("q", (3, 4), "matrix")]
+    assert per_shape(specs, 4) == [0, 1, 2, 3, 0, 0]
+
+
+def test_lpt_balances_the_moe_table_at_every_world_size_and_never_goes_below_the_bound():
+    specs = SHAPE_TABLES["moe_30b_a3b"]()
+    for world_size in (8, 64, 1024):
+        r = compare(specs, world_size)
+        assert r["bound"] <= r["lpt"] <= 1.05 and r["lpt"] <= min(r["round_robin"], r["per_shape"])
+
+
+def test_shape_tables_route_matrices_to_muon_and_the_rest_to_adamw():
+    for name, table in SHAPE_TABLES.items():
+        specs = table()
+        assert all(s.is_muon == (len(s.shape) >= 2 and s.kind not in ("embedding", "head")) for s in specs), name
