@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,notebooks
+EXTRAS ?= dev,notebooks,triton
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(subst $(comma),_,$(EXTRAS))
 space := $(subst ,, )

@@ -24,6 +24,7 @@ changes outputs that the origins would make NaN (0/0 when eps = 0).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -158,7 +159,7 @@ def newton_schulz(
     coefficients = sched.steps_for(steps)
     if G.ndim == 2:
         return newton_schulz_matrix(G, coefficients, **kwargs)
-    stack = G.reshape(-1, *G.shape[-2:])
+    stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
     out = [newton_schulz_matrix(stack[i], coefficients, **kwargs) for i in range(stack.size(0))]
     if not out:
         return torch.empty(G.shape, dtype=G.dtype if dtype is None else dtype, device=G.device)

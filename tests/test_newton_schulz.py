@@ -127,3 +127,9 @@ def test_bad_arguments_raise_value_errors_naming_them():
         newton_schulz(torch.zeros(3, 3), "nope")
     with pytest.raises(ValueError, match="exactly 5 steps"):
         newton_schulz(torch.zeros(3, 3), "polar_express_modded", steps=6)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 3), (0, 4, 3), (0, 5), (4, 0)])
+def test_empty_matrices_and_empty_stacks_map_to_empty_outputs(shape):
+    out = newton_schulz(torch.zeros(shape))
+    assert out.shape == shape and out.dtype == torch.bfloat16
