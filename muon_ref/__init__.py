@@ -17,7 +17,9 @@ from .optim import Muon
 from .polar import (
     Band,
     critical_points,
+    fixed_points,
     max_singular_value_error,
+    normalised_singular_values,
     orthogonality_error,
     polar_error,
     polar_factor,
@@ -32,8 +34,8 @@ from .schedules import SCHEDULES, Schedule, get_schedule, register_schedule
 
 __all__ = [
     "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "PRESETS", "SCHEDULES",
-    "Schedule", "apply_update", "critical_points", "get_schedule", "lr_scale", "matrix_layout",
-    "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "orthogonality_error",
+    "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule", "lr_scale", "matrix_layout",
+    "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "normalised_singular_values", "orthogonality_error",
     "orthogonalize", "polar_error", "polar_factor", "register_schedule", "scalar_map", "schedule_band",
     "signed_singular_values", "step_image", "step_polynomial",
 ]

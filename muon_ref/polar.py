@@ -132,20 +132,68 @@ class Band:
 
 
 def schedule_band(
-    schedule: str | Schedule, lower: float, upper: float = 1.0, *, steps: int | None = None
+    schedule: str | Schedule,
+    lower: float,
+    upper: float = 1.0,
+    *,
+    steps: int | None = None,
+    safety: float = 1.0,
+    headroom: float = 0.0,
 ) -> Band:
-    """Exact range of f = p_k o ... o p_1 over [lower, upper] (float64 arithmetic; proofs/ certifies it
-    with outward-rounded intervals). Each step's image is exact, so the band is the true range of f only
-    when each step's image interval is the set of reachable values, which holds since p_t is continuous
-    and its input set is an interval."""
+    """Exact range of f = p_k o ... o p_1 over [lower / safety, upper / safety] (float64 arithmetic;
+    proofs/check.py certifies it with exact rational enclosures).
+
+    The image of an interval under a continuous p_t is the interval between p_t's extremes at the endpoints
+    and interior critical points, so pushing the interval through the steps gives the exact range.
+    `safety`: the kernel's prescale (pass the schedule's `safety` to get the band of the shipped pipeline:
+    singular values s / (||G||_F * safety)). `headroom`: widen every step's input interval by this relative
+    amount first (2**-8 models one bf16 rounding of the iterate; a schedule with no headroom above 1 can
+    blow up there, see notebooks/ns_numerics.ipynb).
+    """
     if not 0.0 <= lower <= upper:
         raise ValueError(f"need 0 <= lower <= upper, got [{lower}, {upper}]")
-    lo, hi = lower, upper
+    if safety <= 0 or headroom < 0:
+        raise ValueError(f"need safety > 0 and headroom >= 0, got safety={safety}, headroom={headroom}")
+    lo, hi = lower / safety, upper / safety
     per_step = []
     for coefficients in get_schedule(schedule).steps_for(steps):
-        lo, hi = step_image(lo, hi, coefficients)
+        lo, hi = step_image(lo * (1 - headroom), hi * (1 + headroom), coefficients)
         per_step.append((lo, hi))
     return Band(lower=lower, upper=upper, per_step=tuple(per_step))
+
+
+def fixed_points(coefficients: Coefficients) -> list[float]:
+    """Positive x with p(x) = x, i.e. (a - 1) + b y + c y^2 = 0 for y = x^2, sorted."""
+    a, b, c = coefficients
+    if c == 0.0:
+        ys = [(1 - a) / b] if b != 0.0 else []
+    else:
+        disc = b * b - 4 * c * (a - 1)
+        ys = [] if disc < 0 else [(-b - math.sqrt(disc)) / (2 * c), (-b + math.sqrt(disc)) / (2 * c)]
+    return sorted({math.sqrt(y) for y in ys if y > 0})
+
+
+def normalised_singular_values(
+    G: Tensor,
+    schedule: str | Schedule = "keller",
+    *,
+    eps: float | None = None,
+    safety: float | None = None,
+    eps_mode: str = "clamp",
+) -> Tensor:
+    """The singular values the kernel's polynomials act on: s_i / d per matrix, in float64, with
+    d = ||G||_F * safety + eps ("add") or max(||G||_F * safety, eps) ("clamp"); eps and safety default to
+    the schedule's (as in newton_schulz). Shape [..., min(m, n)], descending. Zero matrices give zeros."""
+    from .newton_schulz import DEFAULT_EPS
+
+    sched = get_schedule(schedule)
+    eps = (sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps
+    safety = sched.safety if safety is None else safety
+    G64 = G.detach().to(torch.float64)
+    norm = torch.linalg.matrix_norm(G64) * safety
+    d = norm + eps if eps_mode == "add" else norm.clamp_min(eps)
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    return torch.linalg.svdvals(G64) / d.unsqueeze(-1)
 
 
 def scalar_map(schedule: str | Schedule, x: Tensor, *, steps: int | None = None) -> Tensor:

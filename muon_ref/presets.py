@@ -15,19 +15,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "torch": dict(
         lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, momentum_style="ema", nesterov_form="lerp",
         weight_decay_form="mul", lr_scale="original", scale_sqrt="sqrt", scale_apply="alpha",
-        schedule="keller", ns_steps=5, eps=1e-7, ns_dtype=torch.bfloat16, step_form="addmm", eps_mode="clamp",
+        schedule="keller", eps=1e-7, ns_dtype=torch.bfloat16, step_form="addmm", eps_mode="clamp",
     ),
     # KellerJordan/Muon muon.py (PyPI muon-optimizer 0.1.0): SingleDeviceMuon (lr 0.02, wd 0, momentum 0.95)
     "keller": dict(
         lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, momentum_style="ema", nesterov_form="lerp",
         weight_decay_form="mul", lr_scale="original", scale_sqrt="pow", scale_apply="update",
-        schedule="keller", ns_steps=5, eps=1e-7, ns_dtype=torch.bfloat16, step_form="keller", eps_mode="add",
+        schedule="keller", eps=1e-7, ns_dtype=torch.bfloat16, step_form="keller", eps_mode="add",
     ),
     # MoonshotAI/Moonlight examples/toy_train.py (lr 1e-3, wd 0.1, momentum 0.95, nesterov, 5 steps)
     "moonlight": dict(
         lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, momentum_style="sum", nesterov_form="add_alpha",
         weight_decay_form="mul", lr_scale="match_rms_adamw", scale_sqrt="sqrt", scale_apply="alpha",
-        schedule="keller", ns_steps=5, eps=1e-7, ns_dtype=torch.bfloat16, step_form="keller", eps_mode="add",
+        schedule="keller", eps=1e-7, ns_dtype=torch.bfloat16, step_form="keller", eps_mode="add",
     ),
     # microsoft/dion dion/muon.py at 0c205499 (lr 0.01, mu 0.95, wd 0.01, epsilon 1e-8, nesterov False,
     # adjust_lr "spectral_norm", zeropower_via_newtonschulz5 with the you5 list). Later Dion versions default
@@ -35,14 +35,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dion": dict(
         lr=0.01, weight_decay=0.01, momentum=0.95, nesterov=False, momentum_style="sum", nesterov_form="mul_add",
         weight_decay_form="mul", lr_scale="spectral_norm", scale_sqrt="sqrt", scale_apply="update_lr",
-        schedule="you5", ns_steps=5, eps=1e-8, ns_dtype=torch.bfloat16, step_form="dion", eps_mode="add",
+        schedule="you5", eps=1e-8, ns_dtype=torch.bfloat16, step_form="dion", eps_mode="add",
     ),
     # InternLM/xtuner xtuner/v1/optim/muon.py at 004bc257 (lr 0.01, mu 0.95, wd 0.01, epsilon 1e-8,
     # nesterov False, adjust_lr "rms_norm", you5); per-expert fan_out = rows // num_experts
     "xtuner": dict(
         lr=0.01, weight_decay=0.01, momentum=0.95, nesterov=False, momentum_style="sum", nesterov_form="mul_add",
         weight_decay_form="mul", lr_scale="rms_norm", scale_sqrt="sqrt", scale_apply="update_lr_cast",
-        schedule="you5", ns_steps=5, eps=1e-8, ns_dtype=torch.bfloat16, step_form="dion", eps_mode="add",
+        schedule="you5", eps=1e-8, ns_dtype=torch.bfloat16, step_form="dion", eps_mode="add",
     ),
     # NVIDIA-NeMo/Emerging-Optimizers orthogonalized_optimizers/muon.py + muon_utils.py (lr 3e-4,
     # momentum 0.95, wd 0.01 decoupled, nesterov False, "quintic" = you5, 5 steps, scale_mode "spectral",
@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "emerging": dict(
         lr=3e-4, weight_decay=0.01, momentum=0.95, nesterov=False, momentum_style="ema", nesterov_form="lerp",
         weight_decay_form="add_self", lr_scale="spectral", scale_sqrt="pow", scale_apply="update",
-        update_dtype=torch.float32, schedule="you5", ns_steps=5, eps=1e-7, ns_dtype=torch.bfloat16,
+        update_dtype=torch.float32, schedule="you5", eps=1e-7, ns_dtype=torch.bfloat16,
         step_form="addmm", eps_mode="clamp", normalize_before_cast=True,
     ),
 }

@@ -234,3 +234,13 @@ def test_the_combined_optimizer_state_dict_round_trips_and_resumes_bitwise():
             o.zero_grad()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_preset_runs_the_chosen_schedules_own_step_count():
+    # presets do not pin ns_steps: keller's preset with polar_express runs its 8 steps, not 5
+    init, grad = gaussians((16, 8), 3, 2)
+    p, q = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    p.grad, q.grad = grad.clone(), grad.clone()
+    Muon([p], preset="keller", schedule="polar_express").step()
+    Muon([q], preset="keller", schedule="polar_express", ns_steps=8).step()
+    assert torch.equal(p, q)

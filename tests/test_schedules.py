@@ -120,3 +120,32 @@ def test_signed_singular_values_reveal_a_sign_flip_that_an_svd_hides():
     out = newton_schulz(G, "aol_old", precondition="none", dtype=torch.float64)
     d = signed_singular_values(out, G)
     assert float(d[0]) < -0.9 and float(torch.linalg.svdvals(out)[0]) > 0.9
+
+
+def test_fixed_points_solve_p_of_x_equals_x():
+    for name in ("keller", "you5", "quintic", "cubic"):
+        for coefficients in set(SCHEDULES[name].coefficients):
+            for x in muon_ref.fixed_points(coefficients):
+                assert muon_ref.step_polynomial(x, coefficients) == pytest.approx(x, abs=1e-12)
+    assert muon_ref.fixed_points((15 / 8, -10 / 8, 3 / 8)) == pytest.approx([1.0, (7 / 3) ** 0.5])
+
+
+def test_the_band_with_safety_is_the_band_over_the_prescaled_interval():
+    band = schedule_band("polar_express", 1e-3, safety=1.01)
+    assert band.per_step == schedule_band("polar_express", 1e-3 / 1.01, 1 / 1.01).per_step
+
+
+def test_headroom_exposes_schedules_without_room_above_one():
+    # polar_express_paper and cans are fitted up to exactly 1: one bf16 rounding above it (2^-8) diverges
+    assert schedule_band("polar_express_paper", 1e-3, headroom=2.0**-8).max > 1e3
+    assert schedule_band("polar_express", 1e-3, headroom=2.0**-8).max < 1.1
+
+
+def test_normalised_singular_values_are_what_the_polynomials_act_on():
+    G = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x = muon_ref.normalised_singular_values(G, "polar_express", eps_mode="add")
+    s = torch.linalg.svdvals(G)
+    torch.testing.assert_close(x, s / (s.square().sum().sqrt() * 1.01 + 1e-7), rtol=0, atol=1e-15)
+    # and the kernel's output acts on them through the scalar map (float64, the shipped pipeline)
+    d = signed_singular_values(newton_schulz(G, "polar_express", eps_mode="add", dtype=torch.float64), G)
+    torch.testing.assert_close(d, scalar_map("polar_express", x), rtol=0, atol=1e-9)

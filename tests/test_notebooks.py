@@ -1,0 +1,103 @@
+"""The notebooks under notebooks/: each runs end to end, each .ipynb matches its py:percent source (the
+readable diff) and is stored without outputs, and they use only muon_ref's public API.
+
+Execution runs the stored .ipynb in a fresh kernel (nbclient, as nbmake does), from notebooks/, with
+MPLBACKEND=Agg; any failing cell, including the notebooks' own asserts on pinned facts, fails the test.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import muon_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = ("ns_schedules", "ns_numerics", "design_a_schedule")
+# Each notebook takes 10-30 s on an idle 2-core CPU (notebooks/README.md); the limits leave room for a
+# loaded machine without letting a hung kernel stall the suite.
+CELL_TIMEOUT_S = 240
+NOTEBOOK_TIMEOUT_S = 480
+
+
+def execute(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run notebooks/<name>.ipynb in a fresh kernel; raises CellExecutionError naming the failing cell."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client.execute()
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_ns_schedules_notebook_runs_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    execute("ns_schedules", monkeypatch)
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_ns_numerics_notebook_runs_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    execute("ns_numerics", monkeypatch)
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_design_a_schedule_notebook_runs_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    execute("design_a_schedule", monkeypatch)
+
+
+def cells(path: Path) -> list[tuple[str, str]]:
+    """(cell type, source) of every cell, as jupytext reads the file."""
+    return [(cell.cell_type, cell.source.strip()) for cell in jupytext.read(path).cells]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_has_the_same_cells_as_its_py_percent_source(name: str) -> None:
+    ipynb, py = cells(NOTEBOOK_DIR / f"{name}.ipynb"), cells(NOTEBOOK_DIR / f"{name}.py")
+    assert len(ipynb) == len(py), f"{name}: {len(ipynb)} cells in .ipynb, {len(py)} in .py; run `jupytext --sync`"
+    for index, (got, want) in enumerate(zip(ipynb, py)):
+        assert got == want, f"{name}: cell {index} differs between .ipynb and .py; run `jupytext --sync`"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_is_paired_with_py_percent(name: str) -> None:
+    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    assert nb.metadata["jupytext"]["formats"] == "ipynb,py:percent"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_is_stored_without_outputs(name: str) -> None:
+    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{name}: cell {index} has outputs"
+
+
+def muon_ref_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every `from muon_ref... import name` and (module, "") for `import muon_ref...`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "muon_ref":
+            found.extend((node.module, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, "") for alias in node.names if alias.name.split(".")[0] == "muon_ref")
+    return found
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebooks_import_only_muon_refs_public_api(name: str) -> None:
+    path = NOTEBOOK_DIR / f"{name}.py"
+    imports = muon_ref_imports(path)
+    assert imports, f"{name} does not import muon_ref"
+    for module, imported in imports:
+        assert not any(part.startswith("_") for part in module.split(".")), f"{name}: private module {module}"
+        assert not imported.startswith("_"), f"{name}: private name {module}.{imported}"
+        if module == "muon_ref" and imported:
+            assert imported in muon_ref.__all__, f"{name}: {imported} is not in muon_ref.__all__"
+    assert "muon_ref._" not in path.read_text(), f"{name} reaches into a private muon_ref module"
