@@ -1,0 +1,170 @@
+"""The only module that calls collectives. Each call is recorded: bytes sent and received by this rank, per
+collective and per path, counted as a direct (one message per peer) implementation would move them, so the
+counts are the algorithm's traffic, not the backend's (a ring all-gather moves the same total).
+
+Two implementations with one interface: TorchComm over torch.distributed (gloo, NCCL) and ThreadComm, ranks
+as threads of one process, for fast property tests of the planner and the paths.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group: its global ranks in group order, and the backend's handle (None for threads)."""
+
+    ranks: tuple[int, ...]
+    handle: Any = field(default=None, compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Comm:
+    """Ledger and accounting shared by both implementations; subclasses implement the _collectives."""
+
+    rank: int
+    world_size: int
+    device: torch.device = torch.device("cpu")  # where the step's small control tensors (digests, flags) live
+
+    def __init__(self) -> None:
+        self.ledger: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # path -> [sent, received] bytes
+        self.calls: list[tuple[str, str, int, int]] = []  # (path, collective, sent, received)
+
+    def _record(self, path: str, op: str, sent: int, received: int) -> None:
+        self.ledger[path][0] += sent
+        self.ledger[path][1] += received
+        self.calls.append((path, op, sent, received))
+
+    def reset(self) -> None:
+        self.ledger.clear()
+        self.calls.clear()
+
+    def all_to_all(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group, path: str) -> Tensor:
+        """all_to_all_single: x is cut by in_splits (one piece per member); piece j of the result came from member j."""
+        me = group.ranks.index(self.rank)
+        size = x.element_size()
+        self._record(path, "all_to_all", size * (sum(in_splits) - in_splits[me]), size * (sum(out_splits) - out_splits[me]))
+        return self._all_to_all(x, list(out_splits), list(in_splits), group)
+
+    def all_gather(self, x: Tensor, group: Group, path: str) -> Tensor:
+        """Equal-size all-gather: result[j * n:(j + 1) * n] is member j's x (n = x.numel())."""
+        moved = (group.size - 1) * x.numel() * x.element_size()
+        self._record(path, "all_gather", moved, moved)
+        return self._all_gather(x.reshape(-1), group)
+
+    def reduce_scatter_sum(self, x: Tensor, group: Group, path: str) -> Tensor:
+        """Chunk j (of group.size equal chunks) of the elementwise sum over members, returned to member j."""
+        assert x.numel() % group.size == 0, (x.numel(), group.size)
+        moved = (group.size - 1) * (x.numel() // group.size) * x.element_size()
+        self._record(path, "reduce_scatter", moved, moved)
+        return self._reduce_scatter_sum(x.reshape(-1), group)
+
+    def check_agreement(self, digest: bytes, what: str) -> list[bytes]:
+        """All-gather a 32-byte digest over the world; every rank gets every rank's digest (never a hang)."""
+        assert len(digest) == 32
+        world = self.group(tuple(range(self.world_size)), None, 0)
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(self.device)
+        gathered = self.all_gather(mine, world, what).cpu()
+        return [bytes(gathered[32 * r: 32 * (r + 1)].tolist()) for r in range(self.world_size)]
+
+    def group(self, ranks: tuple[int, ...], mesh: Any, axis: int) -> Group:
+        """The group of `ranks`: axis `axis` of DeviceMesh `mesh`, or the default group when mesh is None."""
+        return Group(ranks, self._handle(mesh, axis))
+
+    def _handle(self, mesh: Any, axis: int) -> Any:
+        return None
+
+
+class TorchComm(Comm):
+    """Collectives of torch.distributed on the default process group and on DeviceMesh sub-groups."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _handle(self, mesh: Any, axis: int) -> Any:
+        return self.dist.group.WORLD if mesh is None else mesh.get_group(axis)
+
+    def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
+        out = x.new_empty(sum(out_splits))
+        self.dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.handle)
+        return out
+
+    def _all_gather(self, x: Tensor, group: Group) -> Tensor:
+        out = x.new_empty(group.size * x.numel())
+        self.dist.all_gather_single(out, x.contiguous(), group=group.handle)
+        return out
+
+    def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
+        out = x.new_empty(x.numel() // group.size)
+        self.dist.reduce_scatter_single(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
+        return out
+
+
+class ThreadWorld:
+    """Mailboxes shared by the threads of one in-process world: member j's contribution to call k of a group."""
+
+    def __init__(self, world_size: int, timeout_s: float = 30.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.cv = threading.Condition()
+        self.slots: dict[tuple, dict[int, Any]] = {}
+        self.reads: dict[tuple, int] = defaultdict(int)
+
+    def exchange(self, key: tuple, ranks: tuple[int, ...], rank: int, value: Any) -> list[Any]:
+        with self.cv:
+            self.slots.setdefault(key, {})[rank] = value
+            self.cv.notify_all()
+            if not self.cv.wait_for(lambda: len(self.slots[key]) == len(ranks), timeout=self.timeout_s):
+                raise TimeoutError(f"rank {rank}: collective {key} timed out; arrived {sorted(self.slots[key])}")
+            values = [self.slots[key][r] for r in ranks]
+            self.reads[key] += 1
+            if self.reads[key] == len(ranks):
+                del self.slots[key], self.reads[key]
+        return values
+
+
+class ThreadComm(Comm):
+    """Rank `rank` of a ThreadWorld; collectives match in call order per group (as on a real backend)."""
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        super().__init__()
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.sequence: dict[tuple[int, ...], int] = defaultdict(int)
+
+    def _exchange(self, x: Any, group: Group) -> list[Any]:
+        self.sequence[group.ranks] += 1
+        return self.world.exchange((group.ranks, self.sequence[group.ranks]), group.ranks, self.rank, x)
+
+    def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
+        pieces = self._exchange(list(x.split(in_splits)), group)
+        me = group.ranks.index(self.rank)
+        return torch.cat([p[me] for p in pieces]) if pieces else x.new_empty(0)
+
+    def _all_gather(self, x: Tensor, group: Group) -> Tensor:
+        return torch.cat(self._exchange(x.clone(), group))
+
+    def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
+        parts = self._exchange(x.clone(), group)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.chunk(group.size)[group.ranks.index(self.rank)].clone()

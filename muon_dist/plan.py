@@ -1,0 +1,152 @@
+"""plan(): a pure function of every parameter's layout -> a frozen Plan, identical on every rank.
+
+Params with the same layout, the same param group and the same kernel output dtype form a run; a run on a
+sharded layout is cut, in param-group order, into batches of W (the shard group's size) that take the
+all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the padded
+all-to-all). Replicated runs are cut into batches of at most W. Member k of the group orthogonalises param
+k of its batch. The digest of the plan is compared across ranks before the first data collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from .layout import ParamLayout
+
+PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated")
+RemainderPath = Literal["agrs", "padded_all_to_all"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """remainder: the path of a remainder batch. force_path: every sharded batch takes this path, full or not
+    (so only the paths that take any batch size: "agrs" or "padded_all_to_all")."""
+
+    remainder: RemainderPath = "agrs"
+    force_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.remainder not in ("agrs", "padded_all_to_all"):
+            raise ValueError(f"remainder must be 'agrs' or 'padded_all_to_all', got {self.remainder!r}")
+        if self.force_path not in (None, "agrs", "padded_all_to_all"):
+            raise ValueError(f"force_path must be None, 'agrs' or 'padded_all_to_all' (all_to_all takes only full "
+                             f"batches: it is the default for them), got {self.force_path!r}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter as the plan sees it: its layout, param group, kernel output dtype, and whether it steps."""
+
+    layout: ParamLayout
+    group_index: int
+    update_dtype: str
+    active: bool
+
+    def key(self) -> tuple:
+        return (self.layout.signature()[1:], self.group_index, self.update_dtype)
+
+    def canonical(self) -> tuple:
+        return (self.layout.signature(), self.group_index, self.update_dtype, self.active)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Invariants: 1 <= len(params) <= group_size; num_padding == group_size - len(params) on the padded path,
+    0 elsewhere; all_to_all batches are full (len(params) == group_size)."""
+
+    path: str
+    params: tuple[int, ...]
+    group_size: int
+    num_padding: int
+
+    def __post_init__(self) -> None:
+        assert self.path in PATHS and 1 <= len(self.params) <= self.group_size, self
+        assert self.path != "all_to_all" or len(self.params) == self.group_size, self
+        want = self.group_size - len(self.params) if self.path == "padded_all_to_all" else 0
+        assert self.num_padding == want, self
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Invariants: every active param is in exactly one batch; inactive params are in none."""
+
+    entries: tuple[Entry, ...]
+    options: Options
+    batches: tuple[Batch, ...]
+
+    def __post_init__(self) -> None:
+        planned = sorted(i for b in self.batches for i in b.params)
+        assert planned == [i for i, e in enumerate(self.entries) if e.active], planned
+
+    def path_of(self) -> tuple[str | None, ...]:
+        """Per param, in param-group order: the path it takes (None when it does not step)."""
+        paths: list[str | None] = [None] * len(self.entries)
+        for batch in self.batches:
+            for i in batch.params:
+                paths[i] = batch.path
+        return tuple(paths)
+
+    def digest(self) -> bytes:
+        """sha256 of the rank-independent content (never this rank's shard box)."""
+        canon = (tuple(e.canonical() for e in self.entries), self.options, self.batches)
+        return hashlib.sha256(repr(canon).encode()).digest()
+
+
+def _batch_path(layout: ParamLayout, num_params: int, group_size: int, options: Options) -> str:
+    if layout.shard_dim is None:
+        return "replicated"
+    if options.force_path is not None:
+        return options.force_path
+    return "all_to_all" if num_params == group_size else options.remainder
+
+
+def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
+    """The plan of one step: runs of same-key active params in order, cut into batches of the group size."""
+    runs: dict[tuple, list[int]] = {}
+    for i, entry in enumerate(entries):
+        if entry.active:
+            runs.setdefault(entry.key(), []).append(i)
+    batches = []
+    for members in runs.values():
+        layout = entries[members[0]].layout
+        size = len(layout.group_ranks())
+        for start in range(0, len(members), size):
+            chunk = tuple(members[start:start + size])
+            path = _batch_path(layout, len(chunk), size, options)
+            padding = size - len(chunk) if path == "padded_all_to_all" else 0
+            batches.append(Batch(path, chunk, size, padding))
+    return Plan(tuple(entries), options, tuple(batches))
+
+
+def expected_bytes(plan: Plan, itemsizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """This rank's bytes (sent, received) by path, from the formulas of each path's docstring."""
+    totals: dict[str, list[int]] = {}
+    for batch in plan.batches:
+        entry = plan.entries[batch.params[0]]
+        layout, W = entry.layout, batch.group_size
+        sizes = [math.prod(layout.box(j)[1]) for j in range(W)]
+        grad_b, upd_b = itemsizes[layout.dtype], itemsizes[entry.update_dtype]
+        member = layout.group_ranks().index(layout.rank)
+        sent, received = _path_bytes(batch, sizes, member, grad_b, upd_b, math.prod(layout.global_shape))
+        acc = totals.setdefault(batch.path, [0, 0])
+        acc[0] += sent
+        acc[1] += received
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def _path_bytes(batch: Batch, sizes: list[int], me: int, grad_b: int, upd_b: int, numel: int) -> tuple[int, int]:
+    """all_to_all / padded: my shard of each other owner's matrix out, the others' shards of mine in, and back.
+    agrs: all-gather of R shards padded to max(sizes), reduce-scatter of the same. replicated: all-gather."""
+    W, R = batch.group_size, len(batch.params)
+    if batch.path in ("all_to_all", "padded_all_to_all"):
+        mine_out = (W - 1) * sizes[me]
+        others_in = sum(sizes) - sizes[me]
+        return mine_out * grad_b + others_in * upd_b, others_in * grad_b + mine_out * upd_b
+    if batch.path == "agrs":
+        moved = (W - 1) * R * max(sizes)
+        return moved * (grad_b + upd_b), moved * (grad_b + upd_b)
+    moved = (W - 1) * numel * upd_b
+    return moved, moved

@@ -1,0 +1,90 @@
+"""Parent-side checks shared by the distributed tests: run a Case on a pool and assert bitwise equality,
+the paths taken, and the byte counts."""
+
+from __future__ import annotations
+
+from .conftest import get_pool, record_paths
+import torch
+
+from .workers import Case, box_on_rank, distributed_steps, reference_steps
+
+
+def group_size(case: Case, world_size: int) -> int:
+    return world_size // 2 if case.mesh == "hsdp" else world_size
+
+
+def expected_paths(case: Case, world_size: int) -> list[str]:
+    """The planner's rule, restated: same-layout params in order, batches of W; a full batch of a sharded
+    layout takes all_to_all, a remainder the remainder path; plain and Replicate params take replicated."""
+    opts, W = dict(case.options), group_size(case, world_size)
+    runs: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
+        runs.setdefault(key, []).append(i)
+    paths = [""] * len(case.shapes)
+    for (_, placement, _), members in runs.items():
+        for start in range(0, len(members), W):
+            chunk = members[start:start + W]
+            if placement in ("plain", "R"):
+                path = "replicated"
+            else:
+                path = opts.get("force_path") or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs"))
+            for i in chunk:
+                paths[i] = path
+    return paths
+
+
+def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
+    """Run on every rank; assert params and buffers equal muon_ref bitwise, paths and bytes as planned."""
+    results = run_unchecked(world_size, case, timeout)
+    want_paths = expected_paths(case, world_size)
+    for rank, r in enumerate(results):
+        assert not r["differing"], f"rank {rank}: params differ from muon_ref: {r['differing']} ({case})"
+        assert r["buffers_equal"], f"rank {rank}: momentum buffers differ from muon_ref ({case})"
+        assert [p for _, p in r["paths"]] == want_paths, (rank, r["paths"], want_paths)
+        moved = {k: v for k, v in r["bytes"].items() if k not in ("plan_digest", "nonfinite_check")}
+        assert moved == r["expected"], (rank, moved, r["expected"])
+    return results
+
+
+def run_unchecked(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
+    """The ranks' results, each with `differing` ({param index: number of elements unlike muon_ref's}) and
+    `buffers_equal`; the reference runs in the parent while the ranks work."""
+    pool = get_pool(world_size)
+    pool.submit(distributed_steps, case)
+    try:
+        ref_params, ref_bufs = reference_steps(case)
+    except BaseException:
+        pool.kill()  # its answers to this call would be read by the next one
+        raise
+    results = pool.collect(timeout)
+    record_paths(results)
+    for rank, r in enumerate(results):
+        boxes = [box_on_rank(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_params, case.placements)]
+        r["differing"] = {i: int((bits(got) != bits(want)).sum()) for i, (got, want) in enumerate(zip(r["params"], boxes))
+                          if not same_bits(got, want)}
+        bufs = [box_on_rank(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_bufs, case.placements)]
+        r["buffers_equal"] = all(same_bits(a, b) for a, b in zip(r["buffers"], bufs))
+    return results
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of t (torch.equal says -0.0 == +0.0; bits do not)."""
+    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def examples(fraction: float) -> int:
+    """An example count relative to the active Hypothesis profile (tests/conftest.py), at least 1."""
+    from hypothesis import settings
+
+    return max(1, int(settings().max_examples * fraction))
+
+
+def timeout_for(seconds: float) -> float:
+    """A Hypothesis test's timeout: `seconds` under the ci profile (40 examples), scaled with the active count."""
+    from hypothesis import settings
+
+    return seconds * max(1.0, settings().max_examples / 40)

@@ -1,0 +1,109 @@
+"""A pool of gloo ranks kept alive across Hypothesis examples (facts: /work/shared/reference/testing_distributed.md).
+
+Workers are forked once per world size; each sets torch.set_num_threads(1) first, joins a gloo group through
+a file:// rendezvous in a fresh temporary directory (runs never collide), then serves calls: a module-level
+function and picklable args, run on every rank. A call that raises on any rank or outlives its timeout
+kills the pool (the next call starts a fresh one) and raises RankFailure in the parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or hung; `messages` holds each failing rank's traceback."""
+
+    def __init__(self, messages: dict[int, str]) -> None:
+        self.messages = messages
+        super().__init__("\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(messages.items())))
+
+
+def _serve(rank: int, world_size: int, init_file: str, conn: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+
+    def start(self) -> None:
+        ctx = mp.get_context("fork")
+        self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
+        init_file = os.path.join(self.tmpdir, "rendezvous")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, self.world_size, init_file, child), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        """fn(*args) on every rank; the per-rank results, or RankFailure (and a killed pool)."""
+        self.submit(fn, *args)
+        return self.collect(timeout)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if not self.procs:
+            self.start()
+        for conn in self.conns:
+            conn.send((fn, args))
+
+    def collect(self, timeout: float = 60.0) -> list[Any]:
+        deadline, results, errors = time.monotonic() + timeout, {}, {}
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                errors[rank] = f"no answer within {timeout} s (hung or dead)"
+                continue
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                status, value = "error", "the rank died (its pipe closed)"
+            (results if status == "ok" else errors)[rank] = value
+            if errors:  # the others may be stuck in a collective with the failed rank: a short grace only
+                deadline = min(deadline, time.monotonic() + 3.0)
+        if errors:
+            self.kill()
+            raise RankFailure(errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        if self.procs:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.procs, self.conns = [], []
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(timeout=5)
+        self.kill()

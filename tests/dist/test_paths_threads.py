@@ -1,0 +1,125 @@
+"""Each path, alone, on the in-process ThreadComm: its reference equation holds bitwise, its ledger matches
+the plan's byte formulas and collectives, and AGRS keeps signed zeros (on threads and on gloo)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import muon_ref
+from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
+from muon_dist.paths import RUNNERS, agrs
+
+from .checks import bits, examples, timeout_for
+
+NS = functools.partial(muon_ref.newton_schulz, **muon_ref.MuonConfig().ns_kwargs())
+
+
+def layout_on(rank: int, W: int, shape: tuple[int, int], placement: str, dtype: torch.dtype) -> ParamLayout:
+    base = ParamLayout("p", shape, str(dtype), tuple(range(W)), None, (placement,), None, False, rank, (), ())
+    offset, local = base.box(rank) if placement != "R" else ((0, 0), shape)
+    return ParamLayout(*base.signature(), rank, local, offset)
+
+
+def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, kernel, out_dtype) -> list[dict]:
+    """Every rank's run of `path` on its boxes of `fulls`: {"updates", "ledger", "expected"}, or raises."""
+    world, results, errors = ThreadWorld(W, timeout_s=20), [None] * W, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            comm, layout = ThreadComm(world, rank), layout_on(rank, W, tuple(fulls[0].shape), placement, fulls[0].dtype)
+            dim = layout.shard_dim
+            local = [f if dim is None else f.narrow(dim, layout.global_offset[dim], layout.local_shape[dim]) for f in fulls]
+            ups = RUNNERS[path](comm, Group(tuple(range(W))), [x.contiguous() for x in local], layout, kernel, out_dtype)
+            force = None if path in ("replicated", "all_to_all") else path
+            entries = tuple(Entry(layout, 0, str(out_dtype), True) for _ in fulls)
+            want = expected_bytes(plan(entries, Options(force_path=force)), {"torch.float32": 4, "torch.bfloat16": 2})
+            results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": want, "layout": layout,
+                             "calls": [c[1] for c in comm.calls]}
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def assert_equation(results: list[dict], fulls: list[torch.Tensor], kernel, out_dtype) -> None:
+    """run(batch)[k] == box_r(kernel(full(batch[k]))) on every rank r, bit for bit; bytes as planned."""
+    wants = [kernel(f).to(out_dtype) for f in fulls]
+    for r in results:
+        lay = r["layout"]
+        assert len(r["updates"]) == len(fulls), (len(r["updates"]), len(fulls))
+        for got, want in zip(r["updates"], wants):
+            d = lay.shard_dim
+            box = want if d is None else want.narrow(d, lay.global_offset[d], lay.local_shape[d])
+            assert torch.equal(bits(got), bits(box)), (lay, got, box)
+        assert {k: tuple(v) for k, v in r["ledger"].items()} == r["expected"]
+        path = next(iter(r["ledger"]))
+        assert r["calls"] == COLLECTIVES[path], (path, r["calls"])
+
+
+COLLECTIVES = {"all_to_all": ["all_to_all"] * 2, "padded_all_to_all": ["all_to_all"] * 2,
+               "agrs": ["all_gather", "reduce_scatter"], "replicated": ["all_gather"]}
+
+
+@st.composite
+def batches(draw) -> tuple:
+    W = draw(st.integers(1, 8))
+    path = draw(st.sampled_from(sorted(RUNNERS)))
+    count = W if path == "all_to_all" else draw(st.integers(1, W))
+    shape = (draw(st.integers(1, 2 * W + 2)), draw(st.integers(1, 2 * W + 2)))
+    placement = "R" if path == "replicated" else draw(st.sampled_from(["S0", "S1"]))
+    return W, path, count, shape, placement, draw(st.sampled_from([torch.float32, torch.bfloat16])), draw(st.integers(0, 999))
+
+
+@pytest.mark.timeout(timeout_for(120))
+@example(drawn=(4, "all_to_all", 4, (5, 3), "S0", torch.float32, 0))  # rank 3 holds an empty shard
+@example(drawn=(8, "agrs", 3, (1, 9), "S0", torch.bfloat16, 0))  # one row on 8 ranks: 7 empty boxes
+@settings(max_examples=examples(2.0))
+@given(drawn=batches())
+def test_each_path_returns_this_ranks_box_of_the_kernel_on_the_whole_matrix(drawn: tuple) -> None:
+    W, path, count, shape, placement, dtype, seed = drawn
+    gen = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
+    results = run_threads(W, path, fulls, placement, NS, torch.bfloat16)
+    assert_equation(results, fulls, NS, torch.bfloat16)
+
+
+def _negative_zeros(x: torch.Tensor) -> torch.Tensor:
+    """A kernel whose output holds -0.0 (where x > 0) and +0.0 (where x <= 0)."""
+    return torch.where(x > 0, torch.full_like(x, -0.0), torch.zeros_like(x))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("W, count", [(2, 1), (4, 3), (5, 5)])
+def test_agrs_keeps_the_sign_of_zero_bitwise(W: int, count: int) -> None:
+    fulls = [torch.randn(7, 3, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    assert_equation(run_threads(W, "agrs", fulls, "S0", _negative_zeros, torch.float32), fulls, _negative_zeros, torch.float32)
+
+
+@pytest.mark.timeout(60)
+def test_agrs_with_plus_zero_padding_loses_negative_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agrs, "ADDITIVE_IDENTITY", 0.0)
+    fulls = [torch.randn(7, 3, generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(AssertionError):
+        assert_equation(run_threads(2, "agrs", fulls, "S0", _negative_zeros, torch.float32), fulls, _negative_zeros, torch.float32)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gloo_reduce_scatter_keeps_the_sign_of_zero_in_agrs(dtype: str) -> None:
+    from .conftest import get_pool
+    from .workers import agrs_on_gloo
+
+    assert get_pool(3).run(agrs_on_gloo, dtype, timeout=30) == [True] * 3

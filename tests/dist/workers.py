@@ -1,0 +1,306 @@
+"""Functions the rank pool runs on every rank (module-level, picklable arguments, small picklable results)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import muon_ref
+from muon_dist import DistributedMuon, expected_bytes
+
+_MESHES: dict[tuple, object] = {}
+ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One distributed-vs-reference experiment. placements per param: "S0", "S1", "R" (DTensor) or "plain"."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[str, ...]
+    dtype: str = "float32"
+    preset: str = "torch"
+    steps: int = 3
+    seed: int = 0
+    mesh: str = "1d"  # or "hsdp": (replicate=2, shard=W/2)
+    options: tuple[tuple[str, object], ...] = ()
+    overrides: tuple[tuple[str, object], ...] = ()
+    sabotage: str | None = None
+    groups: tuple[int, ...] = field(default=())  # param group of each param (default: all in group 0)
+    no_grad: tuple[int, ...] = ()  # params whose grad is None on every rank in step 1
+
+
+def mesh_for(kind: str):
+    world = dist.get_world_size()
+    if kind not in _MESHES:
+        if kind == "1d":
+            _MESHES[kind] = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        else:
+            _MESHES[kind] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return _MESHES[kind]
+
+
+def local_box(full: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
+    """torch.chunk's chunk `index` (empty past the last chunk): DTensor's Shard semantics, stated independently."""
+    chunks = full.chunk(parts, dim)
+    return chunks[index].clone() if index < len(chunks) else full.narrow(dim, full.size(dim), 0).clone()
+
+
+def to_dist(full: torch.Tensor, placement: str, mesh_kind: str) -> torch.Tensor:
+    if placement == "plain":
+        return full.clone()
+    mesh = mesh_for(mesh_kind)
+    if placement == "R":
+        return DTensor.from_local(full.clone(), mesh, [Replicate()], shape=full.shape, stride=full.stride())
+    dim = int(placement[1:])
+    axis = mesh.ndim - 1
+    index, parts = mesh.get_local_rank(axis), mesh.size(axis)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
+    return DTensor.from_local(local_box(full, dim, index, parts), mesh, placements, shape=full.shape, stride=full.stride())
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _groups(case: Case, params: list) -> list[dict]:
+    indices = case.groups or (0,) * len(params)
+    out: list[dict] = []
+    for g in sorted(set(indices)):
+        out.append({"params": [p for p, i in zip(params, indices) if i == g], "param_names": [f"p{k}" for k, i in enumerate(indices) if i == g]})
+    return out
+
+
+def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
+    """Negative controls: break the distributed step the way the field has (the equality check must notice)."""
+    if how == "ns_on_padded":  # Dion's bug: rows padded to a multiple of W inside NS (flips the transpose choice)
+        W, cfg = dist.get_world_size(), muon_ref.optim.group_config(opt.param_groups[0])
+
+        def padded(item):
+            def run(full):
+                rows = math.ceil(full.shape[0] / W) * W
+                pad = full.new_zeros(rows - full.shape[0], *full.shape[1:])
+                return muon_ref.newton_schulz(torch.cat([full, pad]), **cfg.ns_kwargs())[: full.shape[0]]
+            return run
+        opt.kernel = padded
+    elif how == "drop_remainder":  # a remainder batch that is never orthogonalised
+        from muon_dist import paths
+
+        real = dict(paths.RUNNERS)
+
+        def dropped(comm, group, directions, layout, kernel, update_dtype):
+            return [torch.zeros_like(d, dtype=update_dtype) for d in directions]
+        paths.RUNNERS["agrs"] = dropped
+        opt._restore = lambda: paths.RUNNERS.update(real)
+    elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
+        import muon_dist.optim as optim_module
+
+        real_stage = optim_module.run_stage
+        optim_module.run_stage = lambda stage, inputs, layout: stage(*inputs)
+        opt._restore = lambda: setattr(optim_module, "run_stage", real_stage)
+
+
+def grads_of(case: Case, step: int) -> list[torch.Tensor]:
+    """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
+    dtype = getattr(torch, case.dtype)
+    return [_tensor(shape, case.seed * 104729 + 1000 * step + i + 1, dtype) for i, shape in enumerate(case.shapes)]
+
+
+def initial_params(case: Case) -> list[torch.Tensor]:
+    return [_tensor(s, case.seed * 7919 + i, getattr(torch, case.dtype)) for i, s in enumerate(case.shapes)]
+
+
+def distributed_steps(case: Case) -> dict:
+    """case.steps steps of DistributedMuon; this rank's params, buffers, last report and planned bytes."""
+    params = [to_dist(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
+    opt = DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides))
+    _sabotaged(opt, case.sabotage)
+    try:
+        for step in range(case.steps):
+            for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
+                p.grad = None if step == 1 and i in case.no_grad else to_dist(grad, pl, case.mesh)
+            opt.step()
+    finally:
+        getattr(opt, "_restore", lambda: None)()
+    return {
+        "params": [local_of(p).clone() for p in params],
+        "buffers": [local_of(opt.state[p]["momentum_buffer"]).clone() for p in params],
+        "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
+        "expected": expected_bytes(opt.last_plan, ITEMSIZES),
+    }
+
+
+def reference_steps(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same steps with muon_ref.Muon on the full tensors: (params, momentum buffers)."""
+    params = initial_params(case)
+    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides))
+    for step in range(case.steps):
+        for i, (p, grad) in enumerate(zip(params, grads_of(case, step))):
+            p.grad = None if step == 1 and i in case.no_grad else grad
+        ref.step()
+    return params, [ref.state[p]["momentum_buffer"] for p in params]
+
+
+def box_on_rank(full: torch.Tensor, placement: str, mesh_kind: str, rank: int, world_size: int) -> torch.Tensor:
+    """What `rank` holds of `full` (computed in the parent, without a mesh)."""
+    if placement in ("plain", "R"):
+        return full
+    parts = world_size // 2 if mesh_kind == "hsdp" else world_size
+    return local_box(full, int(placement[1:]), rank % parts, parts)
+
+
+def bad_step(kind: str) -> str:
+    """One step with a caller's mistake on some ranks; the error this rank raised ("no error" otherwise)."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    try:
+        params, grads = _bad_setup(kind, rank, W)
+        opt = DistributedMuon(params, preset="torch", nonfinite="skip" if kind == "nonfinite_skip" else "raise")
+        before = [local_of(p).clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        if kind == "nonfinite_skip":
+            return "unchanged" if all(torch.equal(local_of(p), b) for p, b in zip(params, before)) else "changed"
+        return "no error"
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def _bad_setup(kind: str, rank: int, W: int) -> tuple[list, list]:
+    full = torch.ones(6, 4)
+    if kind == "shape_differs":  # a plain tensor of another shape on rank 0
+        p = torch.ones(4, 6) if rank == 0 else full.clone()
+        return [p], [torch.ones_like(p)]
+    if kind == "grad_none_on_one_rank":
+        ps = [to_dist(full, "S0", "1d"), to_dist(full, "S0", "1d")]
+        return ps, [to_dist(full, "S0", "1d"), None if rank == W - 1 else to_dist(full, "S0", "1d")]
+    if kind == "mesh_mixed":  # a DTensor on rank 0, a plain tensor elsewhere
+        p = to_dist(full, "S0" if rank == 0 else "plain", "1d")
+        return [p], [to_dist(full, "S0" if rank == 0 else "plain", "1d")]
+    if kind == "grad_placement_differs_on_one_rank":
+        p = to_dist(full, "S0", "1d")
+        return [p], [to_dist(full, "R" if rank == 0 else "S0", "1d")]
+    if kind in ("nonfinite_on_one_shard", "nonfinite_skip"):
+        g = full.clone()
+        g[-1, -1] = float("nan")  # only the last non-empty shard holds it
+        return [to_dist(full, "S0", "1d")], [to_dist(g, "S0", "1d")]
+    if kind == "two_shard_axes":
+        mesh = mesh_for("hsdp")
+        p = DTensor.from_local(full[:3, :2].clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
+        return [p], [p.detach().clone()]
+    raise AssertionError(kind)
+
+
+def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
+    """fully_shard a small MLP on a 1-D CPU mesh and train it with DistributedMuon; beside it, on every rank,
+    muon_ref.Muon (a) on FSDP2's own averaged gradients, (b) single-process training whose gradient is the
+    mean of the ranks' gradients summed in rank order. Returns, per step, the elements that differ."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import copy
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(),
+                          nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False)).to(getattr(torch, dtype))
+    given, single = copy.deepcopy(model), copy.deepcopy(model)
+    mesh = mesh_for("1d")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DistributedMuon(model.parameters(), preset=preset)
+    opt_given, opt_single = muon_ref.Muon(given.parameters(), preset=preset), muon_ref.Muon(single.parameters(), preset=preset)
+    out = {"given_differs": [], "single_differs": [], "grad_differs": [], "paths": None}
+    for step in range(steps):
+        xs = [_tensor((5, 12), 1000 * step + r, getattr(torch, dtype)) for r in range(W)]
+        model(xs[rank]).square().mean().backward()
+        fsdp_grads = [p.grad.full_tensor() for p in model.parameters()]
+        mean = _mean_grads(single, xs)
+        for p, g in zip(given.parameters(), fsdp_grads):
+            p.grad = g.clone()
+        for p, g in zip(single.parameters(), mean):
+            p.grad = g
+        out["grad_differs"].append(sum(int((a != b).sum()) for a, b in zip(fsdp_grads, mean)))
+        for o in (opt, opt_given, opt_single):
+            o.step()
+            o.zero_grad()
+        out["given_differs"].append(_shard_differs(model, given, rank, W))
+        out["single_differs"].append(_shard_differs(model, single, rank, W))
+    out["paths"] = opt.last_report.paths
+    return out
+
+
+def _mean_grads(model, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    per_rank = []
+    for x in xs:
+        model.zero_grad()
+        model(x).square().mean().backward()
+        per_rank.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    total = per_rank[0]
+    for grads in per_rank[1:]:
+        total = [a + b for a, b in zip(total, grads)]
+    return [t / len(xs) for t in total]
+
+
+def _shard_differs(model, ref_model, rank: int, W: int) -> int:
+    return sum(int((local_of(p) != local_box(r.detach(), 0, rank, W)).sum())
+               for p, r in zip(model.parameters(), ref_model.parameters()))
+
+
+def layouts_of_distributed(shape: tuple[int, int], placement: str, mesh_kind: str) -> tuple:
+    """read_layout of a distribute_tensor'd param beside DTensor's own local shape and global offset."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from muon_dist import read_layout
+
+    mesh = mesh_for(mesh_kind)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(int(placement[1:]))]
+    p = torch.distributed.tensor.distribute_tensor(torch.zeros(shape), mesh, placements)
+    layout = read_layout(p, "w", None, False, dist.get_rank(), dist.get_world_size())
+    want = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+    return (layout.local_shape, layout.global_offset), (tuple(want[0]), tuple(want[1])), tuple(p.to_local().shape)
+
+
+def fail_on(rank_to_fail: int, how: str) -> int:
+    """Raise or hang on one rank (to test the pool); the rank number elsewhere."""
+    import time
+
+    if dist.get_rank() == rank_to_fail:
+        if how == "raise":
+            raise RuntimeError("deliberate failure")
+        time.sleep(30)
+    return dist.get_rank()
+
+
+def agrs_on_gloo(dtype: str) -> bool:
+    """AGRS on gloo with a kernel whose output holds -0.0 and +0.0: does every bit survive the reduce-scatter?"""
+    from muon_dist import Group, ParamLayout, TorchComm
+    from muon_dist.paths import agrs
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    full = _tensor((7, 3), 0, getattr(torch, dtype))
+    base = ParamLayout("p", (7, 3), str(full.dtype), tuple(range(W)), None, ("S0",), None, False, rank, (), ())
+    offset, local = base.box(rank)
+    layout = ParamLayout(*base.signature(), rank, local, offset)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.full_like(x, -0.0), torch.zeros_like(x))
+    comm = TorchComm()
+    (got,) = agrs.run(comm, Group(tuple(range(W)), dist.group.WORLD), [full.narrow(0, offset[0], local[0]).clone()],
+                      layout, kernel, full.dtype)
+    want = kernel(full).narrow(0, offset[0], local[0])
+    view = torch.int32 if full.element_size() == 4 else torch.int16
+    return torch.equal(got.view(view), want.view(view))
