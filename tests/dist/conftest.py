@@ -7,7 +7,7 @@ from pathlib import Path
 
 from muon_dist.plan import PATHS
 
-from .pool import RankPool
+from muon_dist.launch import RankPool
 
 EXERCISED: set[str] = set()
 _POOLS: dict[int, RankPool] = {}
