@@ -107,7 +107,7 @@ def test_the_index_check_rejects_a_lemma_without_a_test_or_with_a_missing_one():
         "X3: no anchor newton_schulz.md#no-such-lemma"]
 
 
-@pytest.mark.parametrize("file", ["newton_schulz.md", "momentum.md", "lr_scale.md"])
+@pytest.mark.parametrize("file", ["newton_schulz.md", "momentum.md", "lr_scale.md", "sharding.md", "paths.md"])
 def test_every_anchored_section_has_a_checked_by_line_naming_existing_tests(file):
     sections = re.split(r'(?=<a id=")', (PROOFS / file).read_text())[1:]
     assert sections
