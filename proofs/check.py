@@ -22,6 +22,7 @@ from muon_ref import LR_SCALE_ALIASES, SCHEDULES, Band, Schedule, lr_scale, sche
 from muon_ref.polar import critical_points, step_polynomial
 
 from .band import BandEnclosure, certified_band
+from .plan_check import BROKEN_CASE, check_case, check_plans, dropping_remainder_planner
 
 NamedCheck = tuple[str, Callable[[], list[str]]]
 
@@ -261,6 +262,13 @@ def check_sqrt_vs_pow() -> list[str]:
     return [f"145/9: math.sqrt {by_sqrt!r}, ** 0.5 {by_pow!r}: not (correctly rounded, one ulp off)"]
 
 
+def check_broken_planner() -> list[str]:
+    """A planner that drops the remainder batch must fail the plan checker (or the checker proves nothing)."""
+    failures = check_case(BROKEN_CASE, dropping_remainder_planner)
+    print(f"  a planner that drops the remainder: {len(failures)} invariant failures reported")
+    return [] if failures else ["the plan checker accepted a planner that drops the remainder batch"]
+
+
 CHECKS: list[NamedCheck] = [
     ("schedule certificates: exact band enclosures contain schedule_band", check_schedule_certificates),
     ("catalogue figures agree with the exact bands", check_catalogue_figures),
@@ -268,6 +276,8 @@ CHECKS: list[NamedCheck] = [
     ("momentum: EMA = (1 - mu) * sum for constant mu, exactly", check_momentum_identity),
     ("lr scale: proofs/lr_scale.md's table is muon_ref's", check_lr_scale_table),
     ("lr scale: math.sqrt vs ** 0.5, exactly", check_sqrt_vs_pow),
+    ("plan checker: muon_dist's planner and paths route every element (proofs/plan_check.py)", check_plans),
+    ("negative control: a broken planner is rejected by the plan checker", check_broken_planner),
 ]
 
 
