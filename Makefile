@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 verify: $(STAMP)
 	$(PY) -m muon_ref.conformance
+	$(PY) -m muon_dist.verify
 
 test: $(STAMP)
 	$(PY) -m pytest -q

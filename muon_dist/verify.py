@@ -1,0 +1,332 @@
+"""The main job: DistributedMuon checked against muon_ref on a model-like parameter set, path by path.
+
+    python -m muon_dist.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
+    torchrun --nproc-per-node N -m muon_dist.verify --backend nccl      (on GPUs; gloo works too)
+
+For each world size, gloo ranks (muon_dist.launch.RankPool) train the Muon matrices of a scaled-down
+transformer with dense and MoE layers (muon_dist.shapes.tiny_moe: attention, MLP, experts; its embeddings and
+norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
+(fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
+mode and forcing each remainder path. The parent runs muon_ref.Muon on the full tensors with the same
+gradients and compares every rank's shard with its box of the reference, bit pattern for bit pattern.
+
+Contract checked: every path is bitwise (proofs/paths.md); a run that is not, or that crashes or hangs, is a
+violation and the exit code is 1. Bytes: this rank's sent bytes per step against the lower bound per rank,
+    sharded params:  sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W
+    replicated:      sum over matrices of (W - 1) / W * S * b_update     (each rank must receive the others')
+where W is the shard group's size (W / 2 on the hsdp mesh), p the number of its ranks that hold a piece of
+the matrix (a matrix held whole by one rank needs no traffic: p = 1), S a matrix's element count and b the
+bytes of an element (proofs/paths.md#a2a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+
+import muon_ref
+from muon_ref.presets import PRESETS
+
+from .shapes import ParamSpec, tiny_moe
+
+@dataclass(frozen=True)
+class Run:
+    """One distributed training run: world size, mesh kind, preset, mode (DistributedMuon options), dtype."""
+
+    world_size: int
+    mesh: str  # "fsdp" | "hsdp" | "ddp"
+    preset: str
+    mode: str  # "auto" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
+    dtype: str = "float32"
+    steps: int = 3
+    seed: int = 0
+
+    def options(self) -> dict:
+        if self.mode == "auto":
+            return {}
+        key, value = self.mode.split("=")
+        return {"remainder" if key == "remainder" else "force_path": value}
+
+
+def muon_specs() -> list[ParamSpec]:
+    return [s for s in tiny_moe() if s.is_muon]
+
+
+def full_tensor(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+
+
+def initial(run: Run) -> list[torch.Tensor]:
+    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype) for i, s in enumerate(muon_specs())]
+
+
+def gradients(run: Run, step: int) -> list[torch.Tensor]:
+    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype) for i, s in enumerate(muon_specs())]
+
+
+def runs_for(world_size: int, steps: int) -> list[Run]:
+    """Every preset in automatic mode on the 1-D mesh; the torch preset on the other meshes, in bf16, and
+    with each remainder path forced."""
+    out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(PRESETS)]
+    out.append(Run(world_size, "fsdp", "torch", "auto", "bfloat16", steps=steps))
+    out.append(Run(world_size, "ddp", "torch", "auto", steps=steps))
+    if world_size >= 4 and world_size % 2 == 0:
+        out.append(Run(world_size, "hsdp", "torch", "auto", steps=steps))
+    if world_size > 1:
+        out += [Run(world_size, "fsdp", "torch", m, steps=steps)
+                for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all")]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+
+_MESHES: dict[tuple, object] = {}
+
+
+def _mesh(kind: str, device: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    W = dist.get_world_size()
+    key = (kind, W, device)
+    if key not in _MESHES:
+        shape, names = ((2, W // 2), ("replicate", "fsdp")) if kind == "hsdp" else ((W,), ("fsdp",))
+        _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def _distribute(full: torch.Tensor, kind: str, device: str) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if kind == "ddp":
+        return full.to(device)
+    mesh = _mesh(kind, device)
+    index, parts = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    chunks = full.chunk(parts, 0)
+    local = chunks[index] if index < len(chunks) else full.narrow(0, full.size(0), 0)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(local.clone().to(device), mesh, placements, shape=full.shape, stride=full.stride())
+
+
+def rank_run(run: Run, device: str = "cpu") -> dict:
+    """Train on this rank; return its shards (with their global offsets), the paths, bytes and step times."""
+    from .layout import read_layout
+    from .optim import DistributedMuon
+
+    import torch.distributed as dist
+
+    specs = muon_specs()
+    params = [_distribute(f, run.mesh, device) for f in initial(run)]
+    opt = DistributedMuon([{"params": params, "param_names": [s.name for s in specs]}], preset=run.preset,
+                          **run.options())
+    times = []
+    for step in range(run.steps):
+        for p, g in zip(params, gradients(run, step)):
+            p.grad = _distribute(g, run.mesh, device)
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    shards = []
+    for p, s in zip(params, specs):
+        layout = read_layout(p, s.name, None, False, rank, W)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        shards.append((local.detach().cpu().clone(), layout.global_offset))
+    return {"shards": shards, "paths": list(opt.last_report.paths), "step_s": times,
+            "bytes": {k: list(v) for k, v in opt.last_report.bytes_by_path.items()}}
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+
+def reference(run: Run) -> list[torch.Tensor]:
+    """muon_ref.Muon on the full tensors with the run's gradients (one intra-op thread, as the ranks)."""
+    params = [torch.nn.Parameter(t.clone()) for t in initial(run)]
+    opt = muon_ref.Muon([{"params": params, "param_names": [s.name for s in muon_specs()]}], preset=run.preset)
+    for step in range(run.steps):
+        for p, g in zip(params, gradients(run, step)):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
+    """Per param: its path, max |difference| over ranks, and whether every rank's shard is bitwise its box."""
+    rows = []
+    for i, full in enumerate(want):
+        worst, equal = 0.0, True
+        for r in results:
+            got, offset = r["shards"][i]
+            box = full[tuple(slice(o, o + n) for o, n in zip(offset, got.shape))]
+            if got.numel():
+                worst = max(worst, float((got.double() - box.double()).abs().max()))
+            equal &= torch.equal(bits(got), bits(box.contiguous()))
+        rows.append({"param": results[0]["paths"][i][0], "path": results[0]["paths"][i][1], "max_diff": worst,
+                     "bitwise": equal})
+    return rows
+
+
+def holders(spec: ParamSpec, matrix: int, group: int) -> int:
+    """How many of the group's Shard(0) boxes hold a piece of matrix `matrix` of the param (p above)."""
+    from .layout import chunk_bounds
+
+    if spec.num_experts:  # [E, m, n]: matrix e is index e of dim 0, never split
+        return 1
+    rows = spec.shape[0]
+    return sum(1 for r in range(group) if chunk_bounds(rows, group, r)[1] > 0)
+
+
+def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
+    W = run.world_size // 2 if run.mesh == "hsdp" else run.world_size
+    b_dir = torch.tensor([], dtype=getattr(torch, run.dtype)).element_size()
+    b_upd = 2  # the kernel's output dtype: bf16 in every preset
+    total = 0.0
+    for i in params:
+        spec = muon_specs()[i]
+        *experts, m, n = spec.shape
+        for e in range(experts[0] if experts else 1):
+            if path == "replicated":
+                total += (W - 1) / W * m * n * b_upd
+            else:
+                p = holders(spec, e, W)
+                total += (p - 1) / p * m * n * (b_dir + b_upd) / W
+    return total
+
+
+def summarise(run: Run, results: list[dict], rows: list[dict]) -> list[dict]:
+    """One row per path of this run."""
+    by_path: dict[str, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        by_path[row["path"]].append(i)
+    out = []
+    for path, members in sorted(by_path.items()):
+        sent = statistics.mean(r["bytes"].get(path, [0, 0])[0] for r in results)
+        bound = lower_bound_per_rank(run, path, members)
+        out.append({"world_size": run.world_size, "mesh": run.mesh, "mode": run.mode, "preset": run.preset,
+                    "dtype": run.dtype, "path": path, "params": len(members),
+                    "max_diff": max(rows[i]["max_diff"] for i in members),
+                    "bitwise": all(rows[i]["bitwise"] for i in members),
+                    "bytes_per_rank": sent, "bound_per_rank": bound,
+                    "step_ms": 1e3 * statistics.median(results[0]["step_s"])})
+    return out
+
+
+def print_table(world_size: int, rows: list[dict]) -> None:
+    print(f"\nW = {world_size}: {len(rows)} (run, path) rows; bytes are this rank's sent bytes per step")
+    head = f"{'mode':<28} {'mesh':<5} {'preset':<9} {'dtype':<8} {'path':<18} {'params':>6} {'max|diff|':>9} " \
+           f"{'bitwise':>7} {'bytes/rank':>11} {'bound':>9} {'ratio':>6} {'step ms':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ratio = f"{r['bytes_per_rank'] / r['bound_per_rank']:.2f}" if r["bound_per_rank"] else (
+            "1.00" if r["bytes_per_rank"] == 0 else "inf")
+        print(f"{r['mode']:<28} {r['mesh']:<5} {r['preset']:<9} {r['dtype']:<8} {r['path']:<18} {r['params']:>6} "
+              f"{r['max_diff']:>9.2g} {'yes' if r['bitwise'] else 'NO':>7} {r['bytes_per_rank']:>11.0f} "
+              f"{r['bound_per_rank']:>9.0f} {ratio:>6} {r['step_ms']:>8.1f}")
+
+
+def verify_world(world_size: int, steps: int, refs: dict, timeout: float) -> tuple[list[dict], list[str]]:
+    from .launch import RankFailure, RankPool
+
+    rows, violations = [], []
+    pool = RankPool(world_size)
+    try:
+        todo = runs_for(world_size, steps)
+        for n, run in enumerate(todo, 1):
+            start = time.perf_counter()
+            try:
+                results = pool.run(rank_run, run, timeout=timeout)
+            except RankFailure as failure:
+                violations.append(f"{run}: {str(failure)[-400:]}")
+                print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED", file=sys.stderr)
+                continue
+            key = (run.preset, run.dtype, run.steps, run.seed)
+            refs.setdefault(key, reference(run))
+            per_param = compare(run, results, refs[key])
+            violations += [f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}" for r in per_param
+                           if not r["bitwise"]]
+            rows += summarise(run, results, per_param)
+            print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.dtype} {run.mode}: "
+                  f"{'ok' if all(r['bitwise'] for r in per_param) else 'VIOLATION'} "
+                  f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    finally:
+        pool.close()
+    return rows, violations
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang")
+    parser.add_argument("--backend", default="gloo", help="gloo (spawned ranks) or nccl (under torchrun)")
+    parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_main(args)
+    specs = tiny_moe()
+    print(f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
+          f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors")
+    print("routed to AdamW, not checked: " + ", ".join(s.name for s in specs if not s.is_muon))
+    refs: dict = {}
+    rows, violations = [], []
+    for W in args.world_sizes:
+        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout)
+        print_table(W, got_rows)
+        rows += got_rows
+        violations += got_violations
+    paths_seen = sorted({r["path"] for r in rows})
+    print(f"\npaths exercised: {', '.join(paths_seen)}; contract violations: {len(violations)}")
+    for v in violations[:20]:
+        print("  " + v)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "violations": violations}, f, indent=1)
+    return 1 if violations else 0
+
+
+def torchrun_main(args: argparse.Namespace) -> int:
+    """Under torchrun: this process is one rank; rank 0 gathers the results, compares and prints."""
+    import torch.distributed as dist
+
+    device = "cuda" if args.backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(args.backend)
+    W, rows, violations = dist.get_world_size(), [], []
+    try:
+        for run in runs_for(W, args.steps):
+            result = rank_run(run, device)
+            gathered = [None] * W
+            dist.all_gather_object(gathered, result)
+            if dist.get_rank() == 0:
+                per_param = compare(run, gathered, reference(run))
+                violations += [f"{run}: {r['param']} differs" for r in per_param if not r["bitwise"]]
+                rows += summarise(run, gathered, per_param)
+        if dist.get_rank() == 0:
+            print_table(W, rows)
+            print(f"contract violations: {len(violations)}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"rows": rows, "violations": violations}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
