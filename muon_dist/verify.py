@@ -73,10 +73,10 @@ def gradients(run: Run, step: int) -> list[torch.Tensor]:
     return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype) for i, s in enumerate(muon_specs())]
 
 
-def runs_for(world_size: int, steps: int) -> list[Run]:
-    """Every preset in automatic mode on the 1-D mesh; the torch preset on the other meshes, in bf16, and
-    with each remainder path forced."""
-    out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(PRESETS)]
+def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
+    """Every preset (or those given) in automatic mode on the 1-D mesh; the torch preset on the other meshes,
+    in bf16, and with each remainder path forced."""
+    out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(presets or PRESETS)]
     out.append(Run(world_size, "fsdp", "torch", "auto", "bfloat16", steps=steps))
     out.append(Run(world_size, "ddp", "torch", "auto", steps=steps))
     if world_size >= 4 and world_size % 2 == 0:
@@ -238,13 +238,14 @@ def print_table(world_size: int, rows: list[dict]) -> None:
               f"{r['bound_per_rank']:>9.0f} {ratio:>6} {r['step_ms']:>8.1f}")
 
 
-def verify_world(world_size: int, steps: int, refs: dict, timeout: float) -> tuple[list[dict], list[str]]:
+def verify_world(world_size: int, steps: int, refs: dict, timeout: float,
+                 presets: list[str] | None = None) -> tuple[list[dict], list[str]]:
     from .launch import RankFailure, RankPool
 
     rows, violations = [], []
     pool = RankPool(world_size)
     try:
-        todo = runs_for(world_size, steps)
+        todo = runs_for(world_size, steps, presets)
         for n, run in enumerate(todo, 1):
             start = time.perf_counter()
             try:
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), help="presets run in automatic mode "
+                        "(default: all; the other meshes and the forced paths always use the torch preset)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang")
     parser.add_argument("--backend", default="gloo", help="gloo (spawned ranks) or nccl (under torchrun)")
     parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     refs: dict = {}
     rows, violations = [], []
     for W in args.world_sizes:
-        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout)
+        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout, args.presets)
         print_table(W, got_rows)
         rows += got_rows
         violations += got_violations
@@ -309,7 +312,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
     dist.init_process_group(args.backend)
     W, rows, violations = dist.get_world_size(), [], []
     try:
-        for run in runs_for(W, args.steps):
+        for run in runs_for(W, args.steps, args.presets):
             result = rank_run(run, device)
             gathered = [None] * W
             dist.all_gather_object(gathered, result)
@@ -319,7 +322,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
                 rows += summarise(run, gathered, per_param)
         if dist.get_rank() == 0:
             print_table(W, rows)
-            print(f"contract violations: {len(violations)}")
+            print(f"paths exercised: {', '.join(sorted({r['path'] for r in rows}))}; "
+                  f"contract violations: {len(violations)}")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"rows": rows, "violations": violations}, f, indent=1)
