@@ -16,6 +16,12 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from .layout import mesh_groups
+
+# (world group, parts) -> {part: process group}: new_group is collective over the world, so each partition's
+# groups are created once per process and reused by every optimizer and step.
+_SUBGROUPS: dict[tuple, dict[tuple[int, ...], Any]] = {}
+
 
 @dataclass(frozen=True)
 class Group:
@@ -77,12 +83,24 @@ class Comm:
         gathered = self.all_gather(mine, world, what).cpu()
         return [bytes(gathered[32 * r: 32 * (r + 1)].tolist()) for r in range(self.world_size)]
 
-    def group(self, ranks: tuple[int, ...], mesh: Any, axis: int) -> Group:
-        """The group of `ranks`: axis `axis` of DeviceMesh `mesh`, or the default group when mesh is None."""
-        return Group(ranks, self._handle(mesh, axis))
+    def group(self, ranks: tuple[int, ...], mesh: Any, axes: int | tuple[int, ...]) -> Group:
+        """The group of `ranks`: the mesh axis (or axes, flattened in mesh order) `axes` of DeviceMesh `mesh`,
+        or the default group when mesh is None."""
+        axes = (axes,) if isinstance(axes, int) else axes
+        if mesh is not None and len(axes) > 1:
+            return self.subgroups(mesh_groups(mesh.mesh, axes))[ranks]
+        return Group(ranks, self._handle(mesh, axes[0]))
+
+    def subgroups(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Group]:
+        """A Group for each of `parts` (disjoint groups of global ranks). Collective on first use: every rank of
+        the world must call it with the same `parts`, in the same order of calls, member or not."""
+        return {part: Group(part, handle) for part, handle in self._subgroup_handles(parts).items()}
 
     def _handle(self, mesh: Any, axis: int) -> Any:
         return None
+
+    def _subgroup_handles(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Any]:
+        return dict.fromkeys(parts)
 
 
 class TorchComm(Comm):
@@ -100,6 +118,18 @@ class TorchComm(Comm):
 
     def _handle(self, mesh: Any, axis: int) -> Any:
         return self.dist.group.WORLD if mesh is None else mesh.get_group(axis)
+
+    def _subgroup_handles(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Any]:
+        """new_group for every part, once per process: cached by the parts themselves (global ranks: a stable
+        identity of the mesh and its axes; xtuner keys on id(mesh), which Python reuses) and the world group."""
+        key = (self.dist.group.WORLD, parts)
+        if key not in _SUBGROUPS:
+            for part in parts:  # new_group orders members by global rank; ours are in mesh order
+                if list(part) != sorted(part):
+                    raise ValueError(f"DistributedMuon: mesh ranks {part} of one shard group do not increase in "
+                                     "mesh order; use a mesh whose ranks increase along its sharding axes")
+            _SUBGROUPS[key] = {part: self.dist.new_group(list(part)) for part in parts}
+        return _SUBGROUPS[key]
 
     def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
         out = x.new_empty(sum(out_splits))

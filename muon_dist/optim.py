@@ -2,12 +2,14 @@
 
 One step: validate locally; plan (muon_dist/plan.py); all-gather the plan's digest and raise on every rank if
 any rank disagrees; OR the ranks' non-finite flags; run momentum on local shards; move each batch through its
-path (muon_dist/paths), where the owner runs muon_ref's kernel on the whole matrix; apply the update on local
-shards. The elementwise stages go through muon_dist.elementwise.run_stage for the reference's bits.
+path (muon_dist/paths), where the owner runs muon_ref's kernel on the whole matrix; all-gather whether any rank's
+local work failed (then every rank raises, nothing written); apply the update on local shards. The elementwise
+stages go through muon_dist.elementwise.run_stage for the reference's bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -51,8 +53,9 @@ def _local(t: Tensor) -> Tensor:
 
 class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
-    and state ("momentum_buffer", a DTensor like its param), plus keyword-only options: `comm` (default
-    TorchComm over torch.distributed), `remainder` ("agrs" | "padded_all_to_all") and `force_path`.
+    and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
+    muon_dist/checkpoint.py), plus keyword-only options: `comm` (default TorchComm over torch.distributed),
+    `remainder` ("agrs" | "padded_all_to_all") and `force_path`.
     After each step, `last_report` is a StepReport.
     """
 
@@ -73,6 +76,20 @@ class DistributedMuon(torch.optim.Optimizer):
             name = param_name(group, i)
             check_param(p, name)
             self._layout(p, group, name).matrices  # ValueError naming the param for a non-matrix
+        self._own_group_params()
+
+    def _own_group_params(self) -> None:
+        """State holds exactly the params of the groups, each with a "momentum_buffer" (zeros until it steps), so
+        every rank holds the same state keys from construction on (DCP saving needs that: Dion #18). The zeros
+        change no bits: muon_ref's first step starts from zeros_like(grad), and a grad has its param's dtype. A
+        param removed from its group loses its state at the next step (torch's state_dict fails on orphans)."""
+        owned = {id(p) for group in self.param_groups for p in group["params"]}
+        for p in [p for p in self.state if id(p) not in owned]:
+            del self.state[p]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> ParamLayout:
         return read_layout(p, name, group.get("num_experts"), group["flatten"], self.comm.rank, self.comm.world_size)
@@ -132,9 +149,11 @@ class DistributedMuon(torch.optim.Optimizer):
         return bad
 
     def kernel(self, item: _Item) -> Callable[[Tensor], Tensor]:
-        """The whole-parameter kernel of this param: muon_ref's orthogonalize (newton_schulz per matrix)."""
-        cfg = group_config(self.param_groups[item.group_index])
-        return functools.partial(orthogonalize, layout=item.layout.matrices, cfg=cfg)
+        """This param's kernel: muon_ref's orthogonalize (newton_schulz per matrix) on the whole param, or on a run
+        of its whole experts (the expert paths pass a rank's experts: the layout keeps their count)."""
+        cfg, matrices = group_config(self.param_groups[item.group_index]), item.layout.matrices
+        size = matrices.fan_out * matrices.fan_in
+        return lambda x: orthogonalize(x, dataclasses.replace(matrices, num_matrices=x.numel() // size), cfg)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -146,15 +165,48 @@ class DistributedMuon(torch.optim.Optimizer):
         items, error = self._collect()
         self._agree(plan(self._entries(items, set()), self.options), error)
         step_plan = plan(self._entries(items, self._nonfinite(items)), self.options)
-        buffers, directions = self._momentum(items, step_plan)
-        updates = self._orthogonalize(items, step_plan, directions)
+        failures: list[tuple[str, Exception]] = []
+        buffers, directions = self._momentum(items, step_plan, failures)
+        updates = self._orthogonalize(items, step_plan, directions, failures)
+        self._agree_no_failure(failures)
         self._apply(items, updates, buffers)
+        self._own_group_params()
         self.last_plan = step_plan
         self.last_report = StepReport(tuple((it.name, p) for it, p in zip(items, step_plan.path_of())),
                                       {k: (v[0], v[1]) for k, v in self.comm.ledger.items()})
         return loss
 
-    def _momentum(self, items: list[_Item], step_plan: Plan) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    @staticmethod
+    def _guard(failures: list[tuple[str, Exception]], what: str, fn: Callable[..., Any],
+               fallback: Callable[..., Any]) -> Callable[..., Any]:
+        """fn, except that an exception is recorded in `failures` and answered with fallback(*args) (zeros): the
+        rank keeps taking part in the step's remaining collectives instead of leaving its peers blocked in them,
+        and _agree_no_failure then raises on every rank before anything is written."""
+        def run(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - re-raised by _agree_no_failure, with its rank
+                failures.append((what, e))
+                return fallback(*args)
+        return run
+
+    def _agree_no_failure(self, failures: list[tuple[str, Exception]]) -> None:
+        """A digest all-gather after the step's last data collective, before any write: if the local work of any
+        rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins)."""
+        ok = hashlib.sha256(b"step ok").digest()
+        digests = self.comm.check_agreement(hashlib.sha256(b"step failed").digest() if failures else ok, "plan_digest")
+        failed = [r for r, d in enumerate(digests) if d != ok]
+        if failures:
+            what, e = failures[0]
+            raise RuntimeError(f"DistributedMuon: rank {self.comm.rank} failed mid-step in {what} "
+                               f"({type(e).__name__}: {e}); failed ranks {failed}; no param or momentum buffer "
+                               f"was written on any rank") from e
+        if failed:
+            raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
+                               f"no param or momentum buffer was written on any rank")
+
+    def _momentum(self, items: list[_Item], step_plan: Plan,
+                  failures: list[tuple[str, Exception]]) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
         """(new momentum buffers, directions) of the active params, on local shards; nothing is written."""
         buffers, directions = {}, {}
         for batch in step_plan.batches:
@@ -164,7 +216,10 @@ class DistributedMuon(torch.optim.Optimizer):
                 buf = self.state[item.param].get("momentum_buffer")
                 buf = torch.zeros_like(item.grad) if buf is None else _local(buf)
                 stage = functools.partial(momentum_direction, cfg=cfg)
-                buffers[i], directions[i] = run_stage(stage, [item.grad, buf], item.layout)
+                momentum = self._guard(failures, f"the momentum of {item.name}",
+                                       lambda g, b, s=stage, lay=item.layout: run_stage(s, [g, b], lay),
+                                       lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
+                buffers[i], directions[i] = momentum(item.grad, buf)
         return buffers, directions
 
     @staticmethod
@@ -175,16 +230,19 @@ class DistributedMuon(torch.optim.Optimizer):
 
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
-    def _orthogonalize(self, items: list[_Item], step_plan: Plan, directions: dict[int, Tensor]) -> dict[int, Tensor]:
+    def _orthogonalize(self, items: list[_Item], step_plan: Plan, directions: dict[int, Tensor],
+                       failures: list[tuple[str, Exception]]) -> dict[int, Tensor]:
         """Each batch through its path; returns this rank's shard of every active param's update."""
         updates = {}
         for batch in step_plan.batches:
             first = items[batch.params[0]]
             layout = first.layout
             mesh = getattr(first.param, "device_mesh", None)
-            group = self.comm.group(layout.group_ranks(), mesh, layout.shard_axis or 0)
-            outs = RUNNERS[batch.path](self.comm, group, [directions[i] for i in batch.params], layout,
-                                       self.kernel(first), self._update_dtype(first))
+            group = self.comm.group(layout.group_ranks(), mesh, layout.shard_axes or (0,))
+            dtype = self._update_dtype(first)
+            kernel = self._guard(failures, f"the kernel of a batch from {first.name}", self.kernel(first),
+                                 lambda full, dtype=dtype: torch.zeros_like(full, dtype=dtype))
+            outs = RUNNERS[batch.path](self.comm, group, [directions[i] for i in batch.params], layout, kernel, dtype)
             updates.update(zip(batch.params, outs))
         return updates
 

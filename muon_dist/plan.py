@@ -5,6 +5,13 @@ sharded layout is cut, in param-group order, into batches of W (the shard group'
 all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the padded
 all-to-all). Replicated runs are cut into batches of at most W. Member k of the group orthogonalises param
 k of its batch. The digest of the plan is compared across ranks before the first data collective.
+
+Expert stacks sharded on their expert dim (3-D [E, m, n], or fused [E * m, n] with num_experts; on a 1-D
+FSDP mesh or an (ep, fsdp) mesh with (Shard(0), Shard(0))) are planned from where the boxes fall, never from
+mesh names: if every member holds whole experts, "local" (E_local % fsdp == 0, and every 3-D stack); else if
+the members that share an expert hold exactly that one expert, "subgroup_all_gather" (fsdp % E_local == 0
+with the expert's rows divisible by fsdp / E_local); else the all-to-all family over the whole shard group
+(proofs/paths.md#expert-fallback). E % ep != 0 needs no special case: the boxes say which case it is.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Literal
 
 from .layout import ParamLayout
 
-PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated")
+PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "subgroup_all_gather")
 RemainderPath = Literal["agrs", "padded_all_to_all"]
 
 
@@ -95,12 +102,23 @@ class Plan:
         return hashlib.sha256(repr(canon).encode()).digest()
 
 
+def expert_path(layout: ParamLayout) -> str | None:
+    """"local" or "subgroup_all_gather" for an expert stack whose boxes allow it; None for the all-to-all family."""
+    if layout.expert_rows is None:
+        return None
+    components = layout.expert_components()
+    if all(len(c) == 1 for c in components):
+        return "local"
+    unions = [sum(layout.box(j)[1][0] for j in c) for c in components if len(c) > 1]
+    return "subgroup_all_gather" if all(u == layout.expert_rows for u in unions) else None
+
+
 def _batch_path(layout: ParamLayout, num_params: int, group_size: int, options: Options) -> str:
     if layout.shard_dim is None:
         return "replicated"
     if options.force_path is not None:
         return options.force_path
-    return "all_to_all" if num_params == group_size else options.remainder
+    return expert_path(layout) or ("all_to_all" if num_params == group_size else options.remainder)
 
 
 def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
@@ -130,6 +148,11 @@ def expected_bytes(plan: Plan, itemsizes: dict[str, int]) -> dict[str, tuple[int
         sizes = [math.prod(layout.box(j)[1]) for j in range(W)]
         grad_b, upd_b = itemsizes[layout.dtype], itemsizes[entry.update_dtype]
         member = layout.group_ranks().index(layout.rank)
+        if batch.path in ("local", "subgroup_all_gather"):
+            component = next(c for c in layout.expert_components() if member in c)
+            if len(component) == 1:
+                continue  # no collective on this rank
+            sizes, member = [sizes[j] for j in component], component.index(member)
         sent, received = _path_bytes(batch, sizes, member, grad_b, upd_b, math.prod(layout.global_shape))
         acc = totals.setdefault(batch.path, [0, 0])
         acc[0] += sent
@@ -139,7 +162,9 @@ def expected_bytes(plan: Plan, itemsizes: dict[str, int]) -> dict[str, tuple[int
 
 def _path_bytes(batch: Batch, sizes: list[int], me: int, grad_b: int, upd_b: int, numel: int) -> tuple[int, int]:
     """all_to_all / padded: my shard of each other owner's matrix out, the others' shards of mine in, and back.
-    agrs: all-gather of R shards padded to max(sizes), reduce-scatter of the same. replicated: all-gather."""
+    agrs: all-gather of R shards padded to max(sizes), reduce-scatter of the same. replicated: all-gather.
+    subgroup_all_gather (sizes: the boxes of my component only, EP-local): all-gather of R boxes padded to
+    max(sizes), directions only."""
     W, R = batch.group_size, len(batch.params)
     if batch.path in ("all_to_all", "padded_all_to_all"):
         mine_out = (W - 1) * sizes[me]
@@ -148,5 +173,8 @@ def _path_bytes(batch: Batch, sizes: list[int], me: int, grad_b: int, upd_b: int
     if batch.path == "agrs":
         moved = (W - 1) * R * max(sizes)
         return moved * (grad_b + upd_b), moved * (grad_b + upd_b)
+    if batch.path == "subgroup_all_gather":
+        moved = (len(sizes) - 1) * R * max(sizes) * grad_b
+        return moved, moved
     moved = (W - 1) * numel * upd_b
     return moved, moved

@@ -21,16 +21,34 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
     for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
         runs.setdefault(key, []).append(i)
     paths = [""] * len(case.shapes)
-    for (_, placement, _), members in runs.items():
+    for (shape, placement, _), members in runs.items():
         for start in range(0, len(members), W):
             chunk = members[start:start + W]
             if placement in ("plain", "R"):
                 path = "replicated"
             else:
-                path = opts.get("force_path") or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs"))
+                path = (opts.get("force_path") or expert_path(case, shape, placement, world_size)
+                        or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs")))
             for i in chunk:
                 paths[i] = path
     return paths
+
+
+def expert_path(case: Case, shape: tuple[int, ...], placement: str, world_size: int) -> str | None:
+    """The expert rule restated on the members' torch.chunk boxes of the row indices: an expert stack sharded on
+    dim 0 is "local" when no expert has rows on two members, "subgroup_all_gather" when any two members that
+    hold rows of a common expert hold nothing else, and None (the all-to-all family) otherwise."""
+    overrides = dict(case.overrides)
+    if placement != "S0" or overrides.get("flatten") or (len(shape) == 2 and overrides.get("num_experts") is None):
+        return None
+    unit = 1 if len(shape) == 3 else shape[0] // overrides["num_experts"]
+    rows = torch.arange(shape[0])
+    held = [set((box_on_rank(rows, "S0", case.mesh, j, world_size) // unit).tolist())
+            for j in range(group_size(case, world_size))]
+    sharing = [a | b for i, a in enumerate(held) for b in held[i + 1:] if a & b]  # pairs that hold a common expert
+    if not sharing:
+        return "local"
+    return "subgroup_all_gather" if all(len(experts) == 1 for experts in sharing) else None
 
 
 def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:

@@ -93,5 +93,6 @@ def test_every_path_runs_where_the_plan_says_and_equals_reference(world_size: in
     (2, Case(((4, 3, 2, 2),) * 3, ("S0",) * 3, overrides=(("flatten", True),))),  # conv weights, flattened
 ], ids=["3d-experts", "3d-experts-shard1", "fused-experts", "flatten"])
 def test_expert_stacks_and_flattened_params_equal_reference_bitwise(world_size: int, case: Case) -> None:
-    """Without an expert-parallel axis, an expert stack is one unit: its owner runs the kernel per matrix."""
+    """Expert stacks on a 1-D mesh take the path their boxes call for (tests/dist/test_experts.py): 3-D on dim 0
+    is local; split experts go whole to an owner, which runs the kernel per matrix."""
     run_case(world_size, case)

@@ -27,7 +27,7 @@ class Case:
     preset: str = "torch"
     steps: int = 3
     seed: int = 0
-    mesh: str = "1d"  # or "hsdp": (replicate=2, shard=W/2)
+    mesh: str = "1d"  # or "hsdp": (replicate=2, shard=W/2), or "ep<k>": (ep=k, fsdp=W/k) sharding one dim twice
     options: tuple[tuple[str, object], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
     sabotage: str | None = None
@@ -40,6 +40,8 @@ def mesh_for(kind: str):
     if kind not in _MESHES:
         if kind == "1d":
             _MESHES[kind] = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        elif kind.startswith("ep"):
+            _MESHES[kind] = init_device_mesh("cpu", (int(kind[2:]), world // int(kind[2:])), mesh_dim_names=("ep", "fsdp"))
         else:
             _MESHES[kind] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     return _MESHES[kind]
@@ -58,6 +60,9 @@ def to_dist(full: torch.Tensor, placement: str, mesh_kind: str) -> torch.Tensor:
     if placement == "R":
         return DTensor.from_local(full.clone(), mesh, [Replicate()], shape=full.shape, stride=full.stride())
     dim = int(placement[1:])
+    if mesh_kind.startswith("ep"):  # (Shard(dim), Shard(dim)): EP chunks the dim, FSDP chunks each EP block
+        local = box_on_rank(full, placement, mesh_kind, dist.get_rank(), dist.get_world_size())
+        return DTensor.from_local(local, mesh, [Shard(dim)] * 2, shape=full.shape, stride=full.stride())
     axis = mesh.ndim - 1
     index, parts = mesh.get_local_rank(axis), mesh.size(axis)
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
@@ -102,6 +107,15 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
             return [torch.zeros_like(d, dtype=update_dtype) for d in directions]
         paths.RUNNERS["agrs"] = dropped
         opt._restore = lambda: paths.RUNNERS.update(real)
+    elif how == "wrong_slice":  # the subgroup path keeps the mirror member's rows of the gathered expert
+        from muon_dist.paths import subgroup_all_gather as sub
+
+        real_rows = sub.own_rows
+        sub.own_rows = lambda update, start, length: update.narrow(0, update.shape[0] - start - length, length)
+        opt._restore = lambda: setattr(sub, "own_rows", real_rows)
+    elif how == "bundle_ns":  # NS on a rank's experts as one stacked matrix, not per expert
+        cfg = muon_ref.optim.group_config(opt.param_groups[0])
+        opt.kernel = lambda item: lambda x: muon_ref.newton_schulz(x.reshape(-1, x.shape[-1]), **cfg.ns_kwargs()).reshape(x.shape)
     elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
         import muon_dist.optim as optim_module
 
@@ -155,6 +169,10 @@ def box_on_rank(full: torch.Tensor, placement: str, mesh_kind: str, rank: int, w
     """What `rank` holds of `full` (computed in the parent, without a mesh)."""
     if placement in ("plain", "R"):
         return full
+    if mesh_kind.startswith("ep"):  # rank = ep_index * fsdp + fsdp_index; chunk for EP, then for FSDP
+        ep, dim = int(mesh_kind[2:]), int(placement[1:])
+        fsdp = world_size // ep
+        return local_box(local_box(full, dim, rank // fsdp, ep), dim, rank % fsdp, fsdp)
     parts = world_size // 2 if mesh_kind == "hsdp" else world_size
     return local_box(full, int(placement[1:]), rank % parts, parts)
 
@@ -304,3 +322,56 @@ def agrs_on_gloo(dtype: str) -> bool:
     want = kernel(full).narrow(0, offset[0], local[0])
     view = torch.int32 if full.element_size() == 4 else torch.int16
     return torch.equal(got.view(view), want.view(view))
+
+
+def bad_expert_step(kind: str) -> str:
+    """One step of an expert param with a caller's mistake; the error this rank raised ("no error" otherwise)."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    try:
+        full, num_experts, placements = torch.ones(8, 3), 4, [Shard(0), Shard(0)]
+        if kind == "num_experts_does_not_divide_rows":
+            num_experts = 3
+        elif kind == "num_experts_differs_on_one_rank":
+            num_experts = 2 if rank == W - 1 else 4
+        elif kind == "shard_dims_differ":
+            full, placements = torch.ones(4, 2, 3), [Shard(0), Shard(1)]
+        mesh = mesh_for("ep2")
+        local = box_on_rank(full, "S0", "ep2", rank, W)
+        if kind == "shard_dims_differ":
+            local = local_box(local_box(full, 0, rank // (W // 2), 2), 1, rank % (W // 2), W // 2)
+        p = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+        opt = DistributedMuon([{"params": [p], "num_experts": num_experts}], preset="torch")
+        p.grad = DTensor.from_local(local.clone(), mesh, placements, shape=full.shape, stride=full.stride())
+        opt.step()
+        return "no error"
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def subgroup_cache_probe() -> dict:
+    """Two optimizers on two DeviceMesh objects of one (ep 2, fsdp W/2) layout, each stepping a subgroup case:
+    the partitions cached after each, the paths, and the process groups its subgroup all-gathers used."""
+    from muon_dist import comm as comm_module
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    full, before, handles, paths, counts = torch.ones(8, 3), len(comm_module._SUBGROUPS), [], [], []
+    real_all_gather = comm_module.TorchComm._all_gather
+
+    def spy(self, x, group):
+        handles.append(group.handle)
+        return real_all_gather(self, x, group)
+    comm_module.TorchComm._all_gather = spy
+    try:
+        for _ in range(2):
+            mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("ep", "fsdp"))
+            local = box_on_rank(full, "S0", "ep2", rank, W)
+            p = DTensor.from_local(local, mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())
+            opt = DistributedMuon([{"params": [p], "num_experts": 2}], preset="torch")
+            p.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())
+            opt.step()
+            paths.append(opt.last_report.paths[0][1])
+            counts.append(len(comm_module._SUBGROUPS) - before)
+    finally:
+        comm_module.TorchComm._all_gather = real_all_gather
+    sub = [h for h in handles if h is not dist.group.WORLD]
+    return {"counts": counts, "paths": paths, "subgroup_calls": len(sub), "distinct_groups": len(set(map(id, sub)))}
