@@ -14,11 +14,13 @@ Kind = Literal["matrix", "experts", "embedding", "head", "vector"]
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: its name, global shape and kind; experts are stacked [E, fan_out, fan_in]."""
+    """One parameter: its name, global shape and kind; experts are stacked [E, fan_out, fan_in], or fused
+    [E * fan_out, fan_in] with `fused_experts = E`."""
 
     name: str
     shape: tuple[int, ...]
     kind: Kind
+    fused_experts: int | None = None
 
     @property
     def is_muon(self) -> bool:
@@ -26,7 +28,15 @@ class ParamSpec:
 
     @property
     def num_experts(self) -> int | None:
-        return self.shape[0] if self.kind == "experts" else None
+        if self.kind != "experts":
+            return None
+        return self.fused_experts or self.shape[0]
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """(fan_out, fan_in) of one matrix (one expert)."""
+        rows = self.shape[-2] // self.fused_experts if self.fused_experts else self.shape[-2]
+        return rows, self.shape[-1]
 
 
 def transformer(

@@ -7,8 +7,11 @@ For each world size, gloo ranks (muon_dist.launch.RankPool) train the Muon matri
 transformer with dense and MoE layers (muon_dist.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
-mode and forcing each remainder path. The parent runs muon_ref.Muon on the full tensors with the same
-gradients and compares every rank's shard with its box of the reference, bit pattern for bit pattern.
+mode and forcing each remainder path. On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
+are fused [E * m, n] with num_experts = E, the layout whose boxes can split an expert, so the expert paths
+(local, subgroup_all_gather, or the fallback) all occur. The parent runs muon_ref.Muon on the full tensors with
+the same gradients and param groups, and compares every rank's shard with its box of the reference, bit
+pattern for bit pattern.
 
 Contract checked: every path is bitwise (proofs/paths.md); a run that is not, or that crashes or hangs, is a
 violation and the exit code is 1. Bytes: this rank's sent bytes per step against the lower bound per rank,
@@ -43,7 +46,7 @@ class Run:
     """One distributed training run: world size, mesh kind, preset, mode (DistributedMuon options), dtype."""
 
     world_size: int
-    mesh: str  # "fsdp" | "hsdp" | "ddp"
+    mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp"
     preset: str
     mode: str  # "auto" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
     dtype: str = "float32"
@@ -57,8 +60,26 @@ class Run:
         return {"remainder" if key == "remainder" else "force_path": value}
 
 
-def muon_specs() -> list[ParamSpec]:
-    return [s for s in tiny_moe() if s.is_muon]
+def muon_specs(mesh: str = "fsdp") -> list[ParamSpec]:
+    """The Muon params in param-group order: on the ep mesh the experts are fused and come last (their group)."""
+    specs = [s for s in tiny_moe() if s.is_muon]
+    if mesh != "ep":
+        return specs
+    fused = [ParamSpec(s.name, (s.shape[0] * s.shape[1], s.shape[2]), "experts", s.shape[0])
+             for s in specs if s.num_experts]
+    return [s for s in specs if not s.num_experts] + fused
+
+
+def param_groups(mesh: str, params: list) -> list[dict]:
+    """One group of plain matrices; on the ep mesh, a second group of fused experts with num_experts."""
+    specs = muon_specs(mesh)
+    experts = [s.num_experts for s in tiny_moe() if s.num_experts]
+    split = len(specs) - (len(experts) if mesh == "ep" else 0)
+    groups = [{"params": params[:split], "param_names": [s.name for s in specs[:split]]}]
+    if split < len(specs):
+        groups.append({"params": params[split:], "param_names": [s.name for s in specs[split:]],
+                       "num_experts": experts[0]})
+    return groups
 
 
 def full_tensor(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
@@ -66,11 +87,12 @@ def full_tensor(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
 
 
 def initial(run: Run) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype) for i, s in enumerate(muon_specs())]
+    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype) for i, s in enumerate(muon_specs(run.mesh))]
 
 
 def gradients(run: Run, step: int) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype) for i, s in enumerate(muon_specs())]
+    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype)
+            for i, s in enumerate(muon_specs(run.mesh))]
 
 
 def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
@@ -81,6 +103,7 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
     out.append(Run(world_size, "ddp", "torch", "auto", steps=steps))
     if world_size >= 4 and world_size % 2 == 0:
         out.append(Run(world_size, "hsdp", "torch", "auto", steps=steps))
+        out.append(Run(world_size, "ep", "torch", "auto", steps=steps))
     if world_size > 1:
         out += [Run(world_size, "fsdp", "torch", m, steps=steps)
                 for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all")]
@@ -99,7 +122,8 @@ def _mesh(kind: str, device: str):
     W = dist.get_world_size()
     key = (kind, W, device)
     if key not in _MESHES:
-        shape, names = ((2, W // 2), ("replicate", "fsdp")) if kind == "hsdp" else ((W,), ("fsdp",))
+        shape, names = {"hsdp": ((2, W // 2), ("replicate", "fsdp")), "ep": ((2, W // 2), ("ep", "fsdp"))}.get(
+            kind, ((W,), ("fsdp",)))
         _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names)
     return _MESHES[key]
 
@@ -110,10 +134,13 @@ def _distribute(full: torch.Tensor, kind: str, device: str) -> torch.Tensor:
     if kind == "ddp":
         return full.to(device)
     mesh = _mesh(kind, device)
-    index, parts = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
-    chunks = full.chunk(parts, 0)
-    local = chunks[index] if index < len(chunks) else full.narrow(0, full.size(0), 0)
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    sharded = range(mesh.ndim) if kind == "ep" else [mesh.ndim - 1]  # ep: a chunk of a chunk along dim 0
+    local = full
+    for axis in sharded:
+        index, parts = mesh.get_local_rank(axis), mesh.size(axis)
+        chunks = local.chunk(parts, 0)
+        local = chunks[index] if index < len(chunks) else local.narrow(0, local.size(0), 0)
+    placements = [Shard(0) if axis in sharded else Replicate() for axis in range(mesh.ndim)]
     return DTensor.from_local(local.clone().to(device), mesh, placements, shape=full.shape, stride=full.stride())
 
 
@@ -124,10 +151,9 @@ def rank_run(run: Run, device: str = "cpu") -> dict:
 
     import torch.distributed as dist
 
-    specs = muon_specs()
+    specs = muon_specs(run.mesh)
     params = [_distribute(f, run.mesh, device) for f in initial(run)]
-    opt = DistributedMuon([{"params": params, "param_names": [s.name for s in specs]}], preset=run.preset,
-                          **run.options())
+    opt = DistributedMuon(param_groups(run.mesh, params), preset=run.preset, **run.options())
     times = []
     for step in range(run.steps):
         for p, g in zip(params, gradients(run, step)):
@@ -138,7 +164,7 @@ def rank_run(run: Run, device: str = "cpu") -> dict:
     rank, W = dist.get_rank(), dist.get_world_size()
     shards = []
     for p, s in zip(params, specs):
-        layout = read_layout(p, s.name, None, False, rank, W)
+        layout = read_layout(p, s.name, s.num_experts, False, rank, W)
         local = p.to_local() if hasattr(p, "to_local") else p
         shards.append((local.detach().cpu().clone(), layout.global_offset))
     return {"shards": shards, "paths": list(opt.last_report.paths), "step_s": times,
@@ -151,7 +177,7 @@ def rank_run(run: Run, device: str = "cpu") -> dict:
 def reference(run: Run) -> list[torch.Tensor]:
     """muon_ref.Muon on the full tensors with the run's gradients (one intra-op thread, as the ranks)."""
     params = [torch.nn.Parameter(t.clone()) for t in initial(run)]
-    opt = muon_ref.Muon([{"params": params, "param_names": [s.name for s in muon_specs()]}], preset=run.preset)
+    opt = muon_ref.Muon(param_groups(run.mesh, params), preset=run.preset)
     for step in range(run.steps):
         for p, g in zip(params, gradients(run, step)):
             p.grad = g
@@ -179,29 +205,43 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
     return rows
 
 
-def holders(spec: ParamSpec, matrix: int, group: int) -> int:
-    """How many of the group's Shard(0) boxes hold a piece of matrix `matrix` of the param (p above)."""
+def row_boxes(rows: int, mesh: str, world_size: int) -> list[tuple[int, int]]:
+    """(offset, length) along dim 0 of every member's box: torch.chunk over the group, or on the ep mesh a
+    chunk (over ep = 2) of a chunk (over fsdp = W / 2) in mesh order (proofs/paths.md#experts)."""
     from .layout import chunk_bounds
 
-    if spec.num_experts:  # [E, m, n]: matrix e is index e of dim 0, never split
+    if mesh != "ep":
+        group = world_size // 2 if mesh == "hsdp" else world_size
+        return [chunk_bounds(rows, group, r) for r in range(group)]
+    boxes = []
+    for i in range(2):
+        outer, length = chunk_bounds(rows, 2, i)
+        boxes += [(outer + o, n) for o, n in (chunk_bounds(length, world_size // 2, j) for j in range(world_size // 2))]
+    return boxes
+
+
+def holders(spec: ParamSpec, matrix: int, run: Run) -> int:
+    """How many members' boxes hold a piece of matrix `matrix` of the param (p above)."""
+    if spec.num_experts and not spec.fused_experts:  # [E, m, n] under Shard(0): expert e is never split
         return 1
-    rows = spec.shape[0]
-    return sum(1 for r in range(group) if chunk_bounds(rows, group, r)[1] > 0)
+    rows = spec.matrix_shape[0]
+    lo, hi = matrix * rows, (matrix + 1) * rows
+    return sum(1 for o, n in row_boxes(spec.shape[0], run.mesh, run.world_size) if n and o < hi and o + n > lo)
 
 
 def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
-    W = run.world_size // 2 if run.mesh == "hsdp" else run.world_size
+    W = run.world_size // 2 if run.mesh == "hsdp" else run.world_size  # ep: the flattened ep x fsdp group
     b_dir = torch.tensor([], dtype=getattr(torch, run.dtype)).element_size()
     b_upd = 2  # the kernel's output dtype: bf16 in every preset
     total = 0.0
     for i in params:
-        spec = muon_specs()[i]
-        *experts, m, n = spec.shape
-        for e in range(experts[0] if experts else 1):
+        spec = muon_specs(run.mesh)[i]
+        m, n = spec.matrix_shape
+        for e in range(spec.num_experts or 1):
             if path == "replicated":
                 total += (W - 1) / W * m * n * b_upd
             else:
-                p = holders(spec, e, W)
+                p = holders(spec, e, run)
                 total += (p - 1) / p * m * n * (b_dir + b_upd) / W
     return total
 
@@ -254,7 +294,7 @@ def verify_world(world_size: int, steps: int, refs: dict, timeout: float,
                 violations.append(f"{run}: {str(failure)[-400:]}")
                 print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED", file=sys.stderr)
                 continue
-            key = (run.preset, run.dtype, run.steps, run.seed)
+            key = (run.preset, run.dtype, run.steps, run.seed, run.mesh == "ep")
             refs.setdefault(key, reference(run))
             per_param = compare(run, results, refs[key])
             violations += [f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}" for r in per_param
