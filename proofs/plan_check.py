@@ -6,9 +6,11 @@ then the paths of the plan run on ranks-as-threads (muon_dist.ThreadComm) with *
 direction of param k is the float64 tensor of its global linear indices plus 1 + k * numel (never zero, so
 the padded path's zero matrices are told apart), and the kernel records its input and returns 2 x + 1. Invariants checked (proofs/paths.md#plan, #a2a ... #replicated):
     I1  all ranks derive the same plan (equal digests);
-    I2  every active param is orthogonalised by exactly one rank (one kernel call per param over all ranks),
-        and the only other kernel calls are the padded path's zero matrices, as many as the plan pads;
-    I3  the owner's kernel input is exactly the global matrix: every element arrives once, in place, unpadded;
+    I2  every matrix (every expert of an expert stack) is orthogonalised by exactly one rank (by each member of
+        its component on the subgroup_all_gather path, by design), and the only other kernel calls are the
+        padded path's zero matrices, as many as the plan pads;
+    I3  every kernel input is exactly a run of whole matrices of one param, in place and unpadded (the whole
+        param except on the expert paths local and subgroup_all_gather);
     I4  every rank gets back exactly its box of the kernel's output for every param;
     I5  the bytes each rank's comm counted equal the formula of muon_dist.plan.expected_bytes.
 Labels are exact in float64 (indices < 2^53), so any misrouted, duplicated or missing element is visible.
@@ -17,6 +19,7 @@ Labels are exact in float64 (indices < 2^53), so any misrouted, duplicated or mi
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,16 +32,26 @@ from muon_dist import plan as real_plan
 from muon_dist.paths import RUNNERS
 
 DTYPE = torch.float64
+PARTIAL_PATHS = ("local", "subgroup_all_gather")  # their kernel calls see whole experts, not the whole param
 ITEMSIZES = {str(DTYPE): 8}
 
 
 @dataclass(frozen=True)
 class Case:
     world_size: int
-    shape: tuple[int, int]
-    placement: str  # "S0", "S1" or "R"
+    shape: tuple[int, ...]
+    placement: str  # "S0", "S1" or "R"; expert cases: "S0" on both axes of an (ep, fsdp) mesh
     count: int
     options: Options
+    ep: int | None = None  # expert cases: the mesh is (ep, world_size // ep)
+    num_experts: int | None = None  # fused [E * m, n] expert bundles
+
+    @property
+    def matrix_numel(self) -> int:
+        """Elements of one matrix: one expert of an expert stack, else the whole param."""
+        if self.num_experts:
+            return self.shape[0] * self.shape[1] // self.num_experts
+        return self.shape[1] * self.shape[2] if len(self.shape) == 3 else self.shape[0] * self.shape[1]
 
 
 def cases(max_world: int = 8) -> Iterator[Case]:
@@ -52,18 +65,52 @@ def cases(max_world: int = 8) -> Iterator[Case]:
                     remainders = ("agrs", "padded_all_to_all") if count % W and placement != "R" else ("agrs",)
                     for remainder in remainders:
                         yield Case(W, shape, placement, count, Options(remainder=remainder))
+    yield from expert_cases(max_world)
 
 
-def layout_for(name: str, shape: tuple[int, int], placement: str, world_size: int, rank: int) -> ParamLayout:
-    base = ParamLayout(name, shape, str(DTYPE), tuple(range(world_size)), ("fsdp",), (placement,), None, False,
-                       rank, (), ())
+def expert_cases(max_world: int = 8) -> Iterator[Case]:
+    """E in {1, 3, 4, 16} experts of m in {2, 4} rows (3-D [E, m, 2] and fused [E m, 2]) on every (ep, fsdp)
+    mesh with ep, fsdp in {1, 2, 4, 8} and ep * fsdp <= max_world, one param or W + 1 of them: every expert path
+    (local, subgroup_all_gather, the fallback) and E % ep != 0."""
+    for ep, fsdp in itertools.product((1, 2, 4, 8), repeat=2):
+        W = ep * fsdp
+        if W > max_world or W == 1:
+            continue
+        for E, m, fused, count in itertools.product((1, 3, 4, 16), (2, 4), (False, True), (1, W + 1)):
+            shape = (E * m, 2) if fused else (E, m, 2)
+            yield Case(W, shape, "S0", count, Options(), ep=ep, num_experts=E if fused else None)
+
+
+def layout_for(name: str, case: Case, rank: int) -> ParamLayout:
+    W = case.world_size
+    if case.ep is None:
+        base = ParamLayout(name, case.shape, str(DTYPE), tuple(range(W)), ("fsdp",), (case.placement,), None,
+                           False, rank, (), ())
+    else:
+        fsdp = W // case.ep
+        mesh = tuple(tuple(range(i * fsdp, (i + 1) * fsdp)) for i in range(case.ep))
+        base = ParamLayout(name, case.shape, str(DTYPE), mesh, ("ep", "fsdp"), ("S0", "S0"), case.num_experts,
+                           False, rank, (), ())
     offset, local = base.box(base.group_ranks().index(rank))
     return ParamLayout(*base.signature(), rank, local, offset)
 
 
-def label(k: int, shape: tuple[int, int]) -> torch.Tensor:
-    numel = shape[0] * shape[1]
+def label(k: int, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = math.prod(shape)
     return (torch.arange(numel, dtype=DTYPE) + 1 + k * numel).reshape(shape)
+
+
+def whole_matrices(full: torch.Tensor, case: Case) -> tuple[int, range] | None:
+    """(param k, the matrices it covers) when `full` is exactly a run of whole matrices of param k, else None."""
+    first = int(full.reshape(-1)[0].item()) - 1 if full.numel() else -1
+    numel = math.prod(case.shape)
+    k, offset = divmod(first, numel) if first >= 0 else (-1, 0)
+    unit = case.matrix_numel
+    if not 0 <= k < case.count or offset % unit or full.numel() % unit or offset + full.numel() > numel:
+        return None
+    if not torch.equal(full.reshape(-1), label(k, case.shape).reshape(-1)[offset: offset + full.numel()]):
+        return None
+    return k, range(offset // unit, (offset + full.numel()) // unit)
 
 
 def box(full: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
@@ -73,20 +120,24 @@ def box(full: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
 
 def _rank_main(case: Case, rank: int, world: ThreadWorld, planner: Callable, calls: Counter, out: dict) -> None:
     comm = ThreadComm(world, rank)
-    layouts = [layout_for(f"p{k}", case.shape, case.placement, case.world_size, rank) for k in range(case.count)]
+    layouts = [layout_for(f"p{k}", case, rank) for k in range(case.count)]
     step_plan = planner(tuple(Entry(lay, 0, str(DTYPE), True) for lay in layouts), case.options)
     failures, updates = [], {}
     for batch in step_plan.batches:
         lay = layouts[batch.params[0]]
 
         def kernel(full: torch.Tensor, batch=batch) -> torch.Tensor:
-            k = next((i for i in batch.params if torch.equal(full, label(i, case.shape))), None)
-            if k is None and batch.num_padding and torch.count_nonzero(full) == 0:
+            if full.numel() == 0 and batch.path in PARTIAL_PATHS:  # a rank holding no expert of this param
+                return 2 * full + 1
+            run = whole_matrices(full, case)
+            whole = run is not None and (batch.path in PARTIAL_PATHS or full.shape == case.shape)
+            if not whole and batch.num_padding and torch.count_nonzero(full) == 0:
                 calls["padding"] += 1
-            elif k is None:
-                failures.append(f"I3: rank {rank} got a matrix that is no param's global matrix: {full.tolist()}")
+            elif not whole or run[0] not in batch.params:
+                failures.append(f"I3: rank {rank} ({batch.path}) got {tuple(full.shape)} that is not whole "
+                                f"matrices of a param of its batch: {full.reshape(-1)[:8].tolist()}")
             else:
-                calls[k] += 1
+                calls.update((run[0], e, batch.path) for e in run[1])
             return 2 * full + 1
 
         group = Group(lay.group_ranks())
@@ -127,8 +178,15 @@ def check_case(case: Case, planner: Callable = real_plan) -> list[str]:
     if len({digest for digest, _ in ranks}) != 1:
         failures.append("I1: the ranks' plan digests differ")
     padding = calls.pop("padding", 0)
-    if sorted(calls.elements()) != list(range(case.count)):
-        failures.append(f"I2: kernel calls per param {dict(calls)}, want one each for {case.count} params")
+    matrices = case.num_experts or (case.shape[0] if len(case.shape) == 3 else 1)
+    per_matrix = Counter()
+    for (k, e, path), n in calls.items():
+        per_matrix[k, e] += n
+        if n != 1 and path != "subgroup_all_gather":
+            failures.append(f"I2: matrix {e} of param {k} orthogonalised {n} times on {path}")
+    missing = [(k, e) for k in range(case.count) for e in range(matrices) if not per_matrix[k, e]]
+    if missing or len(per_matrix) != case.count * matrices:
+        failures.append(f"I2: matrices never orthogonalised: {missing[:5]} (or foreign ones: {len(per_matrix)})")
     if padding != out.get("num_padding", padding):
         failures.append(f"I2: {padding} kernel calls on padding, the plan pads {out['num_padding']}")
     return [f"{case}: {f}" for f in failures]
@@ -140,8 +198,9 @@ def check_plans(planner: Callable = real_plan, max_world: int = 8) -> list[str]:
     for case in cases(max_world):
         failures += check_case(case, planner)
         n += 1
-    print(f"  plan checker: {n} cases (W <= {max_world}, placements S0/S1/R, even, uneven and empty shards, "
-          f"remainders via agrs and padded_all_to_all): {len(failures)} failures")
+    print(f"  plan checker: {n} cases (W <= {max_world}; matrices on S0/S1/R with even, uneven and empty shards "
+          f"and remainders via agrs and padded_all_to_all; experts E in 1, 3, 4, 16 on (ep, fsdp) meshes, 3-D "
+          f"and fused): {len(failures)} failures")
     return failures[:20]
 
 
