@@ -36,5 +36,8 @@ test-thorough: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,306 @@
+"""Benchmarks: DistributedMuon against the field's baselines on gloo ranks, the planner's load balance, memory.
+
+    python -m benchmarks [--quick] [--world-sizes 2 4] [--sets tiny_moe scaled_moe] [--warmup 2] [--steps 10]
+
+1. Step time and bytes per rank, W ranks on gloo (muon_dist.launch.RankPool), fp32 params sharded Shard(0)
+   (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
+   same pool, steps interleaved (the order rotates every step) so that the machine's load hits all alike:
+     distributed        DistributedMuon, automatic mode (all-to-all, AGRS for remainders, local experts)
+     padded_all_to_all  DistributedMuon(remainder="padded_all_to_all"): remainders padded with zero matrices
+                        (xtuner, Dion)
+     full_tensor        (a) all-gather every direction, NS on every rank (LlamaFactory v2, muonium)
+     gather_scatter     (c) gather to owner i mod W, NS, scatter (samsja muon_fsdp2)
+   Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
+   warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
+   benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest and non-finite-flag all-gathers are
+   listed apart as control bytes. Bound: muon_dist.verify's lower bound per rank. Every method's params after
+   all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
+2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
+3. Peak extra memory per rank during a step of each method: the median of 3 more steps (after one more,
+   unmeasured, under the same profiler), the max over ranks (benchmarks.memory: measured with torch.profiler's
+   memory events, after validating the method on a known allocation pattern).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+import muon_ref
+from muon_dist.layout import chunk_bounds
+from muon_dist.plan import PATHS
+from muon_dist.shapes import ParamSpec, tiny_moe, transformer
+from muon_dist.verify import bits, full_tensor
+
+from . import balance_table, memory
+
+METHODS = ("distributed", "padded_all_to_all", "full_tensor", "gather_scatter")
+MEMORY_STEPS = 3
+
+
+def scaled_moe() -> list[ParamSpec]:
+    """tiny_moe's structure with sizes about 5x larger, so that an NS run is not negligible next to a collective:
+    measured here on one thread in bf16 (under load), NS of a 128 x 128 matrix took 6.4 ms and of 128 x 352 14.5 ms,
+    against under 1 ms for tiny_moe's; still uneven (34 rows on 4 ranks)."""
+    return transformer(layers=3, hidden=136, heads=4, kv_heads=1, head_dim=34, ffn=360, vocab=97,
+                       experts=4, expert_ffn=72, moe_every=2)
+
+
+SETS = {"tiny_moe": tiny_moe, "scaled_moe": scaled_moe}
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark run on W ranks: a parameter set, warm-up and timed steps, the preset."""
+
+    table: str
+    world_size: int
+    warmup: int
+    steps: int
+    preset: str = "torch"
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+
+def muon_specs(table: str) -> list[ParamSpec]:
+    return [s for s in SETS[table]() if s.is_muon]
+
+
+def initial(b: Bench) -> list[torch.Tensor]:
+    return [full_tensor(s.shape, b.seed * 7919 + i, "float32") for i, s in enumerate(muon_specs(b.table))]
+
+
+def gradients(b: Bench, step: int) -> list[torch.Tensor]:
+    return [full_tensor(s.shape, b.seed * 104729 + 1000 * step + i + 1, "float32")
+            for i, s in enumerate(muon_specs(b.table))]
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+
+
+def shard(full: torch.Tensor) -> torch.Tensor:
+    """This rank's Shard(0) box of `full` as a DTensor on a 1-D mesh of the world (as FSDP2 holds it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("fsdp",))
+    first, rows = chunk_bounds(full.size(0), W, rank)
+    return DTensor.from_local(full.narrow(0, first, rows).clone(), mesh, [Shard(0)], shape=full.shape,
+                              stride=full.stride())
+
+
+class Method(Protocol):
+    """What the benchmark needs of an optimizer: one step on the params' current grads."""
+
+    def step(self) -> object: ...
+
+
+def make(method: str, params: list[torch.Tensor], names: list[str], preset: str) -> Method:
+    from muon_dist.optim import DistributedMuon
+
+    from .baselines import FullTensorMuon, GatherScatterMuon
+    from .counting import CountingCollectives
+
+    if method in ("distributed", "padded_all_to_all"):
+        remainder = "agrs" if method == "distributed" else "padded_all_to_all"
+        return DistributedMuon([{"params": params, "param_names": names}], preset=preset, remainder=remainder)
+    cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
+    return cls(params, names, preset, CountingCollectives())
+
+
+def step_bytes(opt: Method) -> tuple[int, int]:
+    """(data bytes, control bytes) this rank sent in the optimizer's last step."""
+    if hasattr(opt, "last_report"):
+        ledger = opt.last_report.bytes_by_path
+        data = sum(sent for path, (sent, _) in ledger.items() if path in PATHS)
+        return data, sum(sent for _, (sent, _) in ledger.items()) - data
+    return opt.comm.sent, 0
+
+
+def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = shard(g)
+
+
+def rank_bench(b: Bench) -> dict:
+    """Every method's steps, interleaved; per method: step times, bytes, final shards, peak extra memory."""
+    import torch.distributed as dist
+
+    names = [s.name for s in muon_specs(b.table)]
+    params = {m: [shard(t) for t in initial(b)] for m in METHODS}
+    opts = {m: make(m, params[m], names, b.preset) for m in METHODS}
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for step in range(b.total_steps):
+        grads = gradients(b, step)
+        for k in range(len(METHODS)):
+            method = METHODS[(step + k) % len(METHODS)]
+            set_grads(params[method], grads)
+            dist.barrier()
+            start = time.perf_counter()
+            opts[method].step()
+            times[method].append(time.perf_counter() - start)
+    out = {"times": times, "bytes": {m: step_bytes(opts[m]) for m in METHODS},
+           "shards": {m: [p.to_local().clone() for p in params[m]] for m in METHODS},
+           "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p})}
+    out["peak_bytes"] = {m: peak_bytes(b, params[m], opts[m]) for m in METHODS}
+    return out
+
+
+def peak_bytes(b: Bench, params: list[torch.Tensor], opt: Method) -> int:
+    """The median over MEMORY_STEPS more steps of a step's peak extra memory on this rank (benchmarks.memory): a
+    step now and then reads a few hundred KiB more than its neighbours (seen on one rank, padded_all_to_all,
+    scaled_moe, W = 4: 2,114 KiB in 3 of 6 steps, 2,210-2,497 KiB in the others)."""
+    import torch.distributed as dist
+
+    def prepare(k: int) -> None:
+        set_grads(params, gradients(b, b.total_steps + k))
+        dist.barrier()
+
+    return int(statistics.median(memory.peak_extra_bytes(opt.step, prepare, MEMORY_STEPS)))
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+
+def reference(b: Bench) -> list[torch.Tensor]:
+    """muon_ref.Muon on the full tensors for all of the run's steps."""
+    params = [torch.nn.Parameter(t) for t in initial(b)]
+    opt = muon_ref.Muon([{"params": params, "param_names": [s.name for s in muon_specs(b.table)]}], preset=b.preset)
+    for step in range(b.total_steps):
+        for p, g in zip(params, gradients(b, step)):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def equals_reference(results: list[dict], method: str, want: list[torch.Tensor]) -> bool:
+    """Every rank's shard of every param is bitwise its box of the reference."""
+    W = len(results)
+    for rank, result in enumerate(results):
+        for got, full in zip(result["shards"][method], want):
+            first, rows = chunk_bounds(full.size(0), W, rank)
+            if not torch.equal(bits(got), bits(full.narrow(0, first, rows).contiguous())):
+                return False
+    return True
+
+
+# fp32 directions (the params' dtype here) and bf16 updates (the "torch" preset's ns_dtype)
+DIRECTION_BYTES, UPDATE_BYTES = 4, 2
+
+
+def holders(spec: ParamSpec, world_size: int) -> int:
+    """How many ranks hold a piece of one matrix of the param: 1 for an [E, m, n] expert (dim 0 is the expert
+    index, never split), else the ranks with a non-empty Shard(0) box."""
+    if spec.num_experts:
+        return 1
+    return sum(1 for r in range(world_size) if chunk_bounds(spec.shape[0], world_size, r)[1] > 0)
+
+
+def bound_per_rank(b: Bench) -> float:
+    """muon_dist.verify's lower bound: sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W, with p
+    the ranks holding a piece of the matrix and S its element count (proofs/paths.md#a2a)."""
+    total = 0.0
+    for spec in muon_specs(b.table):
+        *experts, fan_out, fan_in = spec.shape
+        p = holders(spec, b.world_size)
+        total += (experts[0] if experts else 1) * (p - 1) / p * fan_out * fan_in * (
+            DIRECTION_BYTES + UPDATE_BYTES) / b.world_size
+    return total
+
+
+def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
+    rows = []
+    for method in METHODS:
+        slowest = [max(r["times"][method][s] for r in results) for s in range(b.warmup, b.total_steps)]
+        rows.append({
+            "table": b.table, "world_size": b.world_size, "method": method,
+            "step_ms": 1e3 * statistics.median(slowest),
+            "step_ms_min": 1e3 * min(slowest), "step_ms_max": 1e3 * max(slowest),
+            "sent_per_rank": statistics.mean(r["bytes"][method][0] for r in results),
+            "max_sent": max(r["bytes"][method][0] for r in results),
+            "control_per_rank": statistics.mean(r["bytes"][method][1] for r in results),
+            "bound_per_rank": bound_per_rank(b),
+            "equal_muon_ref": equals_reference(results, method, want),
+            "peak_bytes": max(r["peak_bytes"][method] for r in results),
+        })
+    return rows
+
+
+def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
+    base = rows[0]
+    padded = next(r for r in rows if r["method"] == "padded_all_to_all")["peak_bytes"]
+    print(f"\n{b.table}, W = {b.world_size}: {len(muon_specs(b.table))} Muon params; step: median of {b.steps} steps "
+          f"after {b.warmup} warm-up (slowest rank per step); peak: extra memory during a step (median of "
+          f"{MEMORY_STEPS} steps, max over ranks); DistributedMuon's paths: {', '.join(paths)}")
+    head = (f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'sent B/rank':>11} {'x dist':>6} "
+            f"{'max B':>9} {'bound B':>9} {'control B':>9} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        spread = f"[{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}]"
+        bytes_ratio = r["sent_per_rank"] / base["sent_per_rank"] if base["sent_per_rank"] else float("nan")
+        print(f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
+              f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
+              f"{r['control_per_rank']:>9.0f} {r['peak_bytes'] / 1024:>9.1f} {r['peak_bytes'] / padded:>8.2f} "
+              f"{'bitwise' if r['equal_muon_ref'] else 'DIFFERS':>10}")
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from muon_dist.launch import RankPool
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke size: tiny_moe, W = 2, 1 + 2 steps, W <= 64")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sets", nargs="+", choices=sorted(SETS), default=["tiny_moe", "scaled_moe"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", metavar="FILE", help="write every row as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.sets, args.warmup, args.steps = [2], ["tiny_moe"], 1, 2
+    balance_sizes = [2 ** k for k in range(3, 7 if args.quick else 11)]
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    print(f"muon_dist benchmarks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+          f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, 1 intra-op thread per rank; load average "
+          f"{load_average()} (other jobs share the cores: step times are noisy, compare ratios within a run)")
+    print(f"memory method validated on a known allocation pattern: peak {memory.validate()} B of 6,000 B")
+    step_rows, failures = [], []
+    for W in args.world_sizes:
+        pool = RankPool(W)
+        try:
+            for table in args.sets:
+                b = Bench(table, W, args.warmup, args.steps)
+                results = pool.run(rank_bench, b, timeout=args.timeout)
+                rows = summarise(b, results, reference(b))
+                print_steps(b, rows, results[0]["paths"])
+                failures += [f"{table} W={W} {r['method']}" for r in rows if not r["equal_muon_ref"]]
+                step_rows += rows
+        finally:
+            pool.close()
+    load_rows = balance_table.rows(balance_sizes)
+    balance_table.print_rows(load_rows)
+    print(f"\nwall time {time.perf_counter() - start:.1f} s; load average at the end {load_average()}; "
+          f"results differing from muon_ref: {failures or 'none'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": step_rows, "balance": load_rows}, f, indent=1)
+    return 1 if failures else 0

@@ -1,0 +1,80 @@
+"""A smoke run of the benchmark code at a tiny size (tiny_moe, W = 2): the benchmarks themselves
+(`python -m benchmarks`) never run in `make test`. It can fail: every method must equal muon_ref bitwise, the
+baselines' byte counts must be exactly the bytes of the tensors their collectives send, and the memory
+method must read a known allocation pattern."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import balance_table, memory
+from benchmarks.run import METHODS, Bench, equals_reference, main, muon_specs, rank_bench, reference
+from muon_dist.launch import RankPool
+from muon_dist.layout import chunk_bounds
+
+BENCH = Bench("tiny_moe", world_size=2, warmup=1, steps=1)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    pool = RankPool(BENCH.world_size)
+    try:
+        return pool.run(rank_bench, BENCH, timeout=60)
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_method_equals_muon_ref_bitwise(results):
+    want = reference(BENCH)
+    assert [m for m in METHODS if not equals_reference(results, m, want)] == []
+
+
+@pytest.mark.timeout(30)
+def test_a_one_bit_difference_in_a_baseline_is_caught(results):
+    want = reference(BENCH)
+    broken = [dict(r, shards=dict(r["shards"])) for r in results]
+    shard = broken[1]["shards"]["gather_scatter"][0].clone()
+    shard.view(torch.int32).view(-1)[0] ^= 1  # the last mantissa bit of one element
+    broken[1]["shards"]["gather_scatter"] = [shard] + broken[1]["shards"]["gather_scatter"][1:]
+    assert not equals_reference(broken, "gather_scatter", want)
+
+
+def padded_box_elements(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of one rank's box padded to the largest box (torch.chunk over dim 0)."""
+    return chunk_bounds(shape[0], world_size, 0)[1] * math.prod(shape[1:])
+
+
+@pytest.mark.timeout(30)
+def test_baseline_bytes_are_the_bytes_their_collectives_send(results):
+    W, fp32, bf16 = BENCH.world_size, 4, 2
+    shapes = [s.shape for s in muon_specs(BENCH.table)]
+    full_tensor = sum((W - 1) * padded_box_elements(s, W) * fp32 for s in shapes)
+    for rank, r in enumerate(results):
+        assert r["bytes"]["full_tensor"] == (full_tensor, 0)
+        # owner i mod W scatters W - 1 padded bf16 boxes; every other rank sends it one padded fp32 box
+        gather_scatter = sum(padded_box_elements(s, W) * ((W - 1) * bf16 if i % W == rank else fp32)
+                             for i, s in enumerate(shapes))
+        assert r["bytes"]["gather_scatter"] == (gather_scatter, 0)
+
+
+@pytest.mark.timeout(30)
+def test_memory_method_reads_a_known_allocation_pattern(results):
+    assert memory.validate() == 6_000
+    assert all(r["peak_bytes"][m] > 0 for r in results for m in METHODS)
+
+
+@pytest.mark.timeout(30)
+def test_no_assignment_beats_the_bound_in_the_load_balance_table():
+    for row in balance_table.rows([8, 64]):
+        assert all(row[rule] >= row["bound"] - 1e-12 for rule in ("round_robin", "per_shape", "lpt"))
+
+
+@pytest.mark.timeout(60)
+def test_the_quick_command_runs_and_finds_no_difference(capsys):
+    assert main(["--quick", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "results differing from muon_ref: none" in out and "Load balance" in out
