@@ -25,7 +25,7 @@ from muon_ref.presets import preset_defaults
 from .comm import Comm, TorchComm
 from .elementwise import run_stage
 from .layout import ParamLayout, read_layout
-from .paths import RUNNERS
+from .paths import RUNNERS, global_all_to_all
 from .plan import Entry, Options, Plan, plan
 
 
@@ -55,14 +55,16 @@ class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
     and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
     muon_dist/checkpoint.py), plus keyword-only options: `comm` (default TorchComm over torch.distributed),
-    `remainder` ("agrs" | "padded_all_to_all") and `force_path`.
+    `remainder` ("agrs" | "padded_all_to_all"), `force_path` and `dispatch` ("batched" | "global": one
+    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py).
     After each step, `last_report` is a StepReport.
     """
 
     def __init__(self, params: Iterable[Any], preset: str | None = "torch", *, comm: Comm | None = None,
-                 remainder: str = "agrs", force_path: str | None = None, **overrides: Any) -> None:
+                 remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
+                 **overrides: Any) -> None:
         self.comm = comm if comm is not None else TorchComm()
-        self.options = Options(remainder, force_path)
+        self.options = Options(remainder, force_path, dispatch)
         self.preset = preset
         self.last_report: StepReport | None = None
         self.last_plan: Plan | None = None
@@ -240,9 +242,14 @@ class DistributedMuon(torch.optim.Optimizer):
             mesh = getattr(first.param, "device_mesh", None)
             group = self.comm.group(layout.group_ranks(), mesh, layout.shard_axes or (0,))
             dtype = self._update_dtype(first)
-            kernel = self._guard(failures, f"the kernel of a batch from {first.name}", self.kernel(first),
-                                 lambda full, dtype=dtype: torch.zeros_like(full, dtype=dtype))
-            outs = RUNNERS[batch.path](self.comm, group, [directions[i] for i in batch.params], layout, kernel, dtype)
+            kernels = [self._guard(failures, f"the kernel of a batch from {items[i].name}", self.kernel(items[i]),
+                                   lambda full, dtype=dtype: torch.zeros_like(full, dtype=dtype)) for i in batch.params]
+            moving = [directions[i] for i in batch.params]
+            if batch.path == "global_all_to_all":
+                outs = global_all_to_all.run(self.comm, group, moving, [items[i].layout for i in batch.params],
+                                             kernels, batch.owners, dtype)
+            else:
+                outs = RUNNERS[batch.path](self.comm, group, moving, layout, kernels[0], dtype)
             updates.update(zip(batch.params, outs))
         return updates
 

@@ -12,6 +12,11 @@ mesh names: if every member holds whole experts, "local" (E_local % fsdp == 0, a
 the members that share an expert hold exactly that one expert, "subgroup_all_gather" (fsdp % E_local == 0
 with the expert's rows divisible by fsdp / E_local); else the all-to-all family over the whole shard group
 (proofs/paths.md#expert-fallback). E % ep != 0 needs no special case: the boxes say which case it is.
+
+dispatch="global" (Options.dispatch) then merges every batch of the all-to-all family (all_to_all, agrs,
+padded_all_to_all) into one "global_all_to_all" batch per (shard group, direction dtype, update dtype), each
+param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its matrices times their
+number; ties to the lowest param index and rank). Expert paths and replicated batches stay as they are.
 """
 
 from __future__ import annotations
@@ -21,19 +26,24 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .balance import lpt, ns_flops
 from .layout import ParamLayout
 
-PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "subgroup_all_gather")
+PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "subgroup_all_gather",
+                          "global_all_to_all")
+A2A_FAMILY = ("all_to_all", "agrs", "padded_all_to_all")
 RemainderPath = Literal["agrs", "padded_all_to_all"]
 
 
 @dataclass(frozen=True)
 class Options:
     """remainder: the path of a remainder batch. force_path: every sharded batch takes this path, full or not
-    (so only the paths that take any batch size: "agrs" or "padded_all_to_all")."""
+    (so only the paths that take any batch size: "agrs" or "padded_all_to_all"). dispatch: "batched" (batches of
+    W same-layout params) or "global" (one LPT-balanced batch per shard group and dtype pair)."""
 
     remainder: RemainderPath = "agrs"
     force_path: str | None = None
+    dispatch: Literal["batched", "global"] = "batched"
 
     def __post_init__(self) -> None:
         if self.remainder not in ("agrs", "padded_all_to_all"):
@@ -41,6 +51,11 @@ class Options:
         if self.force_path not in (None, "agrs", "padded_all_to_all"):
             raise ValueError(f"force_path must be None, 'agrs' or 'padded_all_to_all' (all_to_all takes only full "
                              f"batches: it is the default for them), got {self.force_path!r}")
+        if self.dispatch not in ("batched", "global"):
+            raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
+        if self.dispatch == "global" and self.force_path is not None:
+            raise ValueError(f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
+                             f"got {self.force_path!r}")
 
 
 @dataclass(frozen=True)
@@ -61,16 +76,21 @@ class Entry:
 
 @dataclass(frozen=True)
 class Batch:
-    """Invariants: 1 <= len(params) <= group_size; num_padding == group_size - len(params) on the padded path,
-    0 elsewhere; all_to_all batches are full (len(params) == group_size)."""
+    """Invariants: 1 <= len(params) <= group_size (any number on global_all_to_all); num_padding ==
+    group_size - len(params) on the padded path, 0 elsewhere; all_to_all batches are full (len(params) ==
+    group_size); owners (global_all_to_all only, else empty): the owning member of each param."""
 
     path: str
     params: tuple[int, ...]
     group_size: int
     num_padding: int
+    owners: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        assert self.path in PATHS and 1 <= len(self.params) <= self.group_size, self
+        is_global = self.path == "global_all_to_all"
+        assert self.path in PATHS and 1 <= len(self.params) and (is_global or len(self.params) <= self.group_size), self
+        assert len(self.owners) == (len(self.params) if is_global else 0), self
+        assert all(0 <= o < self.group_size for o in self.owners), self
         assert self.path != "all_to_all" or len(self.params) == self.group_size, self
         want = self.group_size - len(self.params) if self.path == "padded_all_to_all" else 0
         assert self.num_padding == want, self
@@ -136,13 +156,40 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
             path = _batch_path(layout, len(chunk), size, options)
             padding = size - len(chunk) if path == "padded_all_to_all" else 0
             batches.append(Batch(path, chunk, size, padding))
+    if options.dispatch == "global":
+        batches = _global(entries, batches)
     return Plan(tuple(entries), options, tuple(batches))
+
+
+def _global(entries: tuple[Entry, ...], batches: list[Batch]) -> list[Batch]:
+    """The all-to-all family's batches merged per (shard group, direction dtype, update dtype), after the other
+    batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs."""
+    kept, merged = [], {}
+    for batch in batches:
+        if batch.path not in A2A_FAMILY:
+            kept.append(batch)
+            continue
+        layout = entries[batch.params[0]].layout
+        key = (layout.all_groups(), layout.dtype, entries[batch.params[0]].update_dtype)
+        merged.setdefault(key, []).extend(batch.params)
+    for (groups, *_), params in merged.items():
+        params.sort()
+        costs = [m.num_matrices * ns_flops(m.fan_out, m.fan_in) for m in (entries[i].layout.matrices for i in params)]
+        W = len(groups[0])
+        kept.append(Batch("global_all_to_all", tuple(params), W, 0, tuple(lpt(costs, W))))
+    return kept
 
 
 def expected_bytes(plan: Plan, itemsizes: dict[str, int]) -> dict[str, tuple[int, int]]:
     """This rank's bytes (sent, received) by path, from the formulas of each path's docstring."""
     totals: dict[str, list[int]] = {}
     for batch in plan.batches:
+        if batch.path == "global_all_to_all":
+            sent, received = _global_bytes(plan, batch, itemsizes)
+            acc = totals.setdefault(batch.path, [0, 0])
+            acc[0] += sent
+            acc[1] += received
+            continue
         entry = plan.entries[batch.params[0]]
         layout, W = entry.layout, batch.group_size
         sizes = [math.prod(layout.box(j)[1]) for j in range(W)]
@@ -178,3 +225,21 @@ def _path_bytes(batch: Batch, sizes: list[int], me: int, grad_b: int, upd_b: int
         return moved, moved
     moved = (W - 1) * numel * upd_b
     return moved, moved
+
+
+def _global_bytes(plan: Plan, batch: Batch, itemsizes: dict[str, int]) -> tuple[int, int]:
+    """global_all_to_all: a param I do not own: my box out, its update's box back; a param I own: every other
+    member's box in, and back out. Per param, over all ranks: its size minus the owner's box, each way."""
+    sent = received = 0
+    for i, owner in zip(batch.params, batch.owners):
+        entry = plan.entries[i]
+        layout = entry.layout
+        grad_b, upd_b = itemsizes[layout.dtype], itemsizes[entry.update_dtype]
+        me = layout.group_ranks().index(layout.rank)
+        box = math.prod(layout.box(me)[1])
+        lacking = math.prod(layout.global_shape) - box
+        if owner == me:
+            sent, received = sent + lacking * upd_b, received + lacking * grad_b
+        else:
+            sent, received = sent + box * grad_b, received + box * upd_b
+    return sent, received

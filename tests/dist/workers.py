@@ -116,6 +116,16 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
     elif how == "bundle_ns":  # NS on a rank's experts as one stacked matrix, not per expert
         cfg = muon_ref.optim.group_config(opt.param_groups[0])
         opt.kernel = lambda item: lambda x: muon_ref.newton_schulz(x.reshape(-1, x.shape[-1]), **cfg.ns_kwargs()).reshape(x.shape)
+    elif how == "global_send_order":  # global_all_to_all's forward send packs boxes in reverse param order
+        from muon_dist.paths import global_all_to_all as glob
+
+        real_pack, calls = glob.pack, [0]
+
+        def reversed_forward(pieces, empty):  # odd calls are forward sends (reversing both ways only relabels)
+            calls[0] += 1
+            return real_pack([row[::-1] for row in pieces] if calls[0] % 2 else pieces, empty)
+        glob.pack = reversed_forward
+        opt._restore = lambda: setattr(glob, "pack", real_pack)
     elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
         import muon_dist.optim as optim_module
 
@@ -151,6 +161,7 @@ def distributed_steps(case: Case) -> dict:
         "buffers": [local_of(opt.state[p]["momentum_buffer"]).clone() for p in params],
         "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
         "expected": expected_bytes(opt.last_plan, ITEMSIZES),
+        "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
     }
 
 
