@@ -21,9 +21,11 @@ class CountingCollectives:
     def __init__(self) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.sent = self.received = 0
+        self.collectives = 0
 
     def reset(self) -> None:
         self.sent = self.received = 0
+        self.collectives = 0
 
     def all_gather(self, x: Tensor) -> Tensor:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is rank j's x (n = x.numel())."""
@@ -32,12 +34,14 @@ class CountingCollectives:
         dist.all_gather_single(out, x)
         moved = (self.world_size - 1) * x.numel() * x.element_size()
         self.sent, self.received = self.sent + moved, self.received + moved
+        self.collectives += 1
         return out
 
     def gather(self, x: Tensor, dst: int) -> list[Tensor] | None:
         """Every rank's x (equal sizes) on dst, in rank order; None elsewhere."""
         x = x.contiguous()
         nbytes = x.numel() * x.element_size()
+        self.collectives += 1
         if self.rank != dst:
             dist.gather(x, None, dst=dst)
             self.sent += nbytes
@@ -51,6 +55,7 @@ class CountingCollectives:
         """Piece j of src's `pieces` (each of this shape and dtype) to rank j."""
         out = torch.empty(shape, dtype=dtype)
         nbytes = out.numel() * out.element_size()
+        self.collectives += 1
         if self.rank == src:
             dist.scatter(out, [p.contiguous() for p in pieces], src=src)
             self.sent += (self.world_size - 1) * nbytes

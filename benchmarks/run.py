@@ -8,6 +8,7 @@
      distributed        DistributedMuon, automatic mode (all-to-all, AGRS for remainders, local experts)
      padded_all_to_all  DistributedMuon(remainder="padded_all_to_all"): remainders padded with zero matrices
                         (xtuner, Dion)
+     global             DistributedMuon(dispatch="global"): LPT owners, one ragged all-to-all each way
      full_tensor        (a) all-gather every direction, NS on every rank (LlamaFactory v2, muonium)
      gather_scatter     (c) gather to owner i mod W, NS, scatter (samsja muon_fsdp2)
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
@@ -42,7 +43,7 @@ from muon_dist.verify import bits, full_tensor
 
 from . import balance_table, memory
 
-METHODS = ("distributed", "padded_all_to_all", "full_tensor", "gather_scatter")
+METHODS = ("distributed", "padded_all_to_all", "global", "full_tensor", "gather_scatter")
 MEMORY_STEPS = 3
 
 
@@ -114,20 +115,21 @@ def make(method: str, params: list[torch.Tensor], names: list[str], preset: str)
     from .baselines import FullTensorMuon, GatherScatterMuon
     from .counting import CountingCollectives
 
-    if method in ("distributed", "padded_all_to_all"):
-        remainder = "agrs" if method == "distributed" else "padded_all_to_all"
-        return DistributedMuon([{"params": params, "param_names": names}], preset=preset, remainder=remainder)
+    if method in ("distributed", "padded_all_to_all", "global"):
+        options = {"padded_all_to_all": {"remainder": "padded_all_to_all"}, "global": {"dispatch": "global"}}
+        return DistributedMuon([{"params": params, "param_names": names}], preset=preset, **options.get(method, {}))
     cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
     return cls(params, names, preset, CountingCollectives())
 
 
-def step_bytes(opt: Method) -> tuple[int, int]:
-    """(data bytes, control bytes) this rank sent in the optimizer's last step."""
+def step_bytes(opt: Method) -> tuple[int, int, int]:
+    """(data bytes, control bytes, data collectives) of this rank in the optimizer's last step."""
     if hasattr(opt, "last_report"):
         ledger = opt.last_report.bytes_by_path
         data = sum(sent for path, (sent, _) in ledger.items() if path in PATHS)
-        return data, sum(sent for _, (sent, _) in ledger.items()) - data
-    return opt.comm.sent, 0
+        collectives = sum(1 for path, *_ in opt.comm.calls if path in PATHS)
+        return data, sum(sent for _, (sent, _) in ledger.items()) - data, collectives
+    return opt.comm.sent, 0, opt.comm.collectives
 
 
 def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -232,6 +234,7 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
             "sent_per_rank": statistics.mean(r["bytes"][method][0] for r in results),
             "max_sent": max(r["bytes"][method][0] for r in results),
             "control_per_rank": statistics.mean(r["bytes"][method][1] for r in results),
+            "collectives": max(r["bytes"][method][2] for r in results),
             "bound_per_rank": bound_per_rank(b),
             "equal_muon_ref": equals_reference(results, method, want),
             "peak_bytes": max(r["peak_bytes"][method] for r in results),
@@ -246,7 +249,7 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
           f"after {b.warmup} warm-up (slowest rank per step); peak: extra memory during a step (median of "
           f"{MEMORY_STEPS} steps, max over ranks); DistributedMuon's paths: {', '.join(paths)}")
     head = (f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'sent B/rank':>11} {'x dist':>6} "
-            f"{'max B':>9} {'bound B':>9} {'control B':>9} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}")
+            f"{'max B':>9} {'bound B':>9} {'control B':>9} {'colls':>5} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -254,7 +257,8 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
         bytes_ratio = r["sent_per_rank"] / base["sent_per_rank"] if base["sent_per_rank"] else float("nan")
         print(f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
               f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
-              f"{r['control_per_rank']:>9.0f} {r['peak_bytes'] / 1024:>9.1f} {r['peak_bytes'] / padded:>8.2f} "
+              f"{r['control_per_rank']:>9.0f} {r['collectives']:>5} {r['peak_bytes'] / 1024:>9.1f} "
+              f"{r['peak_bytes'] / padded:>8.2f} "
               f"{'bitwise' if r['equal_muon_ref'] else 'DIFFERS':>10}")
 
 

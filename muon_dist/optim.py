@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from muon_ref.functional import apply_update, check_gradient, is_finite, momentum_direction, orthogonalize
+from muon_ref.functional import apply_update, check_gradient, is_finite, momentum_direction
 from muon_ref.optim import check_param, group_config, param_name
 from muon_ref.presets import preset_defaults
 
 from .comm import Comm, TorchComm
 from .elementwise import run_stage
+from .kernels import orthogonalizer
 from .layout import ParamLayout, read_layout
 from .paths import RUNNERS, global_all_to_all
 from .plan import Entry, Options, Plan, plan
@@ -62,8 +63,9 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], preset: str | None = "torch", *, comm: Comm | None = None,
                  remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
-                 **overrides: Any) -> None:
+                 ns_backend: str = "torch", **overrides: Any) -> None:
         self.comm = comm if comm is not None else TorchComm()
+        self.orthogonalize = orthogonalizer(ns_backend)  # "triton": a tolerance, not bits (kernels/triton_ns.py)
         self.options = Options(remainder, force_path, dispatch)
         self.preset = preset
         self.last_report: StepReport | None = None
@@ -155,7 +157,7 @@ class DistributedMuon(torch.optim.Optimizer):
         of its whole experts (the expert paths pass a rank's experts: the layout keeps their count)."""
         cfg, matrices = group_config(self.param_groups[item.group_index]), item.layout.matrices
         size = matrices.fan_out * matrices.fan_in
-        return lambda x: orthogonalize(x, dataclasses.replace(matrices, num_matrices=x.numel() // size), cfg)
+        return lambda x: self.orthogonalize(x, dataclasses.replace(matrices, num_matrices=x.numel() // size), cfg)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

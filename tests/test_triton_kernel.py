@@ -203,3 +203,47 @@ def test_benchmark_parses_its_arguments_and_exits_cleanly_without_cuda(capsys):
     assert benchmark.parse_args(["--shapes", "8x1024x1024,64x96"]).shapes == [(8, 1024, 1024), (64, 96)]
     assert benchmark.main(["--peak-tflops", "1979"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def _triton_muon_one_rank(inits: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[list, tuple]:
+    """DistributedMuon(ns_backend="triton") on plain tensors, one in-process rank, in this thread (Triton's
+    interpreter refused kernels launched from other threads here: "Did you forget to add @triton.jit ?")."""
+    from muon_dist import DistributedMuon, ThreadComm, ThreadWorld
+
+    params = [torch.nn.Parameter(t.clone()) for t in inits]
+    opt = DistributedMuon(params, preset="torch", comm=ThreadComm(ThreadWorld(1), 0), ns_backend="triton",
+                          ns_dtype=torch.float32)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    return [p.detach() for p in params], opt.last_report.paths
+
+
+def test_distributed_muon_runs_the_triton_kernel_within_its_tolerance(tns, device, monkeypatch):
+    # the update is lr * s * O: the kernel's 1e-5 fp32 bound on O becomes lr * s * 1e-5 on the params, plus one
+    # fp32 ulp of the param (a smaller change of O can still move the param's final rounding by one ulp)
+    from muon_ref import Muon
+
+    calls, real = [], tns.newton_schulz_triton
+    monkeypatch.setattr(tns, "newton_schulz_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    inits = [gaussian((24, 16), 10 + i, "cpu") for i in range(2)]
+    grads = [gaussian((24, 16), 20 + i, "cpu") for i in range(2)]
+    got = [_triton_muon_one_rank(inits, grads)]
+    assert calls == [(1, 24, 16)] * 2  # the Triton kernel ran, once per param (the option is not ignored)
+    refs = [torch.nn.Parameter(t.clone()) for t in inits]
+    ref_opt = Muon(refs, preset="torch", ns_dtype=torch.float32)
+    for p, g in zip(refs, grads):
+        p.grad = g.clone()
+    ref_opt.step()
+    for params, paths in got:
+        assert {p for _, p in paths} == {"replicated"}
+        for p, r in zip(params, refs):
+            bound = 1e-3 * (24 / 16) ** 0.5 * 1e-5 + torch.finfo(torch.float32).eps * float(r.detach().abs().max())
+            assert max_abs_difference(p, r.detach()) <= bound
+
+
+def test_an_unknown_kernel_backend_is_refused():
+    from muon_dist.kernels import orthogonalizer
+
+    with pytest.raises(ValueError, match="ns_backend must be one of"):
+        orthogonalizer("cuda")
