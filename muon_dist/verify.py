@@ -7,7 +7,7 @@ For each world size, gloo ranks (muon_dist.launch.RankPool) train the Muon matri
 transformer with dense and MoE layers (muon_dist.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
-mode and forcing each remainder path. On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
+mode, forcing each remainder path, and with dispatch="global". On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
 are fused [E * m, n] with num_experts = E, the layout whose boxes can split an expert, so the expert paths
 (local, subgroup_all_gather, or the fallback) all occur. The parent runs muon_ref.Muon on the full tensors with
 the same gradients and param groups, and compares every rank's shard with its box of the reference, bit
@@ -48,7 +48,7 @@ class Run:
     world_size: int
     mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp"
     preset: str
-    mode: str  # "auto" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
+    mode: str  # "auto" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all" | "dispatch=global"
     dtype: str = "float32"
     steps: int = 3
     seed: int = 0
@@ -57,7 +57,7 @@ class Run:
         if self.mode == "auto":
             return {}
         key, value = self.mode.split("=")
-        return {"remainder" if key == "remainder" else "force_path": value}
+        return {{"force": "force_path"}.get(key, key): value}
 
 
 def muon_specs(mesh: str = "fsdp") -> list[ParamSpec]:
@@ -97,7 +97,7 @@ def gradients(run: Run, step: int) -> list[torch.Tensor]:
 
 def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
     """Every preset (or those given) in automatic mode on the 1-D mesh; the torch preset on the other meshes,
-    in bf16, and with each remainder path forced."""
+    in bf16, with each remainder path forced, and with dispatch="global"."""
     out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(presets or PRESETS)]
     out.append(Run(world_size, "fsdp", "torch", "auto", "bfloat16", steps=steps))
     out.append(Run(world_size, "ddp", "torch", "auto", steps=steps))
@@ -106,7 +106,7 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
         out.append(Run(world_size, "ep", "torch", "auto", steps=steps))
     if world_size > 1:
         out += [Run(world_size, "fsdp", "torch", m, steps=steps)
-                for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all")]
+                for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all", "dispatch=global")]
     return out
 
 

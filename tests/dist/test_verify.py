@@ -16,7 +16,8 @@ def test_verify_passes_on_two_world_sizes_and_exercises_every_remainder_path(tmp
     assert verify.main(["--world-sizes", "1", "2", "--steps", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["violations"] == []
-    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated"} <= {r["path"] for r in report["rows"]}
+    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "global_all_to_all"} <= {
+        r["path"] for r in report["rows"]}
     assert all(r["bitwise"] for r in report["rows"])
     # the even all-to-all moves exactly the lower bound
     a2a = [r for r in report["rows"] if r["path"] == "all_to_all" and r["world_size"] == 2 and r["mesh"] == "fsdp"]
