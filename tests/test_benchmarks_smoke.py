@@ -54,11 +54,11 @@ def test_baseline_bytes_are_the_bytes_their_collectives_send(results):
     shapes = [s.shape for s in muon_specs(BENCH.table)]
     full_tensor = sum((W - 1) * padded_box_elements(s, W) * fp32 for s in shapes)
     for rank, r in enumerate(results):
-        assert r["bytes"]["full_tensor"] == (full_tensor, 0)
+        assert r["bytes"]["full_tensor"] == (full_tensor, 0, len(shapes))  # (data, control, collectives)
         # owner i mod W scatters W - 1 padded bf16 boxes; every other rank sends it one padded fp32 box
         gather_scatter = sum(padded_box_elements(s, W) * ((W - 1) * bf16 if i % W == rank else fp32)
                              for i, s in enumerate(shapes))
-        assert r["bytes"]["gather_scatter"] == (gather_scatter, 0)
+        assert r["bytes"]["gather_scatter"] == (gather_scatter, 0, 2 * len(shapes))  # a gather and a scatter each
 
 
 @pytest.mark.timeout(30)
