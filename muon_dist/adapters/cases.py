@@ -1,0 +1,155 @@
+"""Conformance cases: families of parameter sets, each a function of the world size, and the predicate that
+keeps a shrunk case inside its family.
+
+Single device (plain tensors): tall, wide, square, row (1 x n), primes, experts3d ([E, m, n]), conv4d
+(4-D, read as (out, in*kh*kw) by the reference: flatten=True).
+DTensor Shard(0) over W ranks, torch.chunk boxes (5 rows on 4 ranks: 2, 2, 1, 0), the Hypothesis suite's
+families: even (rows % W == 0, W params), uneven (rows % W != 0, no empty box; rows and cols chosen so that
+padding rows to a multiple of W would flip the transpose decision), empty (rows < W: some rank holds nothing),
+remainder (more params than W and not a multiple), experts (3-D [E, m, n], E % W != 0).
+Replicated (the same plain tensor on every rank): even (W params), remainder (W + 1), mixed (W + 1 of one
+shape, W - 1 of another: a batch of W holds both), experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+SINGLE_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "experts3d", "conv4d"})
+DIST_FAMILIES = frozenset({"even", "uneven", "empty", "remainder", "experts"})
+REPLICATED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts"})
+
+_SINGLE_SHAPES = {
+    "tall": ((12, 6),), "wide": ((6, 12),), "square": ((8, 8),), "row": ((1, 10),), "primes": ((13, 7),),
+    "experts3d": ((3, 6, 4),), "conv4d": ((4, 3, 2, 2),),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """mode: "single" (plain tensors, one rank), "dtensor" or "replicated" (world_size ranks)."""
+
+    family: str
+    mode: str
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str = "float32"
+    steps: int = 3
+    seed: int = 0
+
+    def label(self) -> str:
+        shapes = _shapes_label(self.shapes)
+        where = "1 device" if self.mode == "single" else f"W={self.world_size} {self.mode}"
+        return f"{self.family} {shapes} {self.dtype} {where} {self.steps} steps"
+
+
+def _shapes_label(shapes: tuple[tuple[int, ...], ...]) -> str:
+    runs: list[list] = []
+    for s in shapes:
+        if runs and runs[-1][0] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return " + ".join(f"{n}x{tuple(s)}" if n > 1 else str(tuple(s)) for s, n in runs)
+
+
+def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...] | None:
+    """The family's parameter shapes on W ranks (None when the family cannot exist on W ranks)."""
+    if mode == "single":
+        return _SINGLE_SHAPES[family]
+    if family == "even":
+        return ((2 * W, 5),) * W
+    if family == "remainder":
+        return ((2 * W, 5),) * (W + 1) if W > 1 else None
+    if family == "experts":
+        return ((W + 1, 4, 3),) * W
+    if mode == "replicated":
+        # a batch of W straddles the two shapes when W > 1
+        return ((6, 4),) * (W + 1) + ((3, 5),) * max(W - 1, 1) if family == "mixed" else None
+    if family == "uneven":  # (2W-1) x (2W-1): no empty box; padded to 2W rows it would be transposed
+        return ((2 * W - 1, 2 * W - 1),) * W if W > 1 else None
+    if family == "empty":
+        return ((W - 1, 4),) * W if W > 1 else None
+    raise ValueError(f"unknown case family {family!r}")
+
+
+def in_family(case: Case) -> bool:
+    """Does the case still exercise its family (the shrinker keeps only cases that do)?"""
+    W, shapes, fam = case.world_size, case.shapes, case.family
+    if not shapes or any(d < 1 for s in shapes for d in s):
+        return False
+    rows = [s[0] for s in shapes]
+    if case.mode == "single":
+        return {"tall": shapes[0][0] > shapes[0][1], "wide": shapes[0][0] < shapes[0][1],
+                "square": shapes[0][0] == shapes[0][1], "row": shapes[0][0] == 1,
+                "primes": all(_prime(d) for d in shapes[0]), "experts3d": len(shapes[0]) == 3,
+                "conv4d": len(shapes[0]) == 4}[fam]
+    if fam == "even":
+        return all(r % W == 0 for r in rows)
+    if fam == "remainder":
+        return len(shapes) > W and len(shapes) % W != 0
+    if fam == "uneven":
+        return all(r % W != 0 and r > math.ceil(r / W) * (W - 1) for r in rows)
+    if fam == "empty":
+        return any(math.ceil(r / W) * (W - 1) >= r for r in rows)
+    if fam == "experts":
+        return all(len(s) == 3 for s in shapes)
+    return fam == "mixed" and len(set(shapes)) > 1
+
+
+def _prime(n: int) -> bool:
+    return n > 1 and all(n % k for k in range(2, int(n**0.5) + 1))
+
+
+def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple[int, ...],
+                  dtypes: tuple[str, ...], steps: int) -> list[Case]:
+    """Every supported single-device family, then every distributed family on every world size."""
+    cases = [Case(f, "single", 1, _SINGLE_SHAPES[f], d, steps) for f in sorted(families & SINGLE_FAMILIES)
+             for d in dtypes]
+    if mode is None:
+        return cases
+    dist = sorted(families & (DIST_FAMILIES if mode == "dtensor" else REPLICATED_FAMILIES))
+    for W in world_sizes:
+        for f in dist:
+            shapes = family_shapes(f, mode, W)
+            if shapes is not None:
+                cases += [Case(f, mode, W, shapes, d, steps) for d in dtypes]
+    return cases
+
+
+def initial_params(case: Case) -> list[torch.Tensor]:
+    """The full initial parameters: the same on every rank and in the parent (seeded per param)."""
+    return [_randn(s, case.seed * 7919 + i, case.dtype) for i, s in enumerate(case.shapes)]
+
+
+def gradients(case: Case, step: int) -> list[torch.Tensor]:
+    """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
+    return [_randn(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype) for i, s in enumerate(case.shapes)]
+
+
+def _randn(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+
+
+def local_box(full: torch.Tensor, mode: str, rank: int, world_size: int) -> torch.Tensor:
+    """What `rank` holds of `full`: torch.chunk's chunk along dim 0 (empty past the last chunk) for dtensor."""
+    if mode != "dtensor":
+        return full
+    chunks = full.chunk(world_size, 0)
+    return chunks[rank] if rank < len(chunks) else full.narrow(0, full.size(0), 0)
+
+
+def smaller(case: Case) -> list[Case]:
+    """Candidates one shrinking move away, simplest first: fewer steps, fewer params, smaller dims."""
+    out = [replace(case, steps=s) for s in range(1, case.steps)]
+    if len(case.shapes) > 1:
+        out += [replace(case, shapes=case.shapes[:-1]), replace(case, shapes=case.shapes[1:])]
+    for dim in range(len(case.shapes[0]) if case.shapes else 0):
+        for shrink in (lambda d: d // 2, lambda d: d - 1):
+            shapes = tuple(s[:dim] + (shrink(s[dim]),) + s[dim + 1:] if s == case.shapes[0] else s
+                           for s in case.shapes)
+            out.append(replace(case, shapes=shapes))
+    return [c for c in out if c != case and in_family(c)]

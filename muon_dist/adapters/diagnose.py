@@ -1,0 +1,132 @@
+"""Diagnosis of a departure from the claim: a convention (some muon_ref configuration reproduces every case
+that ran, bit for bit) or a bug (none does; named by the case families that depart).
+
+Search, in order (the first configuration that matches every completed case wins):
+    1. the claimed preset with one convention option changed (CONVENTION_OPTIONS), the claim's other
+       overrides kept;
+    2. every other preset, with the claim's lr, weight_decay, momentum and nesterov;
+    3. every other preset with one option changed.
+A configuration is tried on the departing cases first (most fail at their first step), then on the cases
+that were bitwise (a convention must keep those too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from muon_ref.presets import PRESETS, preset_defaults
+
+from .oracle import Outcome, matches, resolved_hyperparameters
+
+# One option (or a pair that only makes sense together) per entry; values found in the field
+# (/work/shared/reference/conventions.md; muon_ref/config.py documents each).
+CONVENTION_OPTIONS: list[dict[str, Any]] = [
+    {"momentum_style": "ema", "nesterov_form": "lerp"},
+    {"momentum_style": "sum", "nesterov_form": "add_alpha"},
+    {"momentum_style": "sum", "nesterov_form": "mul_add"},
+    {"nesterov": True}, {"nesterov": False},
+    {"weight_decay_form": "mul"}, {"weight_decay_form": "add_self"},
+    *({"lr_scale": s} for s in ("original", "match_rms_adamw", "spectral_norm", "spectral", "none")),
+    {"scale_sqrt": "sqrt"}, {"scale_sqrt": "pow"},
+    *({"scale_apply": s} for s in ("alpha", "update", "update_lr", "update_lr_cast")),
+    {"update_dtype": None}, {"update_dtype": torch.float32},
+    *({"schedule": s} for s in ("keller", "you5", "polar_express", "polar_express_modded")),
+    *({"step_form": s} for s in ("addmm", "keller", "dion")),
+    {"eps_mode": "add"}, {"eps_mode": "clamp"},
+    *({"eps": e} for e in (1e-6, 1e-7, 1e-8)),
+    {"normalize_before_cast": True}, {"normalize_before_cast": False},
+    {"ns_dtype": torch.float32},
+]
+
+
+def _valid(preset: str | None, overrides: dict[str, Any]) -> bool:
+    try:
+        preset_defaults(preset, overrides)
+        return True
+    except ValueError:
+        return False
+
+
+def _changes(preset: str | None, overrides: dict[str, Any]) -> list[tuple[dict[str, Any], str | None, dict]]:
+    """(the change, preset, overrides) for each option that changes this configuration."""
+    current = preset_defaults(preset, overrides)
+    out = []
+    for option in CONVENTION_OPTIONS:
+        if all(current.get(k) == v for k, v in option.items()):
+            continue
+        trial = {**overrides, **option}
+        if _valid(preset, trial):
+            out.append((option, preset, trial))
+    return out
+
+
+def alternatives(preset: str | None, overrides: dict[str, Any]):
+    """Yield (description, preset, overrides) in search order (module docstring)."""
+    claimed = f"claimed preset {preset!r}" if preset else "the claimed configuration"
+    for option, p, trial in _changes(preset, overrides):
+        yield f"matches {claimed} with {_fmt(option)}", p, trial
+    hp = resolved_hyperparameters(preset, overrides)
+    others = [p for p in PRESETS if p != preset]
+    for other in others:
+        yield f"matches preset {other!r}", other, dict(hp)
+    for other in others:
+        for option, p, trial in _changes(other, dict(hp)):
+            yield f"matches preset {other!r} with {_fmt(option)}", p, trial
+
+
+def _fmt(option: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={str(v).replace('torch.', '') if isinstance(v, torch.dtype) else repr(v)}"
+                     for k, v in option.items())
+
+
+def find_convention(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str | None:
+    """The first configuration of the search that reproduces every completed case; None if none does."""
+    departing = [o for o in outcomes if o.status == "differs"]
+    kept = [o for o in outcomes if o.status == "bitwise"]
+    if not departing:
+        return None
+    for description, p, trial in alternatives(preset, overrides):
+        if all(matches(o, p, trial) for o in departing) and all(matches(o, p, trial) for o in kept):
+            return description
+    return None
+
+
+def by_family(outcomes: list[Outcome], status: str) -> str:
+    """'uneven (2/4: W=2, W=4; bfloat16 only)' for the families with cases of this status."""
+    parts = []
+    for family in dict.fromkeys(o.case.family for o in outcomes):
+        mine = [o for o in outcomes if o.case.family == family]
+        hit = [o for o in mine if o.status == status]
+        if not hit:
+            continue
+        dtypes = sorted({o.case.dtype for o in hit})
+        note = f"{dtypes[0]} only" if len(dtypes) == 1 and len({o.case.dtype for o in mine}) > 1 else ""
+        where = sorted({("1 device" if o.case.mode == "single" else f"W={o.case.world_size}") for o in hit})
+        parts.append(f"{family} ({len(hit)}/{len(mine)}: {', '.join(where)}{'; ' + note if note else ''})")
+    return ", ".join(parts)
+
+
+def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str:
+    """One line: conforms, a convention, or a bug named by the families that depart (crashes, hangs after)."""
+    parts = []
+    departing = [o for o in outcomes if o.status == "differs"]
+    if departing:
+        convention = find_convention(outcomes, preset, overrides)
+        if convention:
+            parts.append(f"convention: {convention}")
+        else:
+            bitwise = sorted({o.case.family for o in outcomes if o.status == "bitwise"}
+                             - {o.case.family for o in departing})
+            kind = "bug" if bitwise else "departs everywhere"
+            parts.append(f"{kind}: no muon_ref convention explains it; departs on {by_family(outcomes, 'differs')}"
+                         + (f"; bitwise on {', '.join(bitwise)}" if bitwise else ""))
+    for status in ("crash", "hang"):
+        if any(o.status == status for o in outcomes):
+            parts.append(f"{status}es on {by_family(outcomes, status)}" if status == "crash"
+                         else f"hangs on {by_family(outcomes, status)}")
+    return "; ".join(parts) or "conforms: every case bitwise equal to the claim"
+
+
+__all__ = ["CONVENTION_OPTIONS", "alternatives", "by_family", "diagnose", "find_convention"]

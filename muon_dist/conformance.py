@@ -1,0 +1,251 @@
+r"""Check any Muon against the oracle: `python -m muon_dist.conformance --adapter MODULE:NAME`.
+
+    python -m muon_dist.conformance --adapter muon_dist.adapters.shipped:TorchMuon
+    python -m muon_dist.conformance --adapter muon:SingleDeviceMuon --preset keller     # any optimizer class
+    python -m muon_dist.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
+        --hp-names '{"momentum": "mu"}' --distributed dtensor                         # a local checkout
+    python -m muon_dist.conformance --all --markdown                                    # the README table
+
+Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.launch.RankPool;
+one rank for single-device cases) with a timeout (--timeout, default 300 s: first calls may torch.compile),
+and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/adapters/oracle.py.
+Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows), crash
+(the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
+failure kind) and the departure diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure
+from the claim, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from .adapters import Adapter, load_adapter
+from .adapters.cases import Case, default_cases, family_shapes, in_family, smaller
+from .adapters.diagnose import diagnose
+from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
+from .adapters.workers import candidate_steps
+from .launch import RankFailure, RankPool
+
+_print = functools.partial(print, flush=True)  # progress shows while a long run goes on
+
+
+class Runner:
+    """Runs cases of one adapter on pools of gloo ranks (one pool per world size, kept across cases)."""
+
+    def __init__(self, adapter: Adapter, timeout: float) -> None:
+        self.adapter, self.timeout = adapter, timeout
+        self.preset, self.overrides = claim_of(adapter)
+        self.pools: dict[int, RankPool] = {}
+
+    def run(self, case: Case, timeout: float | None = None) -> Outcome:
+        pool = self.pools.setdefault(case.world_size, RankPool(case.world_size))
+        pool.submit(candidate_steps, self.adapter, case, candidate_hyperparameters(self.adapter))
+        try:
+            reference = reference_steps(case, self.preset, self.overrides)
+        except BaseException:
+            pool.kill()  # its answers to this call would be read by the next one
+            raise
+        try:
+            results = pool.collect(timeout or self.timeout)
+        except RankFailure as failure:
+            return _failed(case, failure)
+        return compare(case, results, reference)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+def _failed(case: Case, failure: RankFailure) -> Outcome:
+    """crash or hang. A crash names the first rank's own error, before ranks that only saw a peer die (gloo:
+    "Connection reset by peer"; a rank that gloo aborted, e.g. on a collective of mismatched sizes, just dies)."""
+    raised = {r: _last_line(m) for r, m in failure.messages.items() if "no answer within" not in m}
+    if not raised:
+        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.messages)} within the timeout")
+    secondary = ("Connection reset by peer", "Connection closed by peer", "the rank died")
+    own = {r: m for r, m in raised.items() if not any(s in m for s in secondary)}
+    died = sorted(r for r, m in raised.items() if "the rank died" in m)
+    if own:
+        rank, line = min(own.items())
+        return Outcome(case, "crash", error=f"rank {rank}: {line[:300]}")
+    if died:
+        note = "died in a collective (gloo aborted it; peers: connection reset)"
+        return Outcome(case, "crash", error=f"rank {died[0]}: {note}")
+    rank, line = min(raised.items())
+    return Outcome(case, "crash", error=f"rank {rank}: {line[:300]}")
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Unsupported|NotMet|Interrupt))(: .*)?$")
+
+
+def _last_line(message: str) -> str:
+    """The traceback's last exception line (short type name), and the first one when it differs (the cause
+    that torch.compile or a wrapper re-raised as another type)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    found = [m for m in map(_EXCEPTION_LINE.match, lines) if m]
+    if not found:
+        return lines[-1]
+    short = [f"{m.group(1).rsplit('.', 1)[-1]}{m.group(3) or ''}" for m in found]
+    asserts = [line for line in lines if line.startswith("assert ")]
+    cause = f"{short[0]}{': ' + asserts[-1] if asserts else ''}"
+    return short[-1] if found[0].group(1) == found[-1].group(1) and not asserts else f"{short[-1]} (from {cause})"
+
+
+def _kind(o: Outcome) -> tuple[str, str | None]:
+    """The failure kind a shrunk case must keep: status, and the exception type of a crash."""
+    return o.status, (o.error.split(":")[1].strip() if o.status == "crash" and o.error else None)
+
+
+def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
+    """A minimal case with the same failure kind: greedy over smaller world sizes, then `smaller` moves."""
+    deadline, best = time.monotonic() + budget_s, outcome
+    kind, improved = _kind(outcome), True
+    while improved and time.monotonic() < deadline:
+        improved = False
+        for case in _smaller_worlds(best.case) + smaller(best.case):
+            if time.monotonic() >= deadline:
+                break
+            trial = runner.run(case, timeout=min(runner.timeout, 20.0) if kind[0] == "hang" else None)
+            if _kind(trial) == kind:
+                best, improved = trial, True
+                break
+    return best
+
+
+def _smaller_worlds(case: Case) -> list[Case]:
+    out = []
+    for W in range(1, case.world_size):
+        shapes = family_shapes(case.family, case.mode, W) if case.mode != "single" else None
+        if shapes is not None:
+            trial = replace(case, world_size=W, shapes=shapes)
+            out += [trial] if in_family(trial) else []
+    return out
+
+
+def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: float, shrink_budget: float,
+          families: tuple[str, ...] | None = None, dtypes: tuple[str, ...] | None = None,
+          log=_print) -> dict[str, Any]:
+    """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json)."""
+    runner = Runner(adapter, timeout)
+    started = time.monotonic()
+    chosen = adapter.families & frozenset(families) if families else adapter.families
+    dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
+    try:
+        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps)
+        outcomes = []
+        for case in cases:
+            outcomes.append(runner.run(case))
+            log(_line(outcomes[-1]))
+        diagnosis = diagnose(outcomes, runner.preset, runner.overrides)
+        shrunk, firsts = [], _first_of_each_failure(outcomes)
+        for o in firsts:
+            if shrink_budget > 0:
+                small = shrink(runner, o, shrink_budget / len(firsts))
+                shrunk.append({"from": o.case.label(), "to": small.case.label(), "status": small.status,
+                               "error": small.error, "max_diff": small.max_diff})
+    finally:
+        runner.close()
+    return {"adapter": adapter.name, "version": adapter.version(), "claim": adapter.describe(),
+            "distributed": adapter.distributed, "outcomes": [o.summary() for o in outcomes],
+            "conforms": all(o.status == "bitwise" for o in outcomes), "diagnosis": diagnosis,
+            "minimal_failing_cases": shrunk, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
+    """One failing case per failure kind and mode (and family, off a single device), for the shrinker."""
+    firsts: dict[tuple, Outcome] = {}
+    for o in outcomes:
+        if o.status != "bitwise":
+            firsts.setdefault((o.case.mode, _kind(o), o.case.family if o.case.mode != "single" else ""), o)
+    return list(firsts.values())
+
+
+def _line(o: Outcome) -> str:
+    detail = o.error or ("" if o.status == "bitwise" else
+                         f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
+                         f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}")
+    return f"  {o.case.label():<58} {o.status:<8} {detail}"
+
+
+def print_report(report: dict[str, Any], log=_print) -> None:
+    log(f"diagnosis: {report['diagnosis']}")
+    for s in report["minimal_failing_cases"]:
+        log(f"  minimal {s['status']}: {s['to']}" + (f" ({s['error']})" if s["error"] else
+                                                    f" (max|dP| {s['max_diff']:.3g})"))
+    bitwise = sum(o["status"] == "bitwise" for o in report["outcomes"])
+    log(f"{bitwise}/{len(report['outcomes'])} cases bitwise equal to the claim ({report['wall_s']} s)")
+
+
+def markdown(reports: list[dict[str, Any]]) -> str:
+    lines = ["| adapter | version | claim | bitwise | diagnosis | minimal failing cases |", "|---|---|---|---|---|---|"]
+    for r in reports:
+        claim = r["claim"].split("(claims ", 1)[-1].rstrip(")")
+        n = sum(o["status"] == "bitwise" for o in r["outcomes"])
+        small = "; ".join(f"{s['status']}: {s['to']}" for s in r["minimal_failing_cases"]) or "-"
+        lines.append(f"| `{r['adapter']}` | {r['version']} | {claim} | {n}/{len(r['outcomes'])} | "
+                     f"{r['diagnosis'].replace('|', '/')} | {small.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
+    p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.adapters.shipped)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
+    p.add_argument("--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--markdown", action="store_true", help="print the README's conformance table")
+    g = p.add_argument_group("for an optimizer class given by import path")
+    g.add_argument("--preset", default="torch")
+    g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
+    g.add_argument("--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}')
+    g.add_argument("--kwargs", type=json.loads, default={}, help="constructor keywords, JSON")
+    g.add_argument("--distributed", choices=["dtensor", "replicated"], default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
+                                 kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
+    except (ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.all:
+        from .adapters.shipped import SHIPPED
+
+        adapters += [cls() for cls in SHIPPED.values()]
+    if not adapters:
+        print("error: give --adapter MODULE:NAME (repeatable) or --all", file=sys.stderr)
+        return 2
+    reports = []
+    for adapter in adapters:
+        _print(adapter.describe())
+        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout, args.shrink_budget,
+                             args.families, args.dtypes))
+        print_report(reports[-1])
+    if args.markdown:
+        print(markdown(reports))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1, default=str)
+    return 0 if all(r["conforms"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

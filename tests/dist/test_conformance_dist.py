@@ -1,0 +1,88 @@
+"""`python -m muon_dist.conformance` on distributed adapters over gloo: DistributedMuon behind the adapter
+conforms (exit 0); two deliberately broken distributed Muons fail with the family that triggers them named:
+NS on shards padded to a multiple of W (Dion's transpose on a padded shape: uneven shards only), and a
+remainder batch that is never updated (remainder batches only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import muon_ref
+from muon_dist import DistributedMuon, conformance
+from muon_dist.adapters.shipped import DistributedReference
+
+DIST_FAST = ["--world-sizes", "2", "--dtypes", "float32", "--families", "even", "uneven", "empty", "remainder",
+             "--shrink-budget", "15"]
+
+
+class PaddedNewtonSchulz(DistributedMuon):
+    """Like Dion: rows padded with zeros to a multiple of W and kept inside NS, so the transpose is decided on
+    the padded shape."""
+
+    def kernel(self, item: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        cfg, W = muon_ref.optim.group_config(self.param_groups[0]), dist.get_world_size()
+
+        def padded(full: torch.Tensor) -> torch.Tensor:
+            pad = full.new_zeros(math.ceil(full.shape[0] / W) * W - full.shape[0], *full.shape[1:])
+            return muon_ref.newton_schulz(torch.cat([full, pad]), **cfg.ns_kwargs())[: full.shape[0]]
+        return padded
+
+
+class PaddedAdapter(DistributedReference):
+    name = "padded-ns"
+
+    def build(self, params: list[torch.Tensor], **hp: Any) -> torch.optim.Optimizer:
+        return PaddedNewtonSchulz(params, preset=self.preset, **hp)
+
+
+class DroppedRemainder(DistributedReference):
+    """Steps only the params of full batches of W; the ones beyond the last full batch are never updated."""
+
+    name = "dropped-remainder"
+
+    def build(self, params: list[torch.Tensor], **hp: Any) -> torch.optim.Optimizer:
+        W = dist.get_world_size()
+        return DistributedMuon(params[: len(params) // W * W], preset=self.preset, **hp)
+
+
+def _report(tmp_path, adapter: str, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "report.json"
+    code = conformance.main(["--adapter", adapter, *DIST_FAST, *extra, "--json", str(out)])
+    (report,) = json.loads(out.read_text())
+    return code, report
+
+
+@pytest.mark.timeout(90)
+def test_distributed_muon_behind_the_adapter_conforms_on_gloo(tmp_path) -> None:
+    code, report = _report(tmp_path, "muon_dist.adapters.shipped:DistributedReference", "--world-sizes", "1", "2")
+    assert code == 0 and report["conforms"], report["diagnosis"]
+    assert {(o["family"], o["world_size"]) for o in report["outcomes"] if o["mode"] == "dtensor"} >= {
+        ("even", 1), ("even", 2), ("uneven", 2), ("empty", 2), ("remainder", 2)}
+
+
+@pytest.mark.timeout(90)
+def test_ns_on_padded_shards_is_a_bug_of_uneven_shards_only(tmp_path) -> None:
+    code, report = _report(tmp_path, f"{__name__}:PaddedAdapter")
+    assert code == 1
+    assert report["diagnosis"].startswith("bug: no muon_ref convention explains it; departs on uneven (1/1: W=2)")
+    departed = {o["family"] for o in report["outcomes"] if o["status"] != "bitwise"}
+    assert departed == {"uneven"}, report["outcomes"]
+    (small,) = report["minimal_failing_cases"]
+    assert small["status"] == "differs" and small["to"].startswith("uneven") and "W=2" in small["to"]
+
+
+@pytest.mark.timeout(90)
+def test_a_dropped_remainder_is_a_bug_of_remainder_batches_only(tmp_path) -> None:
+    code, report = _report(tmp_path, f"{__name__}:DroppedRemainder")
+    assert code == 1
+    assert report["diagnosis"].startswith("bug: no muon_ref convention explains it; departs on remainder (1/1: W=2)")
+    departed = {o["family"] for o in report["outcomes"] if o["status"] != "bitwise"}
+    assert departed == {"remainder"}, report["outcomes"]
+    first = next(o for o in report["outcomes"] if o["family"] == "remainder")
+    assert first["first_step"] == 1 and first["grows"], first

@@ -1,0 +1,83 @@
+"""`python -m muon_dist.conformance` on single-device adapters: muon_ref behind the adapter conforms (exit 0);
+a Muon with the wrong momentum style fails (exit 1) and is diagnosed as a convention, with the option named."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+import muon_ref
+from muon_dist import conformance
+from muon_dist.adapters import Adapter, ImportPath, load_adapter
+from muon_dist.adapters.cases import Case, in_family, smaller
+from muon_dist.adapters.shipped import Reference
+
+FAST = ["--families", "tall", "square", "row", "experts3d", "--shrink-budget", "10"]
+
+
+class SumMomentum(Adapter):
+    """Claims the torch preset, but keeps Moonlight's momentum: M = mu*M + G, Nesterov G + mu*M."""
+
+    name, preset = "sum-momentum", "torch"
+
+    def build(self, params: list[torch.Tensor], **hp: Any) -> torch.optim.Optimizer:
+        return muon_ref.Muon(params, preset="torch", momentum_style="sum", nesterov_form="add_alpha", **hp)
+
+
+@pytest.mark.timeout(60)
+def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
+    out = tmp_path / "report.json"
+    assert conformance.main(["--adapter", "muon_dist.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
+    (report,) = json.loads(out.read_text())
+    assert report["conforms"] and report["diagnosis"].startswith("conforms")
+    assert {o["family"] for o in report["outcomes"]} == {"tall", "square", "row", "experts3d"}
+    assert all(o["status"] == "bitwise" and o["max_diff"] == 0 for o in report["outcomes"])
+
+
+@pytest.mark.timeout(60)
+def test_wrong_momentum_style_is_diagnosed_as_that_convention(tmp_path) -> None:
+    out = tmp_path / "report.json"
+    code = conformance.main(["--adapter", f"{__name__}:SumMomentum", *FAST, "--dtypes", "float32", "--json", str(out)])
+    (report,) = json.loads(out.read_text())
+    assert code == 1 and not report["conforms"]
+    assert report["diagnosis"] == ("convention: matches claimed preset 'torch' with momentum_style='sum', "
+                                   "nesterov_form='add_alpha'"), report["diagnosis"]
+    first = report["outcomes"][0]
+    assert first["status"] == "differs" and first["first_step"] == 1 and first["max_diff"] > 0
+    # shrunk to one step (the departure shows at step 1), keeping the failure kind
+    assert all(s["status"] == "differs" and s["to"].endswith(" 1 steps") for s in report["minimal_failing_cases"])
+
+
+@pytest.mark.timeout(30)
+def test_an_optimizer_class_by_import_path_is_wrapped_with_its_claim() -> None:
+    adapter = load_adapter("muon:SingleDeviceMuon", preset="keller", hp_names={"nesterov": None})
+    assert isinstance(adapter, ImportPath) and adapter.preset == "keller"
+    assert adapter.hyperparameters == {"lr", "weight_decay", "momentum"}
+    assert isinstance(load_adapter("muon_dist.adapters.shipped:Reference"), Reference)
+    with pytest.raises(ValueError, match="'nosuchmodule.x:y:z:w'"):
+        load_adapter("nosuchmodule.x:y:z:w")
+    assert conformance.main(["--adapter", "muon_dist.adapters:NoSuchAdapter"]) == 2
+
+
+@pytest.mark.timeout(10)
+def test_shrinking_moves_stay_inside_the_family() -> None:
+    case = Case("uneven", "dtensor", 4, ((7, 7),) * 4, steps=3)
+    moves = smaller(case)
+    assert moves and all(in_family(c) and c != case for c in moves)
+    assert all(c.shapes[0][0] % 4 != 0 for c in moves)
+
+
+@pytest.mark.timeout(60)
+def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
+    """CHECKOUT_DIR:MODULE:CLASS: the checkout goes on sys.path (in the ranks too); the claim comes from flags."""
+    (tmp_path / "my_muon.py").write_text(
+        "import muon_ref\n\n"
+        "class Muon(muon_ref.Muon):\n"
+        "    def __init__(self, params, lr, weight_decay, momentum, nesterov):\n"
+        "        super().__init__(params, preset='moonlight', lr=lr, weight_decay=weight_decay, momentum=momentum,\n"
+        "                         nesterov=nesterov)\n")
+    argv = ["--adapter", f"{tmp_path}:my_muon:Muon", "--preset", "moonlight", "--families", "tall", "wide"]
+    assert conformance.main(argv) == 0
