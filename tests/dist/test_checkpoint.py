@@ -34,6 +34,8 @@ def _assert_equal_to_reference(results: list[dict], case: Case, stop: int, **ref
 @pytest.mark.parametrize("save_world,save_mesh,load_world,dtype", [
     (2, "1d", 3, "float32"), (3, "1d", 1, "float32"), (1, "1d", 4, "float32"), (4, "hsdp", 2, "float32"),
     (4, "1d", 3, "bfloat16"),
+    # with 1 -> 4 and 4 -> 2 above: every ordered pair W != W' of {1, 2, 4}
+    (1, "1d", 2, "float32"), (2, "1d", 1, "float32"), (2, "1d", 4, "float32"), (4, "1d", 1, "float32"),
 ])
 def test_a_dcp_checkpoint_saved_at_one_world_size_resumes_at_another_bitwise(
         tmp_path, save_world: int, save_mesh: str, load_world: int, dtype: str) -> None:
