@@ -147,6 +147,26 @@ class TorchComm(Comm):
         return out
 
 
+def run_threads(world_size: int, rank_main: Any, timeout_s: float = 60.0) -> None:
+    """rank_main(rank) for every rank of an in-process world, one thread each; re-raises the first rank's
+    exception (a rank that outlives the timeout fails through its ThreadWorld collective's own timeout)."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    if errors:
+        raise errors[0]
+
+
 class ThreadWorld:
     """Mailboxes shared by the threads of one in-process world: member j's contribution to call k of a group."""
 

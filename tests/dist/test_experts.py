@@ -13,13 +13,13 @@ Byte formulas (b: bytes per element of the gradient, fp32 here; R: params of the
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from muon_dist.comm import run_threads
 from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
 from muon_dist.paths import RUNNERS
 from muon_ref.presets import PRESETS
@@ -219,30 +219,21 @@ def test_expert_paths_on_threads_give_each_rank_its_box_of_the_per_expert_kernel
     E, m, n, W = model["E"], model["m"], model["n"], ep * fsdp
     shape, num_experts = ((E * m, n), E) if model["fused"] else ((E, m, n), None)
     fulls = [torch.arange(k * E * m * n, (k + 1) * E * m * n, dtype=torch.float64).reshape(shape) + 1 for k in range(count)]
-    world, results, errors = ThreadWorld(W, timeout_s=20), [None] * W, []
+    world, results = ThreadWorld(W, timeout_s=20), [None] * W
 
     def rank_main(rank: int) -> None:
-        try:
-            comm, layout, calls = ThreadComm(world, rank), _thread_layout(rank, ep, fsdp, shape, num_experts), []
-            step_plan = plan(tuple(Entry(layout, 0, "torch.float64", True) for _ in fulls), Options())
-            boxes = [f.narrow(0, layout.global_offset[0], layout.local_shape[0]).contiguous() for f in fulls]
-            kernel = _labelled_kernel(calls, (m, n))
-            ups = []
-            for b in step_plan.batches:
-                ups += RUNNERS[b.path](comm, Group(layout.group_ranks()), [boxes[i] for i in b.params], layout,
-                                       kernel, torch.float64)
-            results[rank] = (layout, ups, dict(comm.ledger), expected_bytes(step_plan, {"torch.float64": 8}),
-                             step_plan.batches[0].path, calls)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        comm, layout, calls = ThreadComm(world, rank), _thread_layout(rank, ep, fsdp, shape, num_experts), []
+        step_plan = plan(tuple(Entry(layout, 0, "torch.float64", True) for _ in fulls), Options())
+        boxes = [f.narrow(0, layout.global_offset[0], layout.local_shape[0]).contiguous() for f in fulls]
+        kernel = _labelled_kernel(calls, (m, n))
+        ups = []
+        for b in step_plan.batches:
+            ups += RUNNERS[b.path](comm, Group(layout.group_ranks()), [boxes[i] for i in b.params], layout,
+                                   kernel, torch.float64)
+        results[rank] = (layout, ups, dict(comm.ledger), expected_bytes(step_plan, {"torch.float64": 8}),
+                         step_plan.batches[0].path, calls)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
+    run_threads(W, rank_main)
     reference = _labelled_kernel([], (m, n))
     for layout, ups, ledger, want_bytes, path, calls in results:
         for got, full in zip(ups, fulls):

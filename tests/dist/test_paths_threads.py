@@ -4,7 +4,6 @@ the plan's byte formulas and collectives, and AGRS keeps signed zeros (on thread
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import muon_ref
+from muon_dist.comm import run_threads as run_on_threads
 from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
 from muon_dist.paths import RUNNERS, agrs
 
@@ -28,29 +28,20 @@ def layout_on(rank: int, W: int, shape: tuple[int, int], placement: str, dtype: 
 
 def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, kernel, out_dtype) -> list[dict]:
     """Every rank's run of `path` on its boxes of `fulls`: {"updates", "ledger", "expected"}, or raises."""
-    world, results, errors = ThreadWorld(W, timeout_s=20), [None] * W, []
+    world, results = ThreadWorld(W, timeout_s=20), [None] * W
 
     def rank_main(rank: int) -> None:
-        try:
-            comm, layout = ThreadComm(world, rank), layout_on(rank, W, tuple(fulls[0].shape), placement, fulls[0].dtype)
-            dim = layout.shard_dim
-            local = [f if dim is None else f.narrow(dim, layout.global_offset[dim], layout.local_shape[dim]) for f in fulls]
-            ups = RUNNERS[path](comm, Group(tuple(range(W))), [x.contiguous() for x in local], layout, kernel, out_dtype)
-            force = None if path in ("replicated", "all_to_all") else path
-            entries = tuple(Entry(layout, 0, str(out_dtype), True) for _ in fulls)
-            want = expected_bytes(plan(entries, Options(force_path=force)), {"torch.float32": 4, "torch.bfloat16": 2})
-            results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": want, "layout": layout,
-                             "calls": [c[1] for c in comm.calls]}
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        comm, layout = ThreadComm(world, rank), layout_on(rank, W, tuple(fulls[0].shape), placement, fulls[0].dtype)
+        dim = layout.shard_dim
+        local = [f if dim is None else f.narrow(dim, layout.global_offset[dim], layout.local_shape[dim]) for f in fulls]
+        ups = RUNNERS[path](comm, Group(tuple(range(W))), [x.contiguous() for x in local], layout, kernel, out_dtype)
+        force = None if path in ("replicated", "all_to_all") else path
+        entries = tuple(Entry(layout, 0, str(out_dtype), True) for _ in fulls)
+        want = expected_bytes(plan(entries, Options(force_path=force)), {"torch.float32": 4, "torch.bfloat16": 2})
+        results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": want, "layout": layout,
+                         "calls": [c[1] for c in comm.calls]}
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
+    run_on_threads(W, rank_main)
     return results
 
 
