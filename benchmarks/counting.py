@@ -31,7 +31,7 @@ class CountingCollectives:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is rank j's x (n = x.numel())."""
         x = x.contiguous().reshape(-1)
         out = x.new_empty(self.world_size * x.numel())
-        dist.all_gather_single(out, x)
+        dist.all_gather_into_tensor(out, x)
         moved = (self.world_size - 1) * x.numel() * x.element_size()
         self.sent, self.received = self.sent + moved, self.received + moved
         self.collectives += 1

@@ -104,7 +104,11 @@ class Comm:
 
 
 class TorchComm(Comm):
-    """Collectives of torch.distributed on the default process group and on DeviceMesh sub-groups."""
+    """Collectives of torch.distributed on the default process group and on DeviceMesh sub-groups.
+
+    Only collectives that exist in every supported torch (2.9 and newer) are called: all_to_all_single,
+    all_gather_into_tensor, reduce_scatter_tensor (torch 2.13's all_gather_single / reduce_scatter_single
+    are newer names; tests/test_torch_api.py fails on any name newer than 2.9)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -138,12 +142,12 @@ class TorchComm(Comm):
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(group.size * x.numel())
-        self.dist.all_gather_single(out, x.contiguous(), group=group.handle)
+        self.dist.all_gather_into_tensor(out, x.contiguous(), group=group.handle)
         return out
 
     def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(x.numel() // group.size)
-        self.dist.reduce_scatter_single(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
+        self.dist.reduce_scatter_tensor(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
         return out
 
 
