@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -20,3 +22,9 @@ torch.set_num_threads(1)
 def examples(fraction: float) -> int:
     """A per-test example count relative to the active profile (at least 1)."""
     return max(1, int(settings().max_examples * fraction))
+
+
+def require(module: str, distribution: str, extra: str = "dev") -> ModuleType:
+    """An optional package, imported; or a skip that names it: an environment condition (GPU nodes run the node's
+    torch without reinstalling the extras), never a stand-in for a feature."""
+    return pytest.importorskip(module, reason=f"{distribution} is not installed (pip install -e .[{extra}])")

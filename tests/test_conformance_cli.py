@@ -14,6 +14,7 @@ from muon_dist import conformance
 from muon_dist.adapters import Adapter, ImportPath, load_adapter
 from muon_dist.adapters.cases import Case, in_family, smaller
 from muon_dist.adapters.shipped import Reference
+from tests.conftest import require
 
 FAST = ["--families", "tall", "square", "row", "experts3d", "--shrink-budget", "10"]
 
@@ -53,6 +54,7 @@ def test_wrong_momentum_style_is_diagnosed_as_that_convention(tmp_path) -> None:
 
 @pytest.mark.timeout(30)
 def test_an_optimizer_class_by_import_path_is_wrapped_with_its_claim() -> None:
+    require("muon", "muon-optimizer")
     adapter = load_adapter("muon:SingleDeviceMuon", preset="keller", hp_names={"nesterov": None})
     assert isinstance(adapter, ImportPath) and adapter.preset == "keller"
     assert adapter.hyperparameters == {"lr", "weight_decay", "momentum"}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from muon_ref import Muon, PRESETS
 from muon_ref import conformance
 from muon_ref.conformance import Case, run_case
-from tests.conftest import examples
+from tests.conftest import examples, require
 
 dims = st.integers(1, 48)
 shapes_2d = st.one_of(
@@ -34,11 +34,12 @@ def test_torch_preset_equals_torch_optim_muon_bitwise(shape, nesterov, lr_scale,
 @settings(max_examples=examples(0.5))
 @given(shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)), weight_decay=st.sampled_from([0.0, 0.05]))
 def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(shape, weight_decay):
+    require("muon", "muon-optimizer")
     assert run_case(Case("keller", shape, steps=5, weight_decay=weight_decay)).bitwise
 
 
 def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_them():
-    import muon
+    muon = require("muon", "muon-optimizer")
 
     p = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
     p.grad = torch.randn_like(p)
@@ -62,6 +63,7 @@ def test_expert_presets_equal_their_origins_bitwise(case):
 
 
 def test_conformance_report_exits_zero_and_lists_every_preset(capsys):
+    require("muon", "muon-optimizer")  # the keller preset's origin
     assert conformance.main(["--steps", "2"]) == 0
     out = capsys.readouterr().out
     for preset in PRESETS:
@@ -82,6 +84,8 @@ WRONG = [
 
 @pytest.mark.parametrize("preset, wrong, shape", WRONG, ids=[f"{p}-{next(iter(w))}" for p, w, _ in WRONG])
 def test_a_wrong_convention_breaks_the_bitwise_equivalence(preset, wrong, shape, monkeypatch):
+    if preset == "keller":
+        require("muon", "muon-optimizer")
     assert run_case(Case(preset, shape, steps=3)).bitwise  # the control: right convention, same case
     monkeypatch.setitem(PRESETS, preset, {**PRESETS[preset], **wrong})
     assert not run_case(Case(preset, shape, steps=3)).bitwise

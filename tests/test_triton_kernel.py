@@ -226,8 +226,9 @@ def test_distributed_muon_runs_the_triton_kernel_within_its_tolerance(tns, devic
 
     calls, real = [], tns.newton_schulz_triton
     monkeypatch.setattr(tns, "newton_schulz_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    inits = [gaussian((24, 16), 10 + i, "cpu") for i in range(2)]
-    grads = [gaussian((24, 16), 20 + i, "cpu") for i in range(2)]
+    # on the kernel's device: CUDA when there is one (the compiled kernel), the CPU under the interpreter
+    inits = [gaussian((24, 16), 10 + i, device) for i in range(2)]
+    grads = [gaussian((24, 16), 20 + i, device) for i in range(2)]
     got = [_triton_muon_one_rank(inits, grads)]
     assert calls == [(1, 24, 16)] * 2  # the Triton kernel ran, once per param (the option is not ignored)
     refs = [torch.nn.Parameter(t.clone()) for t in inits]

@@ -52,7 +52,7 @@ def pytest_sessionfinish(session, exitstatus):
     _POOLS.clear()
     config = session.config
     full_run = (_STATE["dist_items"] > 0 and _STATE["deselected"] == 0 and not config.option.keyword
-                and _whole_suite(config))
+                and not config.option.collectonly and _whole_suite(config))
     missing = set(PATHS) - EXERCISED
     if full_run and exitstatus == 0 and missing:
         config.get_terminal_writer().line(f"\nmuon_dist: paths never exercised by tests/dist: {sorted(missing)}", red=True)
