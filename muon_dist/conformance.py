@@ -5,9 +5,11 @@ r"""Check any Muon against the oracle: `python -m muon_dist.conformance --adapte
     python -m muon_dist.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
         --hp-names '{"momentum": "mu"}' --distributed dtensor                         # a local checkout
     python -m muon_dist.conformance --all --markdown                                    # the README table
+    python -m muon_dist.conformance --all --device cuda                                 # on a GPU node
 
 Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.launch.RankPool;
-one rank for single-device cases) with a timeout (--timeout, default 300 s: first calls may torch.compile),
+one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
+the ranks sharing the node's GPUs with gloo carrying CUDA tensors) with a timeout (--timeout, default 300 s: first calls may torch.compile),
 and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/adapters/oracle.py.
 Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows), crash
 (the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
@@ -45,7 +47,7 @@ class Runner:
         self.pools: dict[int, RankPool] = {}
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
-        pool = self.pools.setdefault(case.world_size, RankPool(case.world_size))
+        pool = self.pools.setdefault(case.world_size, RankPool(case.world_size, case.device))
         pool.submit(candidate_steps, self.adapter, case, candidate_hyperparameters(self.adapter))
         try:
             reference = reference_steps(case, self.preset, self.overrides)
@@ -131,14 +133,14 @@ def _smaller_worlds(case: Case) -> list[Case]:
 
 def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: float, shrink_budget: float,
           families: tuple[str, ...] | None = None, dtypes: tuple[str, ...] | None = None,
-          log=_print) -> dict[str, Any]:
+          log=_print, device: str = "cpu") -> dict[str, Any]:
     """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json)."""
     runner = Runner(adapter, timeout)
     started = time.monotonic()
     chosen = adapter.families & frozenset(families) if families else adapter.families
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     try:
-        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps)
+        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device)
         outcomes = []
         for case in cases:
             outcomes.append(runner.run(case))
@@ -152,7 +154,7 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
                                "error": small.error, "max_diff": small.max_diff})
     finally:
         runner.close()
-    return {"adapter": adapter.name, "version": adapter.version(), "claim": adapter.describe(),
+    return {"adapter": adapter.name, "version": adapter.version(), "claim": adapter.describe(), "device": device,
             "distributed": adapter.distributed, "outcomes": [o.summary() for o in outcomes],
             "conforms": all(o.status == "bitwise" for o in outcomes), "diagnosis": diagnosis,
             "minimal_failing_cases": shrunk, "wall_s": round(time.monotonic() - started, 1)}
@@ -203,6 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the candidate and the reference "
+                   "run (cuda: the ranks share the node's GPUs, gloo carrying CUDA tensors)")
     p.add_argument("--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--markdown", action="store_true", help="print the README's conformance table")
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for adapter in adapters:
         _print(adapter.describe())
         reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout, args.shrink_budget,
-                             args.families, args.dtypes))
+                             args.families, args.dtypes, device=args.device))
         print_report(reports[-1])
     if args.markdown:
         print(markdown(reports))

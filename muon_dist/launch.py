@@ -5,6 +5,11 @@ Workers are forked once per world size; each sets torch.set_num_threads(1) first
 a file:// rendezvous in a fresh temporary directory (runs never collide), then serves calls: a module-level
 function and picklable args, run on every rank. A call that raises on any rank or outlives its timeout
 kills the pool (the next call starts a fresh one) and raises RankFailure in the parent.
+
+device="cuda": W ranks share the node's GPUs (rank r on cuda:r mod #GPUs; several ranks on one GPU), gloo
+carrying CUDA tensors (../shared/reference/gpu.md: all_to_all_single, all_gather_into_tensor and
+reduce_scatter_tensor work there; NCCL refuses two ranks on one GPU). Such workers are spawned, not forked:
+CUDA cannot be used in a child forked from a parent that has used it. Results must come back as CPU tensors.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(messages.items())))
 
 
-def _serve(rank: int, world_size: int, init_file: str, conn: Any) -> None:
+def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     while True:
         msg = conn.recv()
@@ -45,19 +52,29 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any) -> None:
     dist.destroy_process_group()
 
 
+DEVICES = ("cpu", "cuda")
+
+
 class RankPool:
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
+    with `start_method` (default: fork on CPU, spawn with CUDA)."""
+
+    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None) -> None:
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        self.world_size, self.device = world_size, device
+        self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
 
     def start(self) -> None:
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(self.start_method)
         self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
         init_file = os.path.join(self.tmpdir, "rendezvous")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.world_size, init_file, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, self.world_size, init_file, child, self.device),
+                               daemon=True)
             proc.start()
             self.procs.append(proc)
             self.conns.append(parent)

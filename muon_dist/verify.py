@@ -1,17 +1,25 @@
 """The main job: DistributedMuon checked against muon_ref on a model-like parameter set, path by path.
 
     python -m muon_dist.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
-    torchrun --nproc-per-node N -m muon_dist.verify --backend nccl      (on GPUs; gloo works too)
+    python -m muon_dist.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
+    torchrun --nproc-per-node N -m muon_dist.verify --backend nccl      (one rank per GPU; gloo works too)
 
 For each world size, gloo ranks (muon_dist.launch.RankPool) train the Muon matrices of a scaled-down
 transformer with dense and MoE layers (muon_dist.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
-mode, forcing each remainder path, and with dispatch="global". On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
+mode, forcing each remainder path, with dispatch="global", and across a checkpoint (torch.distributed.checkpoint
+save after half the steps, load into fresh params and a fresh optimizer, continue). On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
 are fused [E * m, n] with num_experts = E, the layout whose boxes can split an expert, so the expert paths
 (local, subgroup_all_gather, or the fallback) all occur. The parent runs muon_ref.Muon on the full tensors with
 the same gradients and param groups, and compares every rank's shard with its box of the reference, bit
-pattern for bit pattern.
+pattern for bit pattern. Shards come back to the parent as they are (their global offsets beside them): no
+rank ever gathers a full tensor (DTensor.full_tensor of uneven shards segfaulted on gloo over CUDA tensors,
+torch 2.11: ../shared/reference/gpu.md).
+
+--device cuda: the ranks' params, gradients and optimizer live on CUDA (W ranks share the node's GPUs, gloo
+carrying CUDA tensors; muon_dist.launch) and the reference runs on CUDA too: the same code as on CPU, with
+CUDA kernels. NCCL needs one GPU per rank: torchrun with --backend nccl.
 
 Contract checked: every path is bitwise (proofs/paths.md); a run that is not, or that crashes or hangs, is a
 violation and the exit code is 1. Bytes: this rank's sent bytes per step against the lower bound per rank,
@@ -28,8 +36,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -48,13 +58,14 @@ class Run:
     world_size: int
     mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp"
     preset: str
-    mode: str  # "auto" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all" | "dispatch=global"
+    mode: str  # "auto" | "resume" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
+    #            | "dispatch=global"
     dtype: str = "float32"
     steps: int = 3
     seed: int = 0
 
     def options(self) -> dict:
-        if self.mode == "auto":
+        if self.mode in ("auto", "resume"):
             return {}
         key, value = self.mode.split("=")
         return {{"force": "force_path"}.get(key, key): value}
@@ -86,20 +97,21 @@ def full_tensor(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
 
 
-def initial(run: Run) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype) for i, s in enumerate(muon_specs(run.mesh))]
+def initial(run: Run, device: str = "cpu") -> list[torch.Tensor]:
+    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype).to(device) for i, s in enumerate(muon_specs(run.mesh))]
 
 
-def gradients(run: Run, step: int) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype)
+def gradients(run: Run, step: int, device: str = "cpu") -> list[torch.Tensor]:
+    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype).to(device)
             for i, s in enumerate(muon_specs(run.mesh))]
 
 
 def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
     """Every preset (or those given) in automatic mode on the 1-D mesh; the torch preset on the other meshes,
-    in bf16, with each remainder path forced, and with dispatch="global"."""
+    in bf16, across a checkpoint, with each remainder path forced, and with dispatch="global"."""
     out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(presets or PRESETS)]
     out.append(Run(world_size, "fsdp", "torch", "auto", "bfloat16", steps=steps))
+    out.append(Run(world_size, "fsdp", "torch", "resume", steps=max(steps, 2)))
     out.append(Run(world_size, "ddp", "torch", "auto", steps=steps))
     if world_size >= 4 and world_size % 2 == 0:
         out.append(Run(world_size, "hsdp", "torch", "auto", steps=steps))
@@ -144,22 +156,28 @@ def _distribute(full: torch.Tensor, kind: str, device: str) -> torch.Tensor:
     return DTensor.from_local(local.clone().to(device), mesh, placements, shape=full.shape, stride=full.stride())
 
 
-def rank_run(run: Run, device: str = "cpu") -> dict:
-    """Train on this rank; return its shards (with their global offsets), the paths, bytes and step times."""
+def rank_run(run: Run, device: str = "cpu", checkpoint_dir: str | None = None) -> dict:
+    """Train on this rank; return its shards (CPU copies, with their global offsets), the paths, bytes and step
+    times. mode "resume": a DCP checkpoint in `checkpoint_dir` after half the steps, then fresh (zero) params and
+    a fresh optimizer load it and take the remaining steps."""
     from .layout import read_layout
     from .optim import DistributedMuon
 
     import torch.distributed as dist
 
     specs = muon_specs(run.mesh)
-    params = [_distribute(f, run.mesh, device) for f in initial(run)]
+    params = [_distribute(f, run.mesh, device) for f in initial(run, device)]
     opt = DistributedMuon(param_groups(run.mesh, params), preset=run.preset, **run.options())
     times = []
     for step in range(run.steps):
-        for p, g in zip(params, gradients(run, step)):
+        if run.mode == "resume" and step == run.steps // 2:
+            params, opt = _save_and_reload(run, params, opt, device, checkpoint_dir)
+        for p, g in zip(params, gradients(run, step, device)):
             p.grad = _distribute(g, run.mesh, device)
         start = time.perf_counter()
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     rank, W = dist.get_rank(), dist.get_world_size()
     shards = []
@@ -171,18 +189,36 @@ def rank_run(run: Run, device: str = "cpu") -> dict:
             "bytes": {k: list(v) for k, v in opt.last_report.bytes_by_path.items()}}
 
 
+def _save_and_reload(run: Run, params: list, opt, device: str, checkpoint_dir: str | None) -> tuple[list, object]:
+    """DCP-save params and optimizer state, then load them into zero params and a new optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    from .optim import DistributedMuon
+
+    assert checkpoint_dir is not None, "mode 'resume' needs a checkpoint directory"
+    dcp.save({"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
+             checkpoint_id=checkpoint_dir)
+    fresh = [_distribute(torch.zeros_like(f), run.mesh, device) for f in initial(run, device)]
+    new_opt = DistributedMuon(param_groups(run.mesh, fresh), preset=run.preset, **run.options())
+    state = {"params": {f"p{i}": p for i, p in enumerate(fresh)}, "optim": new_opt.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    new_opt.load_state_dict(state["optim"])
+    return fresh, new_opt
+
+
 # ----------------------------------------------------------------------------------------------- parent
 
 
-def reference(run: Run) -> list[torch.Tensor]:
-    """muon_ref.Muon on the full tensors with the run's gradients (one intra-op thread, as the ranks)."""
-    params = [torch.nn.Parameter(t.clone()) for t in initial(run)]
+def reference(run: Run, device: str = "cpu") -> list[torch.Tensor]:
+    """muon_ref.Muon on the full tensors with the run's gradients (one intra-op thread, as the ranks), on
+    `device`; the result as CPU tensors."""
+    params = [torch.nn.Parameter(t.clone()) for t in initial(run, device)]
     opt = muon_ref.Muon(param_groups(run.mesh, params), preset=run.preset)
     for step in range(run.steps):
-        for p, g in zip(params, gradients(run, step)):
+        for p, g in zip(params, gradients(run, step, device)):
             p.grad = g
         opt.step()
-    return [p.detach() for p in params]
+    return [p.detach().cpu() for p in params]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -278,24 +314,25 @@ def print_table(world_size: int, rows: list[dict]) -> None:
               f"{r['bound_per_rank']:>9.0f} {ratio:>6} {r['step_ms']:>8.1f}")
 
 
-def verify_world(world_size: int, steps: int, refs: dict, timeout: float,
-                 presets: list[str] | None = None) -> tuple[list[dict], list[str]]:
+def verify_world(world_size: int, steps: int, refs: dict, timeout: float, presets: list[str] | None = None,
+                 device: str = "cpu") -> tuple[list[dict], list[str]]:
     from .launch import RankFailure, RankPool
 
     rows, violations = [], []
-    pool = RankPool(world_size)
+    pool = RankPool(world_size, device)
     try:
         todo = runs_for(world_size, steps, presets)
         for n, run in enumerate(todo, 1):
             start = time.perf_counter()
             try:
-                results = pool.run(rank_run, run, timeout=timeout)
+                with tempfile.TemporaryDirectory(prefix="muon_dist_verify_ckpt_") as checkpoint_dir:
+                    results = pool.run(rank_run, run, device, checkpoint_dir, timeout=timeout)
             except RankFailure as failure:
                 violations.append(f"{run}: {str(failure)[-400:]}")
                 print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED", file=sys.stderr)
                 continue
             key = (run.preset, run.dtype, run.steps, run.seed, run.mesh == "ep")
-            refs.setdefault(key, reference(run))
+            refs.setdefault(key, reference(run, device))
             per_param = compare(run, results, refs[key])
             violations += [f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}" for r in per_param
                            if not r["bitwise"]]
@@ -310,25 +347,30 @@ def verify_world(world_size: int, steps: int, refs: dict, timeout: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 on cpu, 1 2 3 4 on cuda")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), help="presets run in automatic mode "
                         "(default: all; the other meshes and the forced paths always use the torch preset)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang")
     parser.add_argument("--backend", default="gloo", help="gloo (spawned ranks) or nccl (under torchrun)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where params, gradients and the "
+                        "reference live (cuda: W gloo ranks share the node's GPUs)")
+    parser.add_argument("--checkpoint-dir", help="under torchrun: a directory every rank can read and write, for "
+                        "the resume run (default: a temporary directory made by rank 0; one node only)")
     parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
     args = parser.parse_args(argv)
+    args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
     torch.set_num_threads(1)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(args)
     specs = tiny_moe()
     print(f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
-          f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors")
+          f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors, on {args.device}")
     print("routed to AdamW, not checked: " + ", ".join(s.name for s in specs if not s.is_muon))
     refs: dict = {}
     rows, violations = [], []
     for W in args.world_sizes:
-        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout, args.presets)
+        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout, args.presets, args.device)
         print_table(W, got_rows)
         rows += got_rows
         violations += got_violations
@@ -346,18 +388,21 @@ def torchrun_main(args: argparse.Namespace) -> int:
     """Under torchrun: this process is one rank; rank 0 gathers the results, compares and prints."""
     import torch.distributed as dist
 
-    device = "cuda" if args.backend == "nccl" else "cpu"
+    device = "cuda" if args.backend == "nccl" else args.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(args.backend)
     W, rows, violations = dist.get_world_size(), [], []
+    made = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="muon_dist_verify_ckpt_") if dist.get_rank() == 0
+                                    else None)]
+    dist.broadcast_object_list(made, src=0)
     try:
-        for run in runs_for(W, args.steps, args.presets):
-            result = rank_run(run, device)
+        for n, run in enumerate(runs_for(W, args.steps, args.presets)):
+            result = rank_run(run, device, os.path.join(made[0], f"run{n}"))
             gathered = [None] * W
             dist.all_gather_object(gathered, result)
             if dist.get_rank() == 0:
-                per_param = compare(run, gathered, reference(run))
+                per_param = compare(run, gathered, reference(run, device))
                 violations += [f"{run}: {r['param']} differs" for r in per_param if not r["bitwise"]]
                 rows += summarise(run, gathered, per_param)
         if dist.get_rank() == 0:
@@ -369,6 +414,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
                     json.dump({"rows": rows, "violations": violations}, f, indent=1)
     finally:
         dist.destroy_process_group()
+        if args.checkpoint_dir is None and made[0] and os.path.isdir(made[0]):
+            shutil.rmtree(made[0], ignore_errors=True)
     return 1 if violations else 0
 
 

@@ -30,7 +30,8 @@ _SINGLE_SHAPES = {
 
 @dataclass(frozen=True)
 class Case:
-    """mode: "single" (plain tensors, one rank), "dtensor" or "replicated" (world_size ranks)."""
+    """mode: "single" (plain tensors, one rank), "dtensor" or "replicated" (world_size ranks). device: where the
+    candidate and the reference run ("cuda": ranks share the node's GPUs, gloo carrying CUDA tensors)."""
 
     family: str
     mode: str
@@ -39,11 +40,13 @@ class Case:
     dtype: str = "float32"
     steps: int = 3
     seed: int = 0
+    device: str = "cpu"
 
     def label(self) -> str:
         shapes = _shapes_label(self.shapes)
         where = "1 device" if self.mode == "single" else f"W={self.world_size} {self.mode}"
-        return f"{self.family} {shapes} {self.dtype} {where} {self.steps} steps"
+        on = "" if self.device == "cpu" else f" {self.device}"
+        return f"{self.family} {shapes} {self.dtype} {where}{on} {self.steps} steps"
 
 
 def _shapes_label(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -105,10 +108,10 @@ def _prime(n: int) -> bool:
 
 
 def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple[int, ...],
-                  dtypes: tuple[str, ...], steps: int) -> list[Case]:
+                  dtypes: tuple[str, ...], steps: int, device: str = "cpu") -> list[Case]:
     """Every supported single-device family, then every distributed family on every world size."""
-    cases = [Case(f, "single", 1, _SINGLE_SHAPES[f], d, steps) for f in sorted(families & SINGLE_FAMILIES)
-             for d in dtypes]
+    cases = [Case(f, "single", 1, _SINGLE_SHAPES[f], d, steps, device=device)
+             for f in sorted(families & SINGLE_FAMILIES) for d in dtypes]
     if mode is None:
         return cases
     dist = sorted(families & (DIST_FAMILIES if mode == "dtensor" else REPLICATED_FAMILIES))
@@ -116,22 +119,24 @@ def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple
         for f in dist:
             shapes = family_shapes(f, mode, W)
             if shapes is not None:
-                cases += [Case(f, mode, W, shapes, d, steps) for d in dtypes]
+                cases += [Case(f, mode, W, shapes, d, steps, device=device) for d in dtypes]
     return cases
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    """The full initial parameters: the same on every rank and in the parent (seeded per param)."""
-    return [_randn(s, case.seed * 7919 + i, case.dtype) for i, s in enumerate(case.shapes)]
+    """The full initial parameters on the case's device: the same on every rank and in the parent (seeded per
+    param, drawn on the CPU)."""
+    return [_randn(s, case.seed * 7919 + i, case.dtype, case.device) for i, s in enumerate(case.shapes)]
 
 
 def gradients(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
-    return [_randn(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype) for i, s in enumerate(case.shapes)]
+    return [_randn(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
+            for i, s in enumerate(case.shapes)]
 
 
-def _randn(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+def _randn(shape: tuple[int, ...], seed: int, dtype: str, device: str) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, getattr(torch, dtype))
 
 
 def local_box(full: torch.Tensor, mode: str, rank: int, world_size: int) -> torch.Tensor:

@@ -71,7 +71,8 @@ class Outcome:
 
 
 def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> tuple[list, list]:
-    """muon_ref.Muon on the full tensors: (params after each step, final momentum buffers)."""
+    """muon_ref.Muon on the full tensors, on the case's device: (params after each step, final momentum buffers),
+    as CPU copies."""
     params = initial_params(case)
     groups = [{"params": [p], "flatten": p.ndim >= 4} for p in params]
     opt = muon_ref.Muon(groups, preset=preset, **overrides)
@@ -80,8 +81,8 @@ def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -
         for p, g in zip(params, gradients(case, step)):
             p.grad = g
         opt.step()
-        per_step.append([p.clone() for p in params])
-    return per_step, [opt.state[p]["momentum_buffer"] for p in params]
+        per_step.append([p.detach().cpu().clone() for p in params])
+    return per_step, [opt.state[p]["momentum_buffer"].cpu() for p in params]
 
 
 def _bits(t: Tensor) -> Tensor:

@@ -22,3 +22,21 @@ def test_a_failing_or_hung_rank_fails_the_call_and_the_next_call_gets_a_fresh_po
         assert pool.run(fail_on, -1, how, timeout=30) == [0, 1, 2]
     finally:
         pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_spawned_pool_serves_calls_as_a_forked_one_does() -> None:
+    # spawn is how device="cuda" starts its ranks (a forked child cannot use CUDA once the parent has): the same
+    # start method, run here on CPU tensors
+    pool = RankPool(2, start_method="spawn")
+    try:
+        assert pool.run(fail_on, -1, "raise", timeout=90) == [0, 1]
+        assert all(type(p._popen).__module__.endswith("popen_spawn_posix") for p in pool.procs)
+    finally:
+        pool.close()
+
+
+def test_a_pool_on_an_unknown_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="device must be one of"):
+        RankPool(2, device="tpu")
+    assert RankPool(2, device="cuda").start_method == "spawn" and RankPool(2).start_method == "fork"
