@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 verify: $(STAMP)
-	$(PY) -m muon_ref.conformance
-	$(PY) -m muon_dist.verify
+	$(PY) -m muon_dist.harness.conformance --origins --steps 5
+	$(PY) -m muon_dist.harness.verify
 
 test: $(STAMP)
 	$(PY) -m pytest -q

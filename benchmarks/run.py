@@ -2,7 +2,7 @@
 
     python -m benchmarks [--quick] [--world-sizes 2 4] [--sets tiny_moe scaled_moe] [--warmup 2] [--steps 10]
 
-1. Step time and bytes per rank, W ranks on gloo (muon_dist.launch.RankPool), fp32 params sharded Shard(0)
+1. Step time and bytes per rank, W ranks on gloo (muon_dist.harness.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
    same pool, steps interleaved (the order rotates every step) so that the machine's load hits all alike:
      distributed        DistributedMuon, automatic mode (all-to-all, AGRS for remainders, local experts)
@@ -14,7 +14,7 @@
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
    warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
    benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest and non-finite-flag all-gathers are
-   listed apart as control bytes. Bound: muon_dist.verify's lower bound per rank. Every method's params after
+   listed apart as control bytes. Bound: muon_dist.harness.verify's lower bound per rank. Every method's params after
    all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
 2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
 3. Peak extra memory per rank during a step of each method: the median of 3 more steps (after one more,
@@ -36,10 +36,10 @@ from typing import Protocol
 import torch
 
 import muon_ref
+from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
+from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
 from muon_dist.layout import chunk_bounds
 from muon_dist.plan import PATHS
-from muon_dist.shapes import ParamSpec, tiny_moe, transformer
-from muon_dist.verify import bits, full_tensor
 
 from . import balance_table, memory
 
@@ -79,12 +79,11 @@ def muon_specs(table: str) -> list[ParamSpec]:
 
 
 def initial(b: Bench) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, b.seed * 7919 + i, "float32") for i, s in enumerate(muon_specs(b.table))]
+    return [seeded(s.shape, b.seed * 7919 + i) for i, s in enumerate(muon_specs(b.table))]
 
 
 def gradients(b: Bench, step: int) -> list[torch.Tensor]:
-    return [full_tensor(s.shape, b.seed * 104729 + 1000 * step + i + 1, "float32")
-            for i, s in enumerate(muon_specs(b.table))]
+    return [seeded(s.shape, b.seed * 104729 + 1000 * step + i + 1) for i, s in enumerate(muon_specs(b.table))]
 
 
 # ------------------------------------------------------------------------------------------------ ranks
@@ -92,15 +91,7 @@ def gradients(b: Bench, step: int) -> list[torch.Tensor]:
 
 def shard(full: torch.Tensor) -> torch.Tensor:
     """This rank's Shard(0) box of `full` as a DTensor on a 1-D mesh of the world (as FSDP2 holds it)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    W, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("fsdp",))
-    first, rows = chunk_bounds(full.size(0), W, rank)
-    return DTensor.from_local(full.narrow(0, first, rows).clone(), mesh, [Shard(0)], shape=full.shape,
-                              stride=full.stride())
+    return distribute(full, "S0", "fsdp")
 
 
 class Method(Protocol):
@@ -191,12 +182,8 @@ def reference(b: Bench) -> list[torch.Tensor]:
 def equals_reference(results: list[dict], method: str, want: list[torch.Tensor]) -> bool:
     """Every rank's shard of every param is bitwise its box of the reference."""
     W = len(results)
-    for rank, result in enumerate(results):
-        for got, full in zip(result["shards"][method], want):
-            first, rows = chunk_bounds(full.size(0), W, rank)
-            if not torch.equal(bits(got), bits(full.narrow(0, first, rows).contiguous())):
-                return False
-    return True
+    return all(same_bits(got, box_of(full, "S0", "fsdp", rank, W))
+               for rank, result in enumerate(results) for got, full in zip(result["shards"][method], want))
 
 
 # fp32 directions (the params' dtype here) and bf16 updates (the "torch" preset's ns_dtype)
@@ -212,7 +199,7 @@ def holders(spec: ParamSpec, world_size: int) -> int:
 
 
 def bound_per_rank(b: Bench) -> float:
-    """muon_dist.verify's lower bound: sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W, with p
+    """muon_dist.harness.verify's lower bound: sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W, with p
     the ranks holding a piece of the matrix and S its element count (proofs/paths.md#a2a)."""
     total = 0.0
     for spec in muon_specs(b.table):
@@ -267,7 +254,7 @@ def load_average() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from muon_dist.launch import RankPool
+    from muon_dist.harness.launch import RankPool
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke size: tiny_moe, W = 2, 1 + 2 steps, W <= 64")

@@ -1,5 +1,5 @@
-"""Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (muon_ref/origins.py
-restates each origin op for op; tests/test_presets.py and `python -m muon_ref.conformance` check them).
+"""Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (checked against each origin by
+`python -m muon_dist.harness.conformance --origins` and tests/test_presets.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run `python -m muon_dist.verify` under torchrun as a test: the launcher shared by the gloo/CPU test and the
+"""Run `python -m muon_dist.harness.verify` under torchrun as a test: the launcher shared by the gloo/CPU test and the
 NCCL/GPU test, so that on a CPU machine everything but the NCCL backend itself is exercised."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun_verify(world_size: int, backend: str, tmp_path: Path, *extra: str, timeout: float = 540) -> dict:
-    """Exit code 0 and the JSON report of `torchrun --nproc-per-node W -m muon_dist.verify --backend B`."""
+    """Exit code 0 and the JSON report of `torchrun --nproc-per-node W -m muon_dist.harness.verify --backend B`."""
     out = tmp_path / f"verify_{backend}_{world_size}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-           "-m", "muon_dist.verify", "--backend", backend, "--json", str(out), *extra]
+           "-m", "muon_dist.harness.verify", "--backend", backend, "--json", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

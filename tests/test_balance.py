@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muon_dist.balance import compare, imbalance, lpt, ns_flops, per_shape, round_robin
-from muon_dist.shapes import SHAPE_TABLES, ParamSpec
+from muon_dist.balance import lpt, ns_flops
+from muon_dist.harness.rules import imbalance, imbalance_by_rule, per_shape, round_robin
+from muon_dist.harness.shapes import SHAPE_TABLES, ParamSpec
 
 costs_st = st.lists(st.integers(1, 10**6), min_size=1, max_size=60)
 
@@ -45,7 +46,7 @@ def test_per_shape_batching_puts_remainders_on_the_first_ranks():
 def test_lpt_balances_the_moe_table_at_every_world_size_and_never_goes_below_the_bound():
     specs = SHAPE_TABLES["moe_30b_a3b"]()
     for world_size in (8, 64, 1024):
-        r = compare(specs, world_size)
+        r = imbalance_by_rule(specs, world_size)
         assert r["bound"] <= r["lpt"] <= 1.05 and r["lpt"] <= min(r["round_robin"], r["per_shape"])
 
 

@@ -1,4 +1,4 @@
-"""`python -m muon_dist.conformance` on single-device adapters: muon_ref behind the adapter conforms (exit 0);
+"""`python -m muon_dist.harness.conformance` on single-device adapters: muon_ref behind the adapter conforms (exit 0);
 a Muon with the wrong momentum style fails (exit 1) and is diagnosed as a convention, with the option named."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import muon_ref
-from muon_dist import conformance
-from muon_dist.adapters import Adapter, ImportPath, load_adapter
-from muon_dist.adapters.cases import Case, in_family, smaller
-from muon_dist.adapters.shipped import Reference
+from muon_dist.harness import conformance
+from muon_dist.harness.adapters import Adapter, ImportPath, load_adapter
+from muon_dist.harness.adapters.cases import Case, in_family, smaller
+from muon_dist.harness.adapters.shipped import Reference
 from tests.conftest import require
 
 FAST = ["--families", "tall", "square", "row", "experts3d", "--shrink-budget", "10"]
@@ -31,7 +31,7 @@ class SumMomentum(Adapter):
 @pytest.mark.timeout(60)
 def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
     out = tmp_path / "report.json"
-    assert conformance.main(["--adapter", "muon_dist.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
+    assert conformance.main(["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
     (report,) = json.loads(out.read_text())
     assert report["conforms"] and report["diagnosis"].startswith("conforms")
     assert {o["family"] for o in report["outcomes"]} == {"tall", "square", "row", "experts3d"}
@@ -58,10 +58,10 @@ def test_an_optimizer_class_by_import_path_is_wrapped_with_its_claim() -> None:
     adapter = load_adapter("muon:SingleDeviceMuon", preset="keller", hp_names={"nesterov": None})
     assert isinstance(adapter, ImportPath) and adapter.preset == "keller"
     assert adapter.hyperparameters == {"lr", "weight_decay", "momentum"}
-    assert isinstance(load_adapter("muon_dist.adapters.shipped:Reference"), Reference)
+    assert isinstance(load_adapter("muon_dist.harness.adapters.shipped:Reference"), Reference)
     with pytest.raises(ValueError, match="'nosuchmodule.x:y:z:w'"):
         load_adapter("nosuchmodule.x:y:z:w")
-    assert conformance.main(["--adapter", "muon_dist.adapters:NoSuchAdapter"]) == 2
+    assert conformance.main(["--adapter", "muon_dist.harness.adapters:NoSuchAdapter"]) == 2
 
 
 @pytest.mark.timeout(10)

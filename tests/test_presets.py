@@ -1,18 +1,27 @@
-"""Each preset reproduces the public implementation it names, bit for bit (torch.equal on params and state)."""
+"""Each preset reproduces the public implementation it names, bit for bit (params after every step and the
+momentum), checked through the conformance machinery (muon_dist/harness/adapters/origins.py), in this process."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from muon_dist.harness import conformance
+from muon_dist.harness.adapters.cases import Case
+from muon_dist.harness.adapters.origins import ORIGINS
 from muon_ref import Muon, PRESETS
-from muon_ref import conformance
-from muon_ref.conformance import Case, run_case
 from tests.conftest import examples, require
+
+
+def conforms(preset: str, shape: tuple[int, ...], steps: int = 5, **options: object) -> bool:
+    """The preset's origin and muon_ref under the preset, from the same params on the same gradients, with the
+    check's hyperparameters (lr 0.02, weight decay 0.1, momentum 0.9, Nesterov) and `options` over them."""
+    if preset == "keller":
+        require("muon", "muon-optimizer")
+    case = Case("drawn", "single", 1, (tuple(shape),), steps=steps, options=tuple(options.items()))
+    return conformance.run_here(ORIGINS[preset](), case).status == "bitwise"
 
 dims = st.integers(1, 48)
 shapes_2d = st.one_of(
@@ -27,15 +36,13 @@ shapes_2d = st.one_of(
 @given(shape=shapes_2d, nesterov=st.booleans(), lr_scale=st.sampled_from(["original", "match_rms_adamw"]),
        weight_decay=st.sampled_from([0.0, 0.1]))
 def test_torch_preset_equals_torch_optim_muon_bitwise(shape, nesterov, lr_scale, weight_decay):
-    outcome = run_case(Case("torch", shape, steps=5, nesterov=nesterov, lr_scale=lr_scale, weight_decay=weight_decay, lr=0.02))
-    assert outcome.bitwise, outcome
+    assert conforms("torch", shape, nesterov=nesterov, lr_scale=lr_scale, weight_decay=weight_decay)
 
 
 @settings(max_examples=examples(0.5))
 @given(shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)), weight_decay=st.sampled_from([0.0, 0.05]))
 def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(shape, weight_decay):
-    require("muon", "muon-optimizer")
-    assert run_case(Case("keller", shape, steps=5, weight_decay=weight_decay)).bitwise
+    assert conforms("keller", shape, weight_decay=weight_decay)
 
 
 def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_them():
@@ -54,20 +61,23 @@ def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_th
 @settings(max_examples=examples(0.5))
 @given(preset=st.sampled_from(["moonlight", "dion", "xtuner", "emerging"]), shape=shapes_2d, nesterov=st.booleans())
 def test_presets_equal_their_written_out_origins_bitwise(preset, shape, nesterov):
-    assert run_case(Case(preset, shape, steps=4, nesterov=nesterov)).bitwise
+    assert conforms(preset, shape, steps=4, nesterov=nesterov)
 
 
-@pytest.mark.parametrize("case", [Case("dion", (3, 16, 24)), Case("xtuner", (4 * 12, 20), num_experts=4)])
-def test_expert_presets_equal_their_origins_bitwise(case):
-    assert run_case(case).bitwise
+@pytest.mark.parametrize("preset, shape, options", [("dion", (3, 16, 24), {}),
+                                                    ("xtuner", (4 * 12, 20), {"num_experts": 4})])
+def test_expert_presets_equal_their_origins_bitwise(preset, shape, options):
+    assert conforms(preset, shape, **options)
 
 
-def test_conformance_report_exits_zero_and_lists_every_preset(capsys):
+def test_the_origins_check_exits_zero_and_covers_every_preset(capsys):
     require("muon", "muon-optimizer")  # the keller preset's origin
-    assert conformance.main(["--steps", "2"]) == 0
+    assert conformance.main(["--origins", "--steps", "2"]) == 0
     out = capsys.readouterr().out
+    assert set(ORIGINS) == set(PRESETS)
     for preset in PRESETS:
-        assert f"\n{preset} " in out
+        assert f"(claims preset {preset!r})" in out
+    assert "6/6 adapters conform to their claims" in out
 
 
 # Negative controls: one wrong convention each, and the equivalence check must catch it.
@@ -84,11 +94,9 @@ WRONG = [
 
 @pytest.mark.parametrize("preset, wrong, shape", WRONG, ids=[f"{p}-{next(iter(w))}" for p, w, _ in WRONG])
 def test_a_wrong_convention_breaks_the_bitwise_equivalence(preset, wrong, shape, monkeypatch):
-    if preset == "keller":
-        require("muon", "muon-optimizer")
-    assert run_case(Case(preset, shape, steps=3)).bitwise  # the control: right convention, same case
+    assert conforms(preset, shape, steps=3)  # the control: right convention, same case
     monkeypatch.setitem(PRESETS, preset, {**PRESETS[preset], **wrong})
-    assert not run_case(Case(preset, shape, steps=3)).bitwise
+    assert not conforms(preset, shape, steps=3)
 
 
 def test_sqrt_and_pow_shape_scales_differ_in_the_last_bit_for_some_shapes():

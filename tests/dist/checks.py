@@ -3,10 +3,12 @@ the paths taken, and the byte counts."""
 
 from __future__ import annotations
 
-from .conftest import get_pool, record_paths
 import torch
 
-from .workers import Case, box_on_rank, distributed_steps, reference_steps
+from muon_dist.harness.fixtures import bits, box_of, same_bits
+
+from .conftest import get_pool, record_paths
+from .workers import Case, distributed_steps, reference_steps
 
 
 def group_size(case: Case, world_size: int) -> int:
@@ -45,7 +47,7 @@ def expert_path(case: Case, shape: tuple[int, ...], placement: str, world_size: 
         return None
     unit = 1 if len(shape) == 3 else shape[0] // overrides["num_experts"]
     rows = torch.arange(shape[0])
-    held = [set((box_on_rank(rows, "S0", case.mesh, j, world_size) // unit).tolist())
+    held = [set((box_of(rows, "S0", case.mesh, j, world_size) // unit).tolist())
             for j in range(group_size(case, world_size))]
     sharing = [a | b for i, a in enumerate(held) for b in held[i + 1:] if a & b]  # pairs that hold a common expert
     if not sharing:
@@ -79,28 +81,12 @@ def run_unchecked(world_size: int, case: Case, timeout: float = 120.0) -> list[d
     results = pool.collect(timeout)
     record_paths(results)
     for rank, r in enumerate(results):
-        boxes = [box_on_rank(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_params, case.placements)]
+        boxes = [box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_params, case.placements)]
         r["differing"] = {i: int((bits(got) != bits(want)).sum()) for i, (got, want) in enumerate(zip(r["params"], boxes))
                           if not same_bits(got, want)}
-        bufs = [box_on_rank(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_bufs, case.placements)]
+        bufs = [box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_bufs, case.placements)]
         r["buffers_equal"] = all(same_bits(a, b) for a, b in zip(r["buffers"], bufs))
     return results
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of t (torch.equal says -0.0 == +0.0; bits do not)."""
-    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def examples(fraction: float) -> int:
-    """An example count relative to the active Hypothesis profile (tests/conftest.py), at least 1."""
-    from hypothesis import settings
-
-    return max(1, int(settings().max_examples * fraction))
 
 
 def timeout_for(seconds: float) -> float:

@@ -16,7 +16,9 @@ import muon_ref
 from muon_dist import DistributedMuon
 from muon_dist.checkpoint import from_reference_state_dict, to_reference_state_dict
 
-from .workers import Case, _groups, box_on_rank, grads_of, initial_params, local_of, to_dist
+from muon_dist.harness.fixtures import box_of, distribute, local
+
+from .workers import Case, _groups, grads_of, initial_params
 
 Changes = tuple[tuple[int, tuple[tuple[str, Any], ...]], ...]  # (group index, ((key, value), ...)) per group
 
@@ -27,13 +29,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _setup(case: Case, zeros: bool = False) -> tuple[list[torch.Tensor], DistributedMuon]:
     fulls = initial_params(case)
-    params = [to_dist(torch.zeros_like(f) if zeros else f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
+    params = [distribute(torch.zeros_like(f) if zeros else f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
     return params, DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.overrides))
 
 
 def _set_grads(case: Case, params: list[torch.Tensor], step: int, none: tuple[int, ...], none_until: int) -> None:
     for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
-        p.grad = None if i in none and step < none_until else to_dist(grad, pl, case.mesh)
+        p.grad = None if i in none and step < none_until else distribute(grad, pl, case.mesh)
 
 
 def _state_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -46,8 +48,8 @@ def _state_keys(opt: torch.optim.Optimizer) -> list[tuple[int, tuple[str, ...]]]
 
 
 def _locals(params: list[torch.Tensor], opt: DistributedMuon) -> dict:
-    return {"params": [local_of(p).clone() for p in params],
-            "buffers": [local_of(opt.state[p]["momentum_buffer"]).clone() for p in params]}
+    return {"params": [local(p).clone() for p in params],
+            "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params]}
 
 
 def save_after(case: Case, steps: int, none: tuple[int, ...], path: str) -> list:
@@ -115,7 +117,7 @@ def differing(got: list[torch.Tensor], fulls: list[torch.Tensor], case: Case) ->
     rank, W = dist.get_rank(), dist.get_world_size()
     out = {}
     for i, (t, full, pl) in enumerate(zip(got, fulls, case.placements)):
-        want = box_on_rank(full, pl, case.mesh, rank, W)
+        want = box_of(full, pl, case.mesh, rank, W)
         if t.dtype != want.dtype or t.shape != want.shape or not torch.equal(_bits(t), _bits(want)):
             out[i] = -1 if t.shape != want.shape else int((_bits(t) != _bits(want)).sum())
     return out
@@ -138,7 +140,7 @@ def convert_round_trip(case: Case, steps: int, more: int) -> dict:
     converted = [as_ref["state"][order[id(p)]]["momentum_buffer"] for p in params]
     fresh, opt2 = _setup(case)
     for p, full, pl in zip(fresh, ref_params, case.placements):
-        local_of(p).copy_(local_of(to_dist(full, pl, case.mesh)))
+        local(p).copy_(local(distribute(full, pl, case.mesh)))
     opt2.load_state_dict(from_reference_state_dict(ref.state_dict(), opt2))
     for step in range(steps, steps + more):
         _set_grads(case, fresh, step, (), 0)
@@ -146,8 +148,8 @@ def convert_round_trip(case: Case, steps: int, more: int) -> dict:
     final_params, final_bufs = reference_run(case, steps + more)
     return {"to_reference": {i: int((_bits(a) != _bits(b)).sum()) for i, (a, b) in enumerate(zip(converted, ref_bufs))
                              if not torch.equal(_bits(a), _bits(b))},
-            "continued": differing([local_of(p) for p in fresh], final_params, case),
-            "buffers": differing([local_of(opt2.state[p]["momentum_buffer"]) for p in fresh], final_bufs, case)}
+            "continued": differing([local(p) for p in fresh], final_params, case),
+            "buffers": differing([local(opt2.state[p]["momentum_buffer"]) for p in fresh], final_bufs, case)}
 
 
 # ---------------------------------------------------------------- reliability
@@ -165,8 +167,8 @@ def nonfinite_on_one_rank(case: Case, value: float, policy: str) -> dict:
     grads = grads_of(case, 1)
     grads[0][-1, -1] = value
     for p, g, pl in zip(params, grads, case.placements):
-        p.grad = to_dist(g, pl, case.mesh)
-    error, sees = "no error", bool(not torch.isfinite(local_of(params[0].grad)).all())
+        p.grad = distribute(g, pl, case.mesh)
+    error, sees = "no error", bool(not torch.isfinite(local(params[0].grad)).all())
     try:
         opt.step()
     except ValueError as e:
@@ -199,9 +201,9 @@ def zero_gradients(case: Case) -> dict:
         for p in ref_params:
             p.grad = torch.zeros_like(p)
         ref.step()
-    return {"vs_reference": differing([local_of(p) for p in params], ref_params, case),
-            "vs_initial": differing([local_of(p) for p in params], initial_params(case), case),
-            "buffers_nonzero": sum(int(local_of(opt.state[p]["momentum_buffer"]).count_nonzero()) for p in params)}
+    return {"vs_reference": differing([local(p) for p in params], ref_params, case),
+            "vs_initial": differing([local(p) for p in params], initial_params(case), case),
+            "buffers_nonzero": sum(int(local(opt.state[p]["momentum_buffer"]).count_nonzero()) for p in params)}
 
 
 def none_on_some_ranks_then_recover(case: Case, none_ranks: tuple[int, ...]) -> dict:
@@ -226,7 +228,7 @@ def none_on_some_ranks_then_recover(case: Case, none_ranks: tuple[int, ...]) -> 
         for p, g in zip(ref_params, grads_of(case, step)):
             p.grad = g
         ref.step()
-    return {"error": error, "differing": differing([local_of(p) for p in params], ref_params, case),
+    return {"error": error, "differing": differing([local(p) for p in params], ref_params, case),
             "keys": _state_keys(opt)}
 
 
@@ -234,7 +236,7 @@ def groups_change_between_steps(case: Case, path: str) -> dict:
     """Step 0 with the case's groups minus the last param; add_param_group(last param) and step 1; remove param 0
     from its group and step 2. muon_ref does the same; then a DCP save must work (same keys on every rank)."""
     fulls = initial_params(case)
-    params = [to_dist(f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
+    params = [distribute(f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
     ref_params = initial_params(case)
     opts = [DistributedMuon([params[0], params[1]], preset=case.preset, **dict(case.overrides)),
             muon_ref.Muon([ref_params[0], ref_params[1]], preset=case.preset, **dict(case.overrides))]
@@ -248,12 +250,12 @@ def groups_change_between_steps(case: Case, path: str) -> dict:
                 opt.param_groups[0]["params"] = opt.param_groups[0]["params"][1:]
         grads = grads_of(case, step)
         for i, (p, r, pl) in enumerate(zip(params, ref_params, case.placements)):
-            p.grad, r.grad = to_dist(grads[i], pl, case.mesh), grads[i]
+            p.grad, r.grad = distribute(grads[i], pl, case.mesh), grads[i]
         for opt in opts:
             opt.step()
         keys.append(_state_keys(opts[0]))
     dcp.save({"optim": opts[0].state_dict()}, checkpoint_id=path)
-    return {"differing": differing([local_of(p) for p in params], ref_params, case), "keys": keys}
+    return {"differing": differing([local(p) for p in params], ref_params, case), "keys": keys}
 
 
 def _raise_on(rank: int, where: str) -> None:
@@ -292,4 +294,4 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
     opt.step()  # the same gradients, no fault: the run goes on as if the failed step never happened
     ref_params, _ = reference_run(case, 2)
     return {"error": error, "seconds": seconds, "unchanged": unchanged,
-            "differing": differing([local_of(p) for p in params], ref_params, case)}
+            "differing": differing([local(p) for p in params], ref_params, case)}

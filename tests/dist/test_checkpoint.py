@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from .checks import same_bits
+from muon_dist.harness.fixtures import box_of, same_bits
+
 from .ckpt_workers import convert_round_trip, reference_run, resume, resume_reference, save_after
 from .conftest import get_pool
-from .workers import Case, box_on_rank
+from .workers import Case
 
 # even, uneven with an empty shard at W=4, Shard(1), Replicate, plain; two groups
 CASE = Case(shapes=((6, 4), (5, 3), (3, 6), (4, 4), (3, 5), (6, 4)),
@@ -26,16 +27,16 @@ def _assert_equal_to_reference(results: list[dict], case: Case, stop: int, **ref
     for rank, r in enumerate(results):
         for name, got, want in (("param", r["params"], ref_params), ("momentum", r["buffers"], ref_bufs)):
             for i, (t, full) in enumerate(zip(got, want)):
-                box = box_on_rank(full, case.placements[i], case.mesh, rank, W)
+                box = box_of(full, case.placements[i], case.mesh, rank, W)
                 assert same_bits(t, box), f"rank {rank}/{W}: {name} {i} differs from muon_ref"
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("save_world,save_mesh,load_world,dtype", [
-    (2, "1d", 3, "float32"), (3, "1d", 1, "float32"), (1, "1d", 4, "float32"), (4, "hsdp", 2, "float32"),
-    (4, "1d", 3, "bfloat16"),
+    (2, "fsdp", 3, "float32"), (3, "fsdp", 1, "float32"), (1, "fsdp", 4, "float32"), (4, "hsdp", 2, "float32"),
+    (4, "fsdp", 3, "bfloat16"),
     # with 1 -> 4 and 4 -> 2 above: every ordered pair W != W' of {1, 2, 4}
-    (1, "1d", 2, "float32"), (2, "1d", 1, "float32"), (2, "1d", 4, "float32"), (4, "1d", 1, "float32"),
+    (1, "fsdp", 2, "float32"), (2, "fsdp", 1, "float32"), (2, "fsdp", 4, "float32"), (4, "fsdp", 1, "float32"),
 ])
 def test_a_dcp_checkpoint_saved_at_one_world_size_resumes_at_another_bitwise(
         tmp_path, save_world: int, save_mesh: str, load_world: int, dtype: str) -> None:
@@ -43,7 +44,7 @@ def test_a_dcp_checkpoint_saved_at_one_world_size_resumes_at_another_bitwise(
     saved = replace(CASE, mesh=save_mesh, dtype=dtype, placements=placements)  # Replicate DTensors: 1-D meshes only
     keys = get_pool(save_world).run(save_after, saved, 2, NEVER_STEPPED, str(tmp_path), timeout=60)
     assert all(k == keys[0] for k in keys) and [i for i, _ in keys[0]] == list(range(len(CASE.shapes))), keys
-    loaded = replace(saved, mesh="1d")
+    loaded = replace(saved, mesh="fsdp")
     results = get_pool(load_world).run(resume, loaded, 2, 4, str(tmp_path), timeout=60)
     _assert_equal_to_reference(results, loaded, 4, none=NEVER_STEPPED, none_until=2)
 

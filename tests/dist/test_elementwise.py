@@ -15,7 +15,10 @@ from muon_ref.functional import apply_update, matrix_layout, momentum_direction
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
 
-from .checks import bits, examples, timeout_for
+from muon_dist.harness.fixtures import bits
+from tests.conftest import examples
+
+from .checks import timeout_for
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from muon_ref.presets import PRESETS
 
 
-from .checks import examples, run_case, timeout_for
+from tests.conftest import examples
+
+from .checks import run_case, timeout_for
 from .workers import Case
 
 PLACEMENTS = ("S0", "S1", "plain", "R")
@@ -22,11 +24,11 @@ def cases(draw, world_size: int | None = None) -> tuple[int, Case]:
     """A world size and a random set of same-layout runs: dims below W, single rows, primes, remainders;
     up to two params without a gradient (on every rank) in the middle step."""
     W = world_size or draw(st.integers(1, 8))
-    mesh = draw(st.sampled_from(["1d", "hsdp"])) if W % 2 == 0 and W >= 4 else "1d"
+    mesh = draw(st.sampled_from(["fsdp", "hsdp"])) if W % 2 == 0 and W >= 4 else "fsdp"
     shapes, placements = [], []
     for _ in range(draw(st.integers(1, 3))):
         shape = (draw(st.integers(1, 2 * W + 3)), draw(st.integers(1, 2 * W + 3)))
-        placement = draw(st.sampled_from(PLACEMENTS if mesh == "1d" else ("S0", "S1")))
+        placement = draw(st.sampled_from(PLACEMENTS if mesh == "fsdp" else ("S0", "S1")))
         count = draw(st.integers(1, W + 2))
         shapes += [shape] * count
         placements += [placement] * count

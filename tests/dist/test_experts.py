@@ -24,7 +24,10 @@ from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorl
 from muon_dist.paths import RUNNERS
 from muon_ref.presets import PRESETS
 
-from .checks import examples, run_case, run_unchecked, same_bits, timeout_for
+from muon_dist.harness.fixtures import same_bits
+from tests.conftest import examples
+
+from .checks import run_case, run_unchecked, timeout_for
 from .conftest import get_pool
 from .workers import Case, bad_expert_step, subgroup_cache_probe
 
@@ -33,7 +36,7 @@ FP32 = (("ns_dtype", None),)
 
 
 def expert_case(E: int, m: int, n: int, fused: bool, ep: int, fsdp: int, count: int = 1, **kwargs) -> tuple[int, Case]:
-    """(world size, Case): `count` expert stacks of E experts (m, n) on an (ep, fsdp) mesh ("1d" when ep == 1
+    """(world size, Case): `count` expert stacks of E experts (m, n) on an (ep, fsdp) mesh ("fsdp" when ep == 1
     and kwargs ask for it)."""
     shape = (E * m, n) if fused else (E, m, n)
     overrides = (("num_experts", E),) if fused else ()
@@ -92,7 +95,7 @@ def test_every_expert_equals_reference_bitwise_on_the_path_its_boxes_call_for(dr
                                                                              count: int, one_d: bool) -> None:
     model, (ep, fsdp) = drawn
     W, case = expert_case(model["E"], model["m"], model["n"], model["fused"], ep, fsdp, count,
-                          mesh="1d" if ep == 1 and one_d else f"ep{ep}", dtype=model["dtype"], preset=model["preset"],
+                          mesh="fsdp" if ep == 1 and one_d else f"ep{ep}", dtype=model["dtype"], preset=model["preset"],
                           seed=model["seed"])
     results = run_case(W, case)  # bits of params and buffers, the planned paths, the planned bytes
     want = textbook_path(model["E"], model["m"], model["fused"], ep, fsdp)

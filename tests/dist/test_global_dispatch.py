@@ -13,10 +13,13 @@ from hypothesis import example, given, settings
 
 from muon_dist import Entry, Options, ParamLayout, plan
 from muon_dist.balance import lpt, ns_flops
+from muon_dist.harness.fixtures import box_of
 
-from .checks import examples, run_case, run_unchecked, timeout_for
+from tests.conftest import examples
+
+from .checks import run_case, run_unchecked, timeout_for
 from .test_equivalence import cases
-from .workers import Case, box_on_rank
+from .workers import Case
 
 GLOBAL = (("dispatch", "global"),)
 DATA = ("plan_digest", "nonfinite_check")  # the step's checks, not data collectives
@@ -63,13 +66,13 @@ def test_global_dispatch_moves_exactly_the_lower_bound_on_every_rank(world_size:
     results = run_case(W, Case(tuple(shapes), placements, overrides=(("ns_dtype", None),), options=GLOBAL))
     owners = _owners(shapes, W)
     for rank, r in enumerate(results):
-        boxes = [box_on_rank(torch.zeros(s), pl, "1d", rank, W).numel() for s, pl in zip(shapes, placements)]
+        boxes = [box_of(torch.zeros(s), pl, "fsdp", rank, W).numel() for s, pl in zip(shapes, placements)]
         bound = sum(math.prod(s) - b if owners[k] == rank else b for k, (s, b) in enumerate(zip(shapes, boxes)))
         assert r["bytes"]["global_all_to_all"] == (4 * bound, 4 * bound), (rank, r["bytes"], bound)
         assert _data_calls(r) == [("global_all_to_all", "all_to_all")] * 2, _data_calls(r)
     even = 3 * 2 * W * 3 + 2 * 3 * 4 * W  # the matrices with even boxes: 2 (W - 1) / W of them over all ranks
     total = sum(r["bytes"]["global_all_to_all"][0] for r in results)
-    uneven = sum(2 * (30 - box_on_rank(torch.zeros(5, 6), "S0", "1d", owners[k], W).numel()) for k in (3, 4))
+    uneven = sum(2 * (30 - box_of(torch.zeros(5, 6), "S0", "fsdp", owners[k], W).numel()) for k in (3, 4))
     assert total == 4 * (2 * (W - 1) * even // W + uneven)
 
 

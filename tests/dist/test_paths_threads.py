@@ -15,7 +15,10 @@ from muon_dist.comm import run_threads as run_on_threads
 from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
 from muon_dist.paths import RUNNERS, agrs
 
-from .checks import bits, examples, timeout_for
+from muon_dist.harness.fixtures import bits
+from tests.conftest import examples
+
+from .checks import timeout_for
 
 NS = functools.partial(muon_ref.newton_schulz, **muon_ref.MuonConfig().ns_kwargs())
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from muon_dist import Entry, Options, ParamLayout, plan
 
-from .checks import examples, timeout_for
+from tests.conftest import examples
+
+from .checks import timeout_for
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
 

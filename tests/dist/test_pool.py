@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from muon_dist.launch import RankFailure, RankPool
+from muon_dist.harness.launch import RankFailure, RankPool
 from .workers import fail_on
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from .checks import same_bits
+from muon_dist.harness.fixtures import same_bits
 from .ckpt_workers import (groups_change_between_steps, none_on_some_ranks_then_recover, nonfinite_on_one_rank,
                            raise_mid_step, zero_gradients)
 from .conftest import get_pool

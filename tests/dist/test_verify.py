@@ -1,4 +1,4 @@
-"""`python -m muon_dist.verify` (what `make verify` runs): a smoke run passes, and a broken path fails it."""
+"""`python -m muon_dist.harness.verify` (what `make verify` runs): a smoke run passes, and a broken path fails it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from muon_dist import verify
+from muon_dist.harness import verify
 
 
 @pytest.mark.timeout(240)
@@ -43,7 +43,7 @@ def _reload_without_momentum(run, params, opt, device, checkpoint_dir):
     from muon_dist import DistributedMuon
 
     fulls = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
-    fresh = [verify._distribute(full.clone(), run.mesh, device) for full in fulls]
+    fresh = [verify._distribute(full.clone(), run, device) for full in fulls]
     return fresh, DistributedMuon(verify.param_groups(run.mesh, fresh), preset=run.preset)
 
 

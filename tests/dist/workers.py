@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_ref
 from muon_dist import DistributedMuon, expected_bytes
+from muon_dist.harness.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
 
-_MESHES: dict[tuple, object] = {}
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
 
@@ -27,55 +27,12 @@ class Case:
     preset: str = "torch"
     steps: int = 3
     seed: int = 0
-    mesh: str = "1d"  # or "hsdp": (replicate=2, shard=W/2), or "ep<k>": (ep=k, fsdp=W/k) sharding one dim twice
+    mesh: str = "fsdp"  # or "hsdp": (replicate=2, shard=W/2), or "ep<k>": (ep=k, fsdp=W/k) sharding one dim twice
     options: tuple[tuple[str, object], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
     sabotage: str | None = None
     groups: tuple[int, ...] = field(default=())  # param group of each param (default: all in group 0)
     no_grad: tuple[int, ...] = ()  # params whose grad is None on every rank in step 1
-
-
-def mesh_for(kind: str):
-    world = dist.get_world_size()
-    if kind not in _MESHES:
-        if kind == "1d":
-            _MESHES[kind] = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-        elif kind.startswith("ep"):
-            _MESHES[kind] = init_device_mesh("cpu", (int(kind[2:]), world // int(kind[2:])), mesh_dim_names=("ep", "fsdp"))
-        else:
-            _MESHES[kind] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return _MESHES[kind]
-
-
-def local_box(full: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
-    """torch.chunk's chunk `index` (empty past the last chunk): DTensor's Shard semantics, stated independently."""
-    chunks = full.chunk(parts, dim)
-    return chunks[index].clone() if index < len(chunks) else full.narrow(dim, full.size(dim), 0).clone()
-
-
-def to_dist(full: torch.Tensor, placement: str, mesh_kind: str) -> torch.Tensor:
-    if placement == "plain":
-        return full.clone()
-    mesh = mesh_for(mesh_kind)
-    if placement == "R":
-        return DTensor.from_local(full.clone(), mesh, [Replicate()], shape=full.shape, stride=full.stride())
-    dim = int(placement[1:])
-    if mesh_kind.startswith("ep"):  # (Shard(dim), Shard(dim)): EP chunks the dim, FSDP chunks each EP block
-        local = box_on_rank(full, placement, mesh_kind, dist.get_rank(), dist.get_world_size())
-        return DTensor.from_local(local, mesh, [Shard(dim)] * 2, shape=full.shape, stride=full.stride())
-    axis = mesh.ndim - 1
-    index, parts = mesh.get_local_rank(axis), mesh.size(axis)
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
-    return DTensor.from_local(local_box(full, dim, index, parts), mesh, placements, shape=full.shape, stride=full.stride())
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(dtype)
 
 
 def _groups(case: Case, params: list) -> list[dict]:
@@ -137,28 +94,28 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
     dtype = getattr(torch, case.dtype)
-    return [_tensor(shape, case.seed * 104729 + 1000 * step + i + 1, dtype) for i, shape in enumerate(case.shapes)]
+    return [seeded(shape, case.seed * 104729 + 1000 * step + i + 1, dtype) for i, shape in enumerate(case.shapes)]
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    return [_tensor(s, case.seed * 7919 + i, getattr(torch, case.dtype)) for i, s in enumerate(case.shapes)]
+    return [seeded(s, case.seed * 7919 + i, getattr(torch, case.dtype)) for i, s in enumerate(case.shapes)]
 
 
 def distributed_steps(case: Case) -> dict:
     """case.steps steps of DistributedMuon; this rank's params, buffers, last report and planned bytes."""
-    params = [to_dist(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
+    params = [distribute(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
     opt = DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides))
     _sabotaged(opt, case.sabotage)
     try:
         for step in range(case.steps):
             for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
-                p.grad = None if step == 1 and i in case.no_grad else to_dist(grad, pl, case.mesh)
+                p.grad = None if step == 1 and i in case.no_grad else distribute(grad, pl, case.mesh)
             opt.step()
     finally:
         getattr(opt, "_restore", lambda: None)()
     return {
-        "params": [local_of(p).clone() for p in params],
-        "buffers": [local_of(opt.state[p]["momentum_buffer"]).clone() for p in params],
+        "params": [local(p).clone() for p in params],
+        "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params],
         "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
         "expected": expected_bytes(opt.last_plan, ITEMSIZES),
         "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
@@ -176,30 +133,18 @@ def reference_steps(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return params, [ref.state[p]["momentum_buffer"] for p in params]
 
 
-def box_on_rank(full: torch.Tensor, placement: str, mesh_kind: str, rank: int, world_size: int) -> torch.Tensor:
-    """What `rank` holds of `full` (computed in the parent, without a mesh)."""
-    if placement in ("plain", "R"):
-        return full
-    if mesh_kind.startswith("ep"):  # rank = ep_index * fsdp + fsdp_index; chunk for EP, then for FSDP
-        ep, dim = int(mesh_kind[2:]), int(placement[1:])
-        fsdp = world_size // ep
-        return local_box(local_box(full, dim, rank // fsdp, ep), dim, rank % fsdp, fsdp)
-    parts = world_size // 2 if mesh_kind == "hsdp" else world_size
-    return local_box(full, int(placement[1:]), rank % parts, parts)
-
-
 def bad_step(kind: str) -> str:
     """One step with a caller's mistake on some ranks; the error this rank raised ("no error" otherwise)."""
     rank, W = dist.get_rank(), dist.get_world_size()
     try:
         params, grads = _bad_setup(kind, rank, W)
         opt = DistributedMuon(params, preset="torch", nonfinite="skip" if kind == "nonfinite_skip" else "raise")
-        before = [local_of(p).clone() for p in params]
+        before = [local(p).clone() for p in params]
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
         if kind == "nonfinite_skip":
-            return "unchanged" if all(torch.equal(local_of(p), b) for p, b in zip(params, before)) else "changed"
+            return "unchanged" if all(torch.equal(local(p), b) for p, b in zip(params, before)) else "changed"
         return "no error"
     except ValueError as e:
         return f"ValueError: {e}"
@@ -211,20 +156,20 @@ def _bad_setup(kind: str, rank: int, W: int) -> tuple[list, list]:
         p = torch.ones(4, 6) if rank == 0 else full.clone()
         return [p], [torch.ones_like(p)]
     if kind == "grad_none_on_one_rank":
-        ps = [to_dist(full, "S0", "1d"), to_dist(full, "S0", "1d")]
-        return ps, [to_dist(full, "S0", "1d"), None if rank == W - 1 else to_dist(full, "S0", "1d")]
+        ps = [distribute(full, "S0", "fsdp"), distribute(full, "S0", "fsdp")]
+        return ps, [distribute(full, "S0", "fsdp"), None if rank == W - 1 else distribute(full, "S0", "fsdp")]
     if kind == "mesh_mixed":  # a DTensor on rank 0, a plain tensor elsewhere
-        p = to_dist(full, "S0" if rank == 0 else "plain", "1d")
-        return [p], [to_dist(full, "S0" if rank == 0 else "plain", "1d")]
+        p = distribute(full, "S0" if rank == 0 else "plain", "fsdp")
+        return [p], [distribute(full, "S0" if rank == 0 else "plain", "fsdp")]
     if kind == "grad_placement_differs_on_one_rank":
-        p = to_dist(full, "S0", "1d")
-        return [p], [to_dist(full, "R" if rank == 0 else "S0", "1d")]
+        p = distribute(full, "S0", "fsdp")
+        return [p], [distribute(full, "R" if rank == 0 else "S0", "fsdp")]
     if kind in ("nonfinite_on_one_shard", "nonfinite_skip"):
         g = full.clone()
         g[-1, -1] = float("nan")  # only the last non-empty shard holds it
-        return [to_dist(full, "S0", "1d")], [to_dist(g, "S0", "1d")]
+        return [distribute(full, "S0", "fsdp")], [distribute(g, "S0", "fsdp")]
     if kind == "two_shard_axes":
-        mesh = mesh_for("hsdp")
+        mesh = device_mesh("hsdp")
         p = DTensor.from_local(full[:3, :2].clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
         return [p], [p.detach().clone()]
     raise AssertionError(kind)
@@ -244,7 +189,7 @@ def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
     model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(),
                           nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False)).to(getattr(torch, dtype))
     given, single = copy.deepcopy(model), copy.deepcopy(model)
-    mesh = mesh_for("1d")
+    mesh = device_mesh("fsdp")
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -253,7 +198,7 @@ def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
     opt_given, opt_single = muon_ref.Muon(given.parameters(), preset=preset), muon_ref.Muon(single.parameters(), preset=preset)
     out = {"given_differs": [], "single_differs": [], "grad_differs": [], "paths": None}
     for step in range(steps):
-        xs = [_tensor((5, 12), 1000 * step + r, getattr(torch, dtype)) for r in range(W)]
+        xs = [seeded((5, 12), 1000 * step + r, getattr(torch, dtype)) for r in range(W)]
         model(xs[rank]).square().mean().backward()
         fsdp_grads = [p.grad.full_tensor() for p in model.parameters()]
         mean = _mean_grads(single, xs)
@@ -285,7 +230,7 @@ def _mean_grads(model, xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _shard_differs(model, ref_model, rank: int, W: int) -> int:
-    return sum(int((local_of(p) != local_box(r.detach(), 0, rank, W)).sum())
+    return sum(int((local(p) != chunk(r.detach(), 0, rank, W)).sum())
                for p, r in zip(model.parameters(), ref_model.parameters()))
 
 
@@ -295,7 +240,7 @@ def layouts_of_distributed(shape: tuple[int, int], placement: str, mesh_kind: st
 
     from muon_dist import read_layout
 
-    mesh = mesh_for(mesh_kind)
+    mesh = device_mesh(mesh_kind)
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(int(placement[1:]))]
     p = torch.distributed.tensor.distribute_tensor(torch.zeros(shape), mesh, placements)
     layout = read_layout(p, "w", None, False, dist.get_rank(), dist.get_world_size())
@@ -320,7 +265,7 @@ def agrs_on_gloo(dtype: str) -> bool:
     from muon_dist.paths import agrs
 
     rank, W = dist.get_rank(), dist.get_world_size()
-    full = _tensor((7, 3), 0, getattr(torch, dtype))
+    full = seeded((7, 3), 0, getattr(torch, dtype))
     base = ParamLayout("p", (7, 3), str(full.dtype), tuple(range(W)), None, ("S0",), None, False, rank, (), ())
     offset, local = base.box(rank)
     layout = ParamLayout(*base.signature(), rank, local, offset)
@@ -346,10 +291,10 @@ def bad_expert_step(kind: str) -> str:
             num_experts = 2 if rank == W - 1 else 4
         elif kind == "shard_dims_differ":
             full, placements = torch.ones(4, 2, 3), [Shard(0), Shard(1)]
-        mesh = mesh_for("ep2")
-        local = box_on_rank(full, "S0", "ep2", rank, W)
+        mesh = device_mesh("ep2")
+        local = box_of(full, "S0", "ep2", rank, W)
         if kind == "shard_dims_differ":
-            local = local_box(local_box(full, 0, rank // (W // 2), 2), 1, rank % (W // 2), W // 2)
+            local = chunk(chunk(full, 0, rank // (W // 2), 2), 1, rank % (W // 2), W // 2)
         p = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
         opt = DistributedMuon([{"params": [p], "num_experts": num_experts}], preset="torch")
         p.grad = DTensor.from_local(local.clone(), mesh, placements, shape=full.shape, stride=full.stride())
@@ -375,7 +320,7 @@ def subgroup_cache_probe() -> dict:
     try:
         for _ in range(2):
             mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("ep", "fsdp"))
-            local = box_on_rank(full, "S0", "ep2", rank, W)
+            local = box_of(full, "S0", "ep2", rank, W)
             p = DTensor.from_local(local, mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())
             opt = DistributedMuon([{"params": [p], "num_experts": 2}], preset="torch")
             p.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from muon_dist import conformance, verify
+from muon_dist.harness import conformance, verify
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -30,7 +30,7 @@ def test_every_path_on_gloo_ranks_sharing_a_gpu_equals_muon_ref_on_cuda_bitwise(
 @pytest.mark.timeout(900)
 def test_distributed_muon_conforms_on_cuda_under_the_conformance_check(tmp_path):
     out = tmp_path / "conformance_cuda.json"
-    argv = ["--adapter", "muon_dist.adapters.shipped:DistributedReference", "--device", "cuda",
+    argv = ["--adapter", "muon_dist.harness.adapters.shipped:DistributedReference", "--device", "cuda",
             "--world-sizes", "1", "2", "3", "--steps", "2", "--json", str(out)]
     assert conformance.main(argv) == 0
     (report,) = json.loads(out.read_text())

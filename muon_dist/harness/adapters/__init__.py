@@ -1,4 +1,4 @@
-"""Adapters: how `python -m muon_dist.conformance` builds any Muon and what it claims to compute.
+"""Adapters: how `python -m muon_dist.harness.conformance` builds any Muon and what it claims to compute.
 
 An adapter is a small class. It builds the candidate optimizer from parameters and hyperparameters, and it
 states the claim the oracle checks:
@@ -8,9 +8,11 @@ states the claim the oracle checks:
 `distributed` says how the candidate sees its parameters: None (plain tensors, one process), "dtensor"
 (DTensor Shard(0) on a 1-D gloo mesh, torch.chunk boxes as FSDP2 makes them) or "replicated" (the same plain
 tensor on every rank, DDP style). `families` names the case families it supports (muon_dist/adapters/cases.py);
-`hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match).
+`hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match); `variants`
+the option sets it is also checked under (each a dict of hyperparameters and muon_ref options that `build`
+receives and maps to its own arguments, and that the claim takes over; `({},)`: the defaults only).
 
-Write one (then `python -m muon_dist.conformance --adapter mymodule:MyAdapter`):
+Write one (then `python -m muon_dist.harness.conformance --adapter mymodule:MyAdapter`):
 
     class MyAdapter(Adapter):
         name, preset, overrides = "my-muon", "moonlight", {"lr_scale": "spectral_norm"}
@@ -19,7 +21,7 @@ Write one (then `python -m muon_dist.conformance --adapter mymodule:MyAdapter`):
 
 Or, without writing a class, for any optimizer class by import path (a local checkout included):
     ImportPath("path/to/dion_clone:dion.muon:Muon", preset="dion", hp_names={"momentum": "mu"})
-    python -m muon_dist.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion
+    python -m muon_dist.harness.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Adapter:
     families: frozenset[str] = SINGLE_FAMILIES
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     hyperparameters: frozenset[str] = HYPERPARAMETERS
+    variants: tuple[dict[str, Any], ...] = ({},)
     state_key: str | None = "momentum_buffer"
 
     def version(self) -> str:

@@ -1,13 +1,14 @@
-r"""Check any Muon against the oracle: `python -m muon_dist.conformance --adapter MODULE:NAME`.
+r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance --adapter MODULE:NAME`.
 
-    python -m muon_dist.conformance --adapter muon_dist.adapters.shipped:TorchMuon
-    python -m muon_dist.conformance --adapter muon:SingleDeviceMuon --preset keller     # any optimizer class
-    python -m muon_dist.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
+    python -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.shipped:TorchMuon
+    python -m muon_dist.harness.conformance --adapter muon:SingleDeviceMuon --preset keller     # any optimizer class
+    python -m muon_dist.harness.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
         --hp-names '{"momentum": "mu"}' --distributed dtensor                         # a local checkout
-    python -m muon_dist.conformance --all --markdown                                    # the README table
-    python -m muon_dist.conformance --all --device cuda                                 # on a GPU node
+    python -m muon_dist.harness.conformance --all --markdown                                    # the README table
+    python -m muon_dist.harness.conformance --all --device cuda                                 # on a GPU node
+    python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
 
-Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.launch.RankPool;
+Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.harness.launch.RankPool;
 one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
 the ranks sharing the node's GPUs with gloo carrying CUDA tensors) with a timeout (--timeout, default 300 s: first calls may torch.compile),
 and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/adapters/oracle.py.
@@ -36,6 +37,14 @@ from .adapters.workers import candidate_steps
 from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
+
+
+def run_here(adapter: Adapter, case: Case) -> Outcome:
+    """One single-device case in this process, no rank pool: the candidate and oracle code that the pool runs,
+    for tests that draw many cases (errors propagate instead of becoming a crash outcome)."""
+    preset, overrides = claim_of(adapter)
+    results = [candidate_steps(adapter, case, candidate_hyperparameters(adapter))]
+    return compare(case, results, reference_steps(case, preset, overrides))
 
 
 class Runner:
@@ -140,7 +149,7 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
     chosen = adapter.families & frozenset(families) if families else adapter.families
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     try:
-        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device)
+        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants)
         outcomes = []
         for case in cases:
             outcomes.append(runner.run(case))
@@ -199,7 +208,9 @@ def markdown(reports: list[dict[str, Any]]) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
-    p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.adapters.shipped)")
+    p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
+    p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
+                   "(muon_dist.harness.adapters.origins; what make verify runs)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
@@ -234,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         from .adapters.shipped import SHIPPED
 
         adapters += [cls() for cls in SHIPPED.values()]
+    if args.origins:
+        from .adapters.origins import ORIGINS
+
+        adapters += [cls() for cls in ORIGINS.values()]
     if not adapters:
-        print("error: give --adapter MODULE:NAME (repeatable) or --all", file=sys.stderr)
+        print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
     reports = []
     for adapter in adapters:
@@ -245,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         print_report(reports[-1])
     if args.markdown:
         print(markdown(reports))
+    if len(reports) > 1:
+        cases = [o for r in reports for o in r["outcomes"]]
+        _print(f"{sum(r['conforms'] for r in reports)}/{len(reports)} adapters conform to their claims; "
+               f"{sum(o['status'] == 'bitwise' for o in cases)}/{len(cases)} cases bitwise equal")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1, default=str)

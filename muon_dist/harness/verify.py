@@ -1,11 +1,11 @@
 """The main job: DistributedMuon checked against muon_ref on a model-like parameter set, path by path.
 
-    python -m muon_dist.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
-    python -m muon_dist.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
-    torchrun --nproc-per-node N -m muon_dist.verify --backend nccl      (one rank per GPU; gloo works too)
+    python -m muon_dist.harness.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
+    python -m muon_dist.harness.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
+    torchrun --nproc-per-node N -m muon_dist.harness.verify --backend nccl      (one rank per GPU; gloo works too)
 
-For each world size, gloo ranks (muon_dist.launch.RankPool) train the Muon matrices of a scaled-down
-transformer with dense and MoE layers (muon_dist.shapes.tiny_moe: attention, MLP, experts; its embeddings and
+For each world size, gloo ranks (muon_dist.harness.launch.RankPool) train the Muon matrices of a scaled-down
+transformer with dense and MoE layers (muon_dist.harness.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
 mode, forcing each remainder path, with dispatch="global", and across a checkpoint (torch.distributed.checkpoint
@@ -18,7 +18,7 @@ rank ever gathers a full tensor (DTensor.full_tensor of uneven shards segfaulted
 torch 2.11: ../shared/reference/gpu.md).
 
 --device cuda: the ranks' params, gradients and optimizer live on CUDA (W ranks share the node's GPUs, gloo
-carrying CUDA tensors; muon_dist.launch) and the reference runs on CUDA too: the same code as on CPU, with
+carrying CUDA tensors; muon_dist.harness.launch) and the reference runs on CUDA too: the same code as on CPU, with
 CUDA kernels. NCCL needs one GPU per rank: torchrun with --backend nccl.
 
 Contract checked: every path is bitwise (proofs/paths.md); a run that is not, or that crashes or hangs, is a
@@ -49,7 +49,9 @@ import torch
 import muon_ref
 from muon_ref.presets import PRESETS
 
+from .fixtures import box_of, distribute, local, same_bits, seeded
 from .shapes import ParamSpec, tiny_moe
+
 
 @dataclass(frozen=True)
 class Run:
@@ -93,17 +95,18 @@ def param_groups(mesh: str, params: list) -> list[dict]:
     return groups
 
 
-def full_tensor(shape: tuple[int, ...], seed: int, dtype: str) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
-
-
 def initial(run: Run, device: str = "cpu") -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 7919 + i, run.dtype).to(device) for i, s in enumerate(muon_specs(run.mesh))]
+    return [seeded(s.shape, run.seed * 7919 + i, run.dtype, device) for i, s in enumerate(muon_specs(run.mesh))]
 
 
 def gradients(run: Run, step: int, device: str = "cpu") -> list[torch.Tensor]:
-    return [full_tensor(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype).to(device)
+    return [seeded(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype, device)
             for i, s in enumerate(muon_specs(run.mesh))]
+
+
+def placement(run: Run) -> tuple[str, str]:
+    """(placement, mesh kind) of every param of the run (muon_dist.harness.fixtures)."""
+    return {"ddp": ("plain", "fsdp"), "ep": ("S0", "ep2")}.get(run.mesh, ("S0", run.mesh))
 
 
 def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
@@ -124,67 +127,30 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
 
 # ------------------------------------------------------------------------------------------------ ranks
 
-_MESHES: dict[tuple, object] = {}
-
-
-def _mesh(kind: str, device: str):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    W = dist.get_world_size()
-    key = (kind, W, device)
-    if key not in _MESHES:
-        shape, names = {"hsdp": ((2, W // 2), ("replicate", "fsdp")), "ep": ((2, W // 2), ("ep", "fsdp"))}.get(
-            kind, ((W,), ("fsdp",)))
-        _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names)
-    return _MESHES[key]
-
-
-def _distribute(full: torch.Tensor, kind: str, device: str) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if kind == "ddp":
-        return full.to(device)
-    mesh = _mesh(kind, device)
-    sharded = range(mesh.ndim) if kind == "ep" else [mesh.ndim - 1]  # ep: a chunk of a chunk along dim 0
-    local = full
-    for axis in sharded:
-        index, parts = mesh.get_local_rank(axis), mesh.size(axis)
-        chunks = local.chunk(parts, 0)
-        local = chunks[index] if index < len(chunks) else local.narrow(0, local.size(0), 0)
-    placements = [Shard(0) if axis in sharded else Replicate() for axis in range(mesh.ndim)]
-    return DTensor.from_local(local.clone().to(device), mesh, placements, shape=full.shape, stride=full.stride())
+def _distribute(full: torch.Tensor, run: Run, device: str) -> torch.Tensor:
+    return distribute(full, *placement(run), device)
 
 
 def rank_run(run: Run, device: str = "cpu", checkpoint_dir: str | None = None) -> dict:
-    """Train on this rank; return its shards (CPU copies, with their global offsets), the paths, bytes and step
-    times. mode "resume": a DCP checkpoint in `checkpoint_dir` after half the steps, then fresh (zero) params and
-    a fresh optimizer load it and take the remaining steps."""
-    from .layout import read_layout
-    from .optim import DistributedMuon
+    """Train on this rank; return its shards (CPU copies), the paths, bytes and step times. mode "resume": a DCP
+    checkpoint in `checkpoint_dir` after half the steps, then fresh (zero) params and a fresh optimizer load it and
+    take the remaining steps."""
+    from muon_dist import DistributedMuon
 
-    import torch.distributed as dist
-
-    specs = muon_specs(run.mesh)
-    params = [_distribute(f, run.mesh, device) for f in initial(run, device)]
+    params = [_distribute(f, run, device) for f in initial(run, device)]
     opt = DistributedMuon(param_groups(run.mesh, params), preset=run.preset, **run.options())
     times = []
     for step in range(run.steps):
         if run.mode == "resume" and step == run.steps // 2:
             params, opt = _save_and_reload(run, params, opt, device, checkpoint_dir)
         for p, g in zip(params, gradients(run, step, device)):
-            p.grad = _distribute(g, run.mesh, device)
+            p.grad = _distribute(g, run, device)
         start = time.perf_counter()
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    rank, W = dist.get_rank(), dist.get_world_size()
-    shards = []
-    for p, s in zip(params, specs):
-        layout = read_layout(p, s.name, s.num_experts, False, rank, W)
-        local = p.to_local() if hasattr(p, "to_local") else p
-        shards.append((local.detach().cpu().clone(), layout.global_offset))
+    shards = [local(p).detach().cpu().clone() for p in params]
     return {"shards": shards, "paths": list(opt.last_report.paths), "step_s": times,
             "bytes": {k: list(v) for k, v in opt.last_report.bytes_by_path.items()}}
 
@@ -193,12 +159,12 @@ def _save_and_reload(run: Run, params: list, opt, device: str, checkpoint_dir: s
     """DCP-save params and optimizer state, then load them into zero params and a new optimizer."""
     import torch.distributed.checkpoint as dcp
 
-    from .optim import DistributedMuon
+    from muon_dist import DistributedMuon
 
     assert checkpoint_dir is not None, "mode 'resume' needs a checkpoint directory"
     dcp.save({"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
              checkpoint_id=checkpoint_dir)
-    fresh = [_distribute(torch.zeros_like(f), run.mesh, device) for f in initial(run, device)]
+    fresh = [_distribute(torch.zeros_like(f), run, device) for f in initial(run, device)]
     new_opt = DistributedMuon(param_groups(run.mesh, fresh), preset=run.preset, **run.options())
     state = {"params": {f"p{i}": p for i, p in enumerate(fresh)}, "optim": new_opt.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint_dir)
@@ -221,21 +187,16 @@ def reference(run: Run, device: str = "cpu") -> list[torch.Tensor]:
     return [p.detach().cpu() for p in params]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
     """Per param: its path, max |difference| over ranks, and whether every rank's shard is bitwise its box."""
-    rows = []
+    rows, W = [], run.world_size
     for i, full in enumerate(want):
         worst, equal = 0.0, True
-        for r in results:
-            got, offset = r["shards"][i]
-            box = full[tuple(slice(o, o + n) for o, n in zip(offset, got.shape))]
-            if got.numel():
+        for rank, r in enumerate(results):
+            got, box = r["shards"][i], box_of(full, *placement(run), rank, W)
+            if got.numel() and got.shape == box.shape:
                 worst = max(worst, float((got.double() - box.double()).abs().max()))
-            equal &= torch.equal(bits(got), bits(box.contiguous()))
+            equal &= same_bits(got, box)
         rows.append({"param": results[0]["paths"][i][0], "path": results[0]["paths"][i][1], "max_diff": worst,
                      "bitwise": equal})
     return rows
@@ -244,7 +205,7 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
 def row_boxes(rows: int, mesh: str, world_size: int) -> list[tuple[int, int]]:
     """(offset, length) along dim 0 of every member's box: torch.chunk over the group, or on the ep mesh a
     chunk (over ep = 2) of a chunk (over fsdp = W / 2) in mesh order (proofs/paths.md#experts)."""
-    from .layout import chunk_bounds
+    from muon_dist.layout import chunk_bounds
 
     if mesh != "ep":
         group = world_size // 2 if mesh == "hsdp" else world_size

@@ -1,5 +1,5 @@
-"""A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_dist.verify` and
-`muon_dist.conformance` (measured facts: ../shared/reference/testing_distributed.md).
+"""A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_dist.harness.verify` and
+`muon_dist.harness.conformance` (measured facts: ../shared/reference/testing_distributed.md).
 
 Workers are forked once per world size; each sets torch.set_num_threads(1) first, joins a gloo group through
 a file:// rendezvous in a fresh temporary directory (runs never collide), then serves calls: a module-level

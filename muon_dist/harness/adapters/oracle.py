@@ -17,6 +17,7 @@ from torch import Tensor
 import muon_ref
 from muon_ref.presets import preset_defaults
 
+from ..fixtures import same_bits
 from . import Adapter
 from .cases import Case, gradients, initial_params, local_box
 
@@ -71,11 +72,11 @@ class Outcome:
 
 
 def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> tuple[list, list]:
-    """muon_ref.Muon on the full tensors, on the case's device: (params after each step, final momentum buffers),
-    as CPU copies."""
+    """muon_ref.Muon under (preset, overrides and the case's options) on the full tensors, on the case's device:
+    (params after each step, final momentum buffers), as CPU copies."""
     params = initial_params(case)
     groups = [{"params": [p], "flatten": p.ndim >= 4} for p in params]
-    opt = muon_ref.Muon(groups, preset=preset, **overrides)
+    opt = muon_ref.Muon(groups, preset=preset, **{**overrides, **dict(case.options)})
     per_step = []
     for step in range(case.steps):
         for p, g in zip(params, gradients(case, step)):
@@ -83,14 +84,6 @@ def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -
         opt.step()
         per_step.append([p.detach().cpu().clone() for p in params])
     return per_step, [opt.state[p]["momentum_buffer"].cpu() for p in params]
-
-
-def _bits(t: Tensor) -> Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.int8}[t.element_size()])
-
-
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
@@ -105,18 +98,18 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
 def compare(case: Case, results: list[dict], reference: tuple[list, list]) -> Outcome:
     """The outcome of a case whose ranks all answered: bitwise or differs, with the per-step differences."""
     ref_steps, ref_momentum = reference
-    W, bitwise = case.world_size, True
+    bitwise = True
     diffs = [0.0] * case.steps
     state_diff: float | None = None
     for rank, r in enumerate(results):
         for s, (got_step, want_step) in enumerate(zip(r["params"], ref_steps)):
             for got, want in zip(got_step, want_step):
-                want = local_box(want, case.mode, rank, W)
+                want = local_box(want, case, rank)
                 bitwise &= same_bits(got, want)
                 diffs[s] = max(diffs[s], max_abs_diff(got, want))
         for got, want in zip(r["momentum"], ref_momentum):
             if got is not None:
-                want = local_box(want, case.mode, rank, W)
+                want = local_box(want, case, rank)
                 bitwise &= same_bits(got, want)
                 state_diff = max(state_diff or 0.0, max_abs_diff(got, want))
     return Outcome(case, "bitwise" if bitwise else "differs", tuple(diffs), state_diff, results=results)

@@ -2,7 +2,8 @@
 keeps a shrunk case inside its family.
 
 Single device (plain tensors): tall, wide, square, row (1 x n), primes, experts3d ([E, m, n]), conv4d
-(4-D, read as (out, in*kh*kw) by the reference: flatten=True).
+(4-D, read as (out, in*kh*kw) by the reference: flatten=True); experts_fused ([E * m, n] with the param-group
+key num_experts = E, xtuner's layout: only for adapters that list it).
 DTensor Shard(0) over W ranks, torch.chunk boxes (5 rows on 4 ranks: 2, 2, 1, 0), the Hypothesis suite's
 families: even (rows % W == 0, W params), uneven (rows % W != 0, no empty box; rows and cols chosen so that
 padding rows to a multiple of W would flip the transpose decision), empty (rows < W: some rank holds nothing),
@@ -18,20 +19,28 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..fixtures import box_of, seeded
+
 SINGLE_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "experts3d", "conv4d"})
+MATRIX_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes"})  # 2-D params only
+FUSED_FAMILIES = frozenset({"experts_fused"})
 DIST_FAMILIES = frozenset({"even", "uneven", "empty", "remainder", "experts"})
 REPLICATED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts"})
 
 _SINGLE_SHAPES = {
     "tall": ((12, 6),), "wide": ((6, 12),), "square": ((8, 8),), "row": ((1, 10),), "primes": ((13, 7),),
-    "experts3d": ((3, 6, 4),), "conv4d": ((4, 3, 2, 2),),
+    "experts3d": ((3, 6, 4),), "conv4d": ((4, 3, 2, 2),), "experts_fused": ((4 * 3, 5),),
 }
+# options a family sets on both sides (param-group keys of muon_ref; the adapter maps them to its own)
+_FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {"experts_fused": (("num_experts", 4),)}
 
 
 @dataclass(frozen=True)
 class Case:
     """mode: "single" (plain tensors, one rank), "dtensor" or "replicated" (world_size ranks). device: where the
-    candidate and the reference run ("cuda": ranks share the node's GPUs, gloo carrying CUDA tensors)."""
+    candidate and the reference run ("cuda": ranks share the node's GPUs, gloo carrying CUDA tensors). options:
+    hyperparameters and muon_ref options that the case sets on both sides, over the check's defaults (an adapter's
+    variant, a family's num_experts)."""
 
     family: str
     mode: str
@@ -41,12 +50,14 @@ class Case:
     steps: int = 3
     seed: int = 0
     device: str = "cpu"
+    options: tuple[tuple[str, object], ...] = ()
 
     def label(self) -> str:
         shapes = _shapes_label(self.shapes)
         where = "1 device" if self.mode == "single" else f"W={self.world_size} {self.mode}"
         on = "" if self.device == "cpu" else f" {self.device}"
-        return f"{self.family} {shapes} {self.dtype} {where}{on} {self.steps} steps"
+        opts = "".join(f" {k}={v}" for k, v in self.options)
+        return f"{self.family} {shapes} {self.dtype} {where}{on}{opts} {self.steps} steps"
 
 
 def _shapes_label(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -86,10 +97,12 @@ def in_family(case: Case) -> bool:
         return False
     rows = [s[0] for s in shapes]
     if case.mode == "single":
+        experts = dict(case.options).get("num_experts", 1)
         return {"tall": shapes[0][0] > shapes[0][1], "wide": shapes[0][0] < shapes[0][1],
                 "square": shapes[0][0] == shapes[0][1], "row": shapes[0][0] == 1,
                 "primes": all(_prime(d) for d in shapes[0]), "experts3d": len(shapes[0]) == 3,
-                "conv4d": len(shapes[0]) == 4}[fam]
+                "conv4d": len(shapes[0]) == 4,
+                "experts_fused": len(shapes[0]) == 2 and shapes[0][0] % experts == 0}[fam]
     if fam == "even":
         return all(r % W == 0 for r in rows)
     if fam == "remainder":
@@ -108,10 +121,16 @@ def _prime(n: int) -> bool:
 
 
 def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple[int, ...],
-                  dtypes: tuple[str, ...], steps: int, device: str = "cpu") -> list[Case]:
-    """Every supported single-device family, then every distributed family on every world size."""
-    cases = [Case(f, "single", 1, _SINGLE_SHAPES[f], d, steps, device=device)
-             for f in sorted(families & SINGLE_FAMILIES) for d in dtypes]
+                  dtypes: tuple[str, ...], steps: int, device: str = "cpu",
+                  variants: tuple[dict[str, object], ...] = ({},)) -> list[Case]:
+    """Every supported single-device family, then every distributed family on every world size; each in every
+    dtype and every variant (options over the check's defaults)."""
+    def made(family: str, mode: str, W: int, shapes: tuple) -> list[Case]:
+        return [Case(family, mode, W, shapes, d, steps, device=device,
+                     options=_FAMILY_OPTIONS.get(family, ()) + tuple(v.items())) for v in variants for d in dtypes]
+
+    cases = [c for f in sorted(families & (SINGLE_FAMILIES | FUSED_FAMILIES)) for c in made(f, "single", 1,
+                                                                                          _SINGLE_SHAPES[f])]
     if mode is None:
         return cases
     dist = sorted(families & (DIST_FAMILIES if mode == "dtensor" else REPLICATED_FAMILIES))
@@ -119,32 +138,30 @@ def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple
         for f in dist:
             shapes = family_shapes(f, mode, W)
             if shapes is not None:
-                cases += [Case(f, mode, W, shapes, d, steps, device=device) for d in dtypes]
+                cases += made(f, mode, W, shapes)
     return cases
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
     """The full initial parameters on the case's device: the same on every rank and in the parent (seeded per
     param, drawn on the CPU)."""
-    return [_randn(s, case.seed * 7919 + i, case.dtype, case.device) for i, s in enumerate(case.shapes)]
+    return [seeded(s, case.seed * 7919 + i, case.dtype, case.device) for i, s in enumerate(case.shapes)]
 
 
 def gradients(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
-    return [_randn(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
+    return [seeded(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
             for i, s in enumerate(case.shapes)]
 
 
-def _randn(shape: tuple[int, ...], seed: int, dtype: str, device: str) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, getattr(torch, dtype))
+def placement(case: Case) -> str:
+    """The fixtures' placement of every param of the case, on a 1-D "fsdp" mesh of case.world_size ranks."""
+    return "S0" if case.mode == "dtensor" else "plain"
 
 
-def local_box(full: torch.Tensor, mode: str, rank: int, world_size: int) -> torch.Tensor:
-    """What `rank` holds of `full`: torch.chunk's chunk along dim 0 (empty past the last chunk) for dtensor."""
-    if mode != "dtensor":
-        return full
-    chunks = full.chunk(world_size, 0)
-    return chunks[rank] if rank < len(chunks) else full.narrow(0, full.size(0), 0)
+def local_box(full: torch.Tensor, case: Case, rank: int) -> torch.Tensor:
+    """What `rank` holds of `full` in the case: torch.chunk's chunk along dim 0 for dtensor, else all of it."""
+    return box_of(full, placement(case), "fsdp", rank, case.world_size)
 
 
 def smaller(case: Case) -> list[Case]:

@@ -3,7 +3,8 @@
 Each restates one library's single-device update in eager PyTorch, in place, in the library's own
 operation order, WITHOUT using any muon_ref code: the presets are checked against these (and against the
 real torch.optim.Muon and KellerJordan's muon-optimizer, which are installed), so a restatement that
-borrowed muon_ref's functions would make the check circular.
+borrowed muon_ref's functions would make the check circular. muon_dist/harness/adapters/origins.py wraps each
+as an optimizer behind the conformance check (`python -m muon_dist.harness.conformance --origins`).
 
 Differences from the shipped code, on purpose and stated: Dion and xtuner run under torch.compile with
 hyperparameters wrapped as float32 0-dim tensors; compiled fusion changes bits, so only their eager op
@@ -14,8 +15,6 @@ not restated here: it moves data, it does not change the per-matrix arithmetic.
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -202,40 +201,3 @@ def emerging_step(params: list[Tensor], state: dict, lr=3e-4, momentum_beta=0.95
         scale_factor = max(grad.size(-2), grad.size(-1)) ** 0.5
         update = orth * scale_factor * extra_scale_factor
         p.add_(update, alpha=-lr)
-
-
-ORIGIN_STEPS: dict[str, Callable] = {
-    "moonlight": moonlight_step,
-    "dion": dion_step,
-    "xtuner": xtuner_step,
-    "emerging": emerging_step,
-}
-
-
-# --- NoahAmsel/PolarExpress polar_express/basic.py (as shipped: safety 1.01, repeat last) -------------
-_PE_PAPER = [
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-]
-_PE_SHIPPED = [(a / 1.01, b / 1.01**3, c / 1.01**5) for (a, b, c) in _PE_PAPER[:-1]] + [_PE_PAPER[-1]]
-
-
-def polar_express_ns(G: Tensor, steps: int = 8, eps: float = 1e-7) -> Tensor:
-    X = G.bfloat16()
-    if G.size(-2) > G.size(-1):
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.01 + eps)
-    hs = _PE_SHIPPED[:steps] + [_PE_SHIPPED[-1]] * max(0, steps - len(_PE_SHIPPED))
-    for a, b, c in hs:
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    if G.size(-2) > G.size(-1):
-        X = X.mT
-    return X

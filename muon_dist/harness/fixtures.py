@@ -1,0 +1,101 @@
+"""Fixtures shared by the harness (verify, conformance), the benchmarks and the tests: seeded full tensors, meshes
+by kind, the box of a full tensor that a rank holds, DTensors built from full tensors, and bit patterns.
+
+The boxes are computed here from torch.chunk alone, independently of muon_dist's layout code, so that comparing a
+rank's shard with `box_of(reference, ...)` checks muon_dist against DTensor's semantics, not against itself.
+
+Mesh kinds (W ranks): "fsdp" (1-D), "hsdp" (replicate 2 x fsdp W/2), "ep<k>" (ep k x fsdp W/k; "ep" is "ep2").
+Placements: "plain" (a plain tensor, the same on every rank), "R" (Replicate), "S<d>" (Shard(d) on the mesh's last
+axis, Replicate on the others; on ep meshes Shard(d) on both axes: EP chunks the dim, FSDP chunks each EP block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_MESHES: dict[tuple[str, int, str], Any] = {}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def seeded(shape: tuple[int, ...], seed: int, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Tensor:
+    """torch.randn(shape) from a generator seeded with `seed`, drawn on the CPU (the same bits on every rank and
+    device), then cast to `dtype` and moved to `device`."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def bits(t: Tensor) -> Tensor:
+    """The bit patterns of t as integers (torch.equal says -0.0 == +0.0; bits do not)."""
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b.contiguous()))
+
+
+def chunk(full: Tensor, dim: int, index: int, parts: int) -> Tensor:
+    """torch.chunk's chunk `index` of `parts` along `dim` (empty past the last chunk): DTensor's Shard, a copy."""
+    chunks = full.chunk(parts, dim)
+    return chunks[index].clone() if index < len(chunks) else full.narrow(dim, full.size(dim), 0).clone()
+
+
+def mesh_shape(kind: str, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, axis names) of a mesh kind on world_size ranks."""
+    if kind == "fsdp":
+        return (world_size,), ("fsdp",)
+    if kind == "hsdp":
+        return (2, world_size // 2), ("replicate", "fsdp")
+    if kind.startswith("ep"):
+        ep = int(kind[2:] or 2)
+        return (ep, world_size // ep), ("ep", "fsdp")
+    raise ValueError(f"unknown mesh kind {kind!r}")
+
+
+def device_mesh(kind: str, device: str = "cpu") -> Any:
+    """The DeviceMesh of a kind over the default group, made once per process (a collective: every rank calls)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (kind, dist.get_world_size(), device)
+    if key not in _MESHES:
+        shape, names = mesh_shape(kind, dist.get_world_size())
+        _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def box_of(full: Tensor, placement: str, kind: str, rank: int, world_size: int) -> Tensor:
+    """What `rank` holds of `full` under the placement on a mesh of the kind (computed without a mesh)."""
+    if placement in ("plain", "R"):
+        return full
+    dim = int(placement[1:])
+    (*outer, inner), _ = mesh_shape(kind, world_size)
+    if kind.startswith("ep"):  # rank = ep_index * fsdp + fsdp_index: chunk for EP, then for FSDP
+        return chunk(chunk(full, dim, rank // inner, outer[0]), dim, rank % inner, inner)
+    return chunk(full, dim, rank % inner, inner)
+
+
+def distribute(full: Tensor, placement: str, kind: str, device: str = "cpu") -> Tensor:
+    """This rank's view of `full`: a copy for "plain", else a DTensor holding box_of(full) (as FSDP2 holds it)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    full = full.to(device)
+    if placement == "plain":
+        return full.clone()
+    dm = device_mesh(kind, device)
+    box = box_of(full, placement, kind, dist.get_rank(), dist.get_world_size()).clone()
+    if placement == "R":
+        placements = [Replicate()] * dm.ndim
+    elif kind.startswith("ep"):
+        placements = [Shard(int(placement[1:]))] * dm.ndim
+    else:
+        placements = [Replicate()] * (dm.ndim - 1) + [Shard(int(placement[1:]))]
+    return DTensor.from_local(box, dm, placements, shape=full.shape, stride=full.stride())
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
