@@ -11,7 +11,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon_ref import PRESETS, Block, Muon, matrix_layout, momentum_direction, orthogonalize, apply_update, read_block
+from muon_ref import (
+    PRESETS, Block, Muon, MuonConfig, apply_update, matrix_layout, momentum_direction, muon_step, orthogonalize,
+    read_block,
+)
 from muon_ref import functional
 from muon_ref.split import MuonWithAdamW
 from tests.conftest import examples
@@ -20,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @st.composite
-def split_params(draw: st.DrawFn) -> tuple[tuple[int, int], dict, tuple[int, ...], int]:
+def split_cases(draw: st.DrawFn) -> tuple[tuple[int, int], dict, tuple[int, ...], int]:
     """(shape, layout keys, block sizes along split_dim, split_dim) of a small split or per-head 2-D param."""
     split_dim = draw(st.sampled_from([0, 1]))
     other = draw(st.integers(1, 10))
@@ -70,12 +73,29 @@ def bitwise(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 @example(case=((24, 8), {"split_sizes": (16, 7, 1)}, (16, 7, 1), 0), preset="torch", dtype="bf16", seed=0)
 @example(case=((6, 12), {"num_heads": 3, "split_dim": 1}, (4, 4, 4), 1), preset="moonlight", dtype="bf16", seed=1)
 @settings(max_examples=examples(1.0))
-@given(case=split_params(), preset=st.sampled_from(sorted(PRESETS)), dtype=st.sampled_from(sorted(DTYPES)),
+@given(case=split_cases(), preset=st.sampled_from(sorted(PRESETS)), dtype=st.sampled_from(sorted(DTYPES)),
        seed=st.integers(0, 2**16))
 def test_a_split_or_per_head_param_equals_its_blocks_given_as_separate_params_bitwise(case, preset, dtype, seed):
     shape, keys, sizes, split_dim = case
     fused, separate = fused_and_separate(shape, keys, sizes, split_dim, preset, DTYPES[dtype], seed)
     assert bitwise(fused, separate)
+
+
+@settings(max_examples=examples(0.5))
+@given(case=split_cases(), preset=st.sampled_from(sorted(PRESETS)), dtype=st.sampled_from(sorted(DTYPES)))
+def test_each_functional_stage_of_a_separate_layout_is_that_stage_on_each_block_alone(case, preset, dtype):
+    shape, keys, _, _ = case
+    layout, cfg = matrix_layout(shape, **keys), MuonConfig(**PRESETS[preset])
+    P, G, M = gaussians(shape, 7, 3, DTYPES[dtype])
+    inputs = [t.clone() for t in (P, G, M)]
+    O = orthogonalize(G, layout, cfg)
+    new_p, step = apply_update(P, O, layout, cfg), muon_step(P, G, M, cfg, layout)
+    for b in layout.blocks:
+        own, (p, g, m, o) = b.as_param(), (read_block(t, b) for t in (P, G, M, O))
+        assert torch.equal(o, orthogonalize(g, own, cfg))
+        assert torch.equal(read_block(new_p, b), apply_update(p, o, own, cfg))
+        assert all(torch.equal(read_block(x, b), y) for x, y in zip(step, muon_step(p, g, m, cfg, own)))
+    assert all(torch.equal(t, c) for t, c in zip((P, G, M), inputs))  # pure: no input written
 
 
 def whole_matrix_lr_scale(monkeypatch, shape):
@@ -121,7 +141,7 @@ layouts = st.one_of(
         lambda s: ((s[0] * s[1], s[2]), {"num_experts": s[0]})),
     st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 5)).map(lambda s: (s, {})),
     st.lists(st.integers(1, 3), min_size=3, max_size=4).map(lambda s: (tuple(s), {"flatten": True})),
-    split_params().map(lambda c: (c[0], c[1])),
+    split_cases().map(lambda c: (c[0], c[1])),
 )
 
 
