@@ -245,7 +245,8 @@ def map_blocks(stage: Callable[..., tuple[Tensor, ...]], layout: MatrixLayout, *
     """
     for t in tensors:
         if tuple(t.shape) != layout.shape:
-            raise ValueError(f"map_blocks needs whole tensors of the param's shape {layout.shape}, got {tuple(t.shape)}")
+            raise ValueError(f"map_blocks needs whole tensors of the param's shape {layout.shape}, "
+                             f"got {tuple(t.shape)}")
     outs: list[Tensor] = []
     for block in layout.blocks:
         results = stage(block, *(read_block(t, block) for t in tensors))
