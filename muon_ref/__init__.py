@@ -5,12 +5,16 @@ Pure math on torch tensors; never imports torch.distributed.
 
 from .config import CONFIG_KEYS, LR_SCALE_ALIASES, MuonConfig, lr_scale
 from .functional import (
+    LAYOUT_DEFAULTS,
+    Block,
     MatrixLayout,
     apply_update,
+    map_blocks,
     matrix_layout,
     momentum_direction,
     muon_step,
     orthogonalize,
+    read_block,
 )
 from .newton_schulz import newton_schulz
 from .optim import Muon
@@ -33,9 +37,10 @@ from .presets import PRESETS
 from .schedules import SCHEDULES, Schedule, get_schedule, register_schedule
 
 __all__ = [
-    "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "PRESETS", "SCHEDULES",
-    "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule", "lr_scale", "matrix_layout",
-    "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "normalised_singular_values", "orthogonality_error",
-    "orthogonalize", "polar_error", "polar_factor", "register_schedule", "scalar_map", "schedule_band",
-    "signed_singular_values", "step_image", "step_polynomial",
+    "Band", "Block", "CONFIG_KEYS", "LAYOUT_DEFAULTS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig",
+    "PRESETS", "SCHEDULES", "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule",
+    "lr_scale", "map_blocks", "matrix_layout", "max_singular_value_error", "momentum_direction", "muon_step",
+    "newton_schulz", "normalised_singular_values", "orthogonality_error", "orthogonalize", "polar_error",
+    "polar_factor", "read_block", "register_schedule", "scalar_map", "schedule_band", "signed_singular_values",
+    "step_image", "step_polynomial",
 ]

@@ -2,8 +2,11 @@
 
 One step on a parameter P with gradient G and momentum buffer M (MuonConfig gives every convention):
     M', D = momentum_direction(G, M)          elementwise
-    O     = orthogonalize(D)                  Newton-Schulz on each matrix of the parameter's layout
+    O     = orthogonalize(D)                  Newton-Schulz on each block (matrix) of the parameter's layout
     P'    = apply_update(P, O)                elementwise, with the shape scale of one matrix
+That is a shared layout (plain matrices, experts, flatten). A separate layout (split_sizes, num_heads) steps
+each block as its own parameter: the three stages run on each block as its own contiguous tensor, and the
+results are written back (map_blocks; proofs/blocks.md#separate).
 The elementwise stages commute with any sharding of P, G and M; only `orthogonalize` needs whole matrices.
 muon_dist relies on exactly this split (proofs/paths.md): it runs the two elementwise stages on local shards
 and the same `newton_schulz` kernel on reassembled global matrices.
@@ -11,8 +14,10 @@ and the same `newton_schulz` kernel on reassembled global matrices.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -21,27 +26,116 @@ from .config import MuonConfig, lr_scale
 from .newton_schulz import newton_schulz
 
 
-@dataclass(frozen=True)
-class MatrixLayout:
-    """How a parameter is read as matrices: num_matrices independent (fan_out, fan_in) matrices.
+# The param-group keys that describe a parameter's layout (not an update convention), with their defaults
+# (muon_ref.Muon passes them to matrix_layout); split_dim 0 is the only dim of Dion's split_sizes/num_heads.
+LAYOUT_DEFAULTS: dict[str, Any] = {"num_experts": None, "split_sizes": None, "num_heads": None, "split_dim": 0}
 
-    2-D (fan_out, fan_in): one matrix. 2-D fused experts (E * m, n) with num_experts=E: E matrices (m, n).
-    3-D (E, m, n): E matrices. ndim >= 3 with flatten=True: one matrix (shape[0], prod(shape[1:])).
+
+@dataclass(frozen=True)
+class Block:
+    """One independent matrix of a parameter: a box of the param's global index space, read as a matrix.
+
+    The box is offsets[d] <= i_d < offsets[d] + shape[d] along every tensor dim d, and the matrix is its
+    elements in row-major order:  read_block(t, block) == t[block.index].reshape(fan_out, fan_in).
+    Invariants: len(offsets) == len(shape) >= 2; offsets >= 0; sizes >= 1; prod(shape) == fan_out * fan_in.
     """
 
-    num_matrices: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
     fan_out: int
     fan_in: int
 
+    def __post_init__(self) -> None:
+        assert len(self.offsets) == len(self.shape) >= 2, self
+        assert min(self.offsets) >= 0 and min(self.shape) >= 1, self
+        assert math.prod(self.shape) == self.fan_out * self.fan_in, self
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """The box as one slice per tensor dim: t[block.index] is the block's box of t."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+    def as_param(self) -> MatrixLayout:
+        """The layout of this block given as its own 2-D param of shape (fan_out, fan_in)."""
+        return matrix_layout((self.fan_out, self.fan_in))
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How a parameter is read as independent matrices (its blocks), and how those are stepped.
+
+    blocks: every independent matrix, as a Block of the param's index space. They tile the param (disjoint,
+    covering: proofs/blocks.md#tiling), as consecutive slabs along one dim:
+        2-D (fo, fi)                              1 block   (0, 0) + (fo, fi)
+        2-D fused experts (E*m, n), num_experts=E E blocks  (e*m, 0) + (m, n)
+        3-D (E, m, n)                             E blocks  (e, 0, 0) + (1, m, n), read as (m, n)
+        ndim >= 3 with flatten=True               1 block   (0, ..., 0) + shape, read as (shape[0], prod(rest))
+        2-D, split_sizes (s_1..s_k), split_dim=0  k blocks  (o_j, 0) + (s_j, fi), o_j = s_1 + ... + s_(j-1)
+        2-D, num_heads=H, split_dim=0             H blocks  (h*d, 0) + (d, fi), d = fo / H
+        2-D, num_heads=H, split_dim=1             H blocks  (0, h*d) + (fo, d), d = fi / H
+    separate=False (shared): momentum, weight decay and the update run on the whole param, Newton-Schulz on
+        each block, with one shape scale (every block is (fan_out, fan_in)): experts, as xtuner and Dion do.
+    separate=True: each block is stepped as its own param, on its own contiguous tensor (map_blocks): its own
+        momentum, decay, Newton-Schulz and shape scale. split_sizes and num_heads.
+    num_matrices, fan_out, fan_in: a shared layout's batch view: orthogonalize reads k whole consecutive
+        blocks as reshape(k, fan_out, fan_in) with k = num_matrices (len(blocks) for the whole param;
+        muon_dist's expert paths pass runs of fewer blocks with a smaller num_matrices). A separate layout has
+        no batch view (its blocks can differ in shape, and along dim 1 they are not contiguous):
+        num_matrices = len(blocks), fan_out = fan_in = None, and matrices_shape raises.
+    """
+
+    num_matrices: int
+    fan_out: int | None
+    fan_in: int | None
+    blocks: tuple[Block, ...]
+    separate: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.blocks and sum(math.prod(b.shape) for b in self.blocks) == math.prod(self.shape), self
+        if self.separate:
+            assert (self.num_matrices, self.fan_out, self.fan_in) == (len(self.blocks), None, None), self
+            return
+        # The batch view relies on this: equal slabs of dim 0, in order, are equal consecutive flat ranges.
+        first = self.blocks[0]
+        for i, b in enumerate(self.blocks):
+            assert b.shape == first.shape and b.offsets == (i * first.shape[0],) + (0,) * (len(b.shape) - 1), self
+            assert (b.fan_out, b.fan_in) == (self.fan_out, self.fan_in), self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The param's shape: the box that the blocks tile."""
+        return tuple(max(b.offsets[d] + b.shape[d] for b in self.blocks) for d in range(len(self.blocks[0].shape)))
+
     @property
     def matrices_shape(self) -> tuple[int, int, int]:
+        if self.separate:
+            raise ValueError(f"a separate layout of shape {self.shape} has no batch view: step each of its blocks")
         return (self.num_matrices, self.fan_out, self.fan_in)
 
 
 def matrix_layout(
-    shape: tuple[int, ...] | torch.Size, num_experts: int | None = None, flatten: bool = False, name: str = "param"
+    shape: tuple[int, ...] | torch.Size,
+    num_experts: int | None = None,
+    flatten: bool = False,
+    name: str = "param",
+    *,
+    split_sizes: tuple[int, ...] | list[int] | None = None,
+    num_heads: int | None = None,
+    split_dim: int = 0,
 ) -> MatrixLayout:
-    """The layout of a parameter of this global shape; ValueError naming the parameter otherwise."""
+    """The layout of a parameter of this global shape (MatrixLayout lists every case); ValueError naming the
+    parameter and its shape otherwise.
+
+    split_sizes and num_heads (param-group keys) cut a 2-D param into blocks along split_dim, each stepped as
+    its own param (separate=True): blocks of the given sizes (summing to shape[split_dim]), or num_heads equal
+    blocks. split_dim=0 (rows) for fused or per-head q/k/v weights [heads * head_dim, d_model]; split_dim=1
+    (columns) for per-head o weights [d_model, heads * head_dim]. Both keys are exclusive with each other, with
+    num_experts and with flatten=True; 2-D params only. How the libraries spell it (README, "Fused projections"):
+        microsoft/dion @0a059a45 dion/megabatch_base.py: group keys `split_sizes` (>= 2 row blocks) and
+            `num_heads` (row heads); rows only, no dim key.
+        pytorch/torchtitan @b5bcd76c torchtitan/distributed/flex_shard/dist_muon.py: a per-param ComputeLayout
+            with BlockShard(dim=0, block_size=head_dim): heads by their size, rows only.
+    """
     shape = tuple(shape)
     if len(shape) < 2:
         raise ValueError(f"{name} of shape {shape} is not a matrix: Muon needs ndim >= 2 (route it to AdamW)")
@@ -49,20 +143,118 @@ def matrix_layout(
         raise ValueError(f"{name} of shape {shape} is empty")
     if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r} for {name} of shape {shape}")
+    if split_sizes is not None or num_heads is not None or split_dim != 0:
+        return _separate_layout(shape, f"{name} of shape {shape}", num_experts, flatten, split_sizes, num_heads,
+                                split_dim)
     if flatten and len(shape) >= 3:
         if num_experts not in (None, 1):
             raise ValueError(f"{name} of shape {shape}: flatten=True merges experts; num_experts must be 1")
-        return MatrixLayout(1, shape[0], math.prod(shape[1:]))
+        return _shared_layout(shape, 1, shape[0], math.prod(shape[1:]))
     if len(shape) >= 4:
         raise ValueError(f"{name} of shape {shape} has ndim {len(shape)}: pass flatten=True for conv weights")
     if len(shape) == 3:
         if num_experts not in (None, shape[0]):
             raise ValueError(f"{name} of shape {shape}: num_experts={num_experts} differs from dim 0 ({shape[0]})")
-        return MatrixLayout(shape[0], shape[1], shape[2])
+        return _shared_layout(shape, shape[0], shape[1], shape[2])
     experts = num_experts or 1
     if shape[0] % experts:
         raise ValueError(f"{name} of shape {shape}: num_experts={experts} does not divide {shape[0]} rows")
-    return MatrixLayout(experts, shape[0] // experts, shape[1])
+    return _shared_layout(shape, experts, shape[0] // experts, shape[1])
+
+
+def _slabs(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, box shape) of consecutive slabs of these sizes along `dim`, each whole along the other dims."""
+    boxes, start = [], 0
+    for size in sizes:
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        boxes.append((offsets, tuple(size if d == dim else s for d, s in enumerate(shape))))
+        start += size
+    return boxes
+
+
+def _shared_layout(shape: tuple[int, ...], num_matrices: int, fan_out: int, fan_in: int) -> MatrixLayout:
+    return _slab_layout(shape, 0, (shape[0] // num_matrices,) * num_matrices, (fan_out, fan_in))
+
+
+# one entry per distinct layout: muon_dist/shapes.py's dense_7b has 3 (224 Muon params), moe_30b_a3b 6 (336)
+@functools.lru_cache(maxsize=None)
+def _slab_layout(
+    shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], matrix: tuple[int, int] | None
+) -> MatrixLayout:
+    """Blocks that are consecutive slabs of `sizes` along `dim`: shared and each read as `matrix` (fan_out,
+    fan_in), or (matrix None) separate and each read as its 2-D box. Cached, as a param's layout is asked for
+    at every step (muon_ref.Muon; muon_dist's ParamLayout.matrices, several times) and an expert stack has one
+    Block per expert (measured here: 2.5 ms to build the 128 blocks of a (128, 16, 16) stack)."""
+    boxes = _slabs(shape, dim, sizes)
+    if matrix is None:
+        return MatrixLayout(len(boxes), None, None, tuple(Block(o, box, *box) for o, box in boxes), separate=True)
+    return MatrixLayout(len(boxes), *matrix, tuple(Block(o, box, *matrix) for o, box in boxes))
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _separate_layout(
+    shape: tuple[int, ...], where: str, num_experts: int | None, flatten: bool,
+    split_sizes: tuple[int, ...] | list[int] | None, num_heads: int | None, split_dim: int,
+) -> MatrixLayout:
+    """split_sizes or num_heads blocks along split_dim of a 2-D param, each its own param (validated)."""
+    if split_sizes is not None and num_heads is not None:
+        raise ValueError(f"{where}: split_sizes and num_heads are exclusive (uneven blocks or equal heads, not both)")
+    if split_sizes is None and num_heads is None:
+        raise ValueError(f"{where}: split_dim={split_dim!r} needs split_sizes or num_heads")
+    key = "split_sizes" if split_sizes is not None else "num_heads"
+    if num_experts is not None or flatten:
+        raise ValueError(f"{where}: {key} is exclusive with num_experts and with flatten=True")
+    if len(shape) != 2:
+        raise ValueError(f"{where}: {key} needs a 2-D param, got ndim {len(shape)}")
+    if split_dim not in (0, 1) or isinstance(split_dim, bool):
+        raise ValueError(f"{where}: split_dim must be 0 (rows) or 1 (columns), got {split_dim!r}")
+    extent = shape[split_dim]
+    if num_heads is not None:
+        if not _is_count(num_heads):
+            raise ValueError(f"{where}: num_heads must be a positive int, got {num_heads!r}")
+        if extent % num_heads:
+            raise ValueError(f"{where}: num_heads={num_heads} does not divide dim {split_dim} ({extent})")
+        sizes = (extent // num_heads,) * num_heads
+    else:
+        sizes = tuple(split_sizes) if isinstance(split_sizes, (tuple, list)) else ()
+        if not sizes or not all(_is_count(s) for s in sizes):
+            raise ValueError(f"{where}: split_sizes must be a non-empty tuple of positive ints, got {split_sizes!r}")
+        if sum(sizes) != extent:
+            raise ValueError(f"{where}: split_sizes {sizes} sum to {sum(sizes)}, not to dim {split_dim} ({extent})")
+    return _slab_layout(shape, split_dim, sizes, None)
+
+
+def read_block(t: Tensor, block: Block) -> Tensor:
+    """The block's box of t as a new contiguous (fan_out, fan_in) tensor: a copy, never a view of t."""
+    return t[block.index].reshape(block.fan_out, block.fan_in).clone(memory_format=torch.contiguous_format)
+
+
+def map_blocks(stage: Callable[..., tuple[Tensor, ...]], layout: MatrixLayout, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """`stage` on each block of the layout as its own tensor, its outputs written back into whole tensors.
+
+    Reference equation, for every block b of the layout and every output k:
+        map_blocks(stage, layout, *ts)[k][b.index] == stage(b, *(read_block(t, b) for t in ts))[k].reshape(b.shape)
+    Contract: stage sees each block as a fresh contiguous (fan_out, fan_in) tensor, with the values, shape,
+    strides and dtype that a separate param of that shape has, never as a view of the whole tensor (on CPU a
+    bf16 elementwise op's bits depend on an element's position in the call: muon_dist/elementwise.py). The
+    tensors are whole params (the boxes are global coordinates; ValueError otherwise); every output element
+    is written, because the blocks tile the param.
+    """
+    for t in tensors:
+        if tuple(t.shape) != layout.shape:
+            raise ValueError(f"map_blocks needs whole tensors of the param's shape {layout.shape}, "
+                             f"got {tuple(t.shape)}")
+    outs: list[Tensor] = []
+    for block in layout.blocks:
+        results = stage(block, *(read_block(t, block) for t in tensors))
+        if not outs:
+            outs = [torch.empty(layout.shape, dtype=r.dtype, device=r.device) for r in results]
+        for out, r in zip(outs, results):
+            out[block.index] = r.reshape(block.shape)
+    return tuple(outs)
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, cfg: MuonConfig) -> tuple[Tensor, Tensor]:
@@ -80,7 +272,15 @@ def momentum_direction(grad: Tensor, buf: Tensor, cfg: MuonConfig) -> tuple[Tens
 
 
 def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
-    """Newton-Schulz on each of the layout's matrices; returns direction's shape in the kernel's dtype."""
+    """Newton-Schulz on each block: O[b.index] = newton_schulz(read_block(D, b)) for every block b of the layout.
+
+    Returns direction's shape in the kernel's dtype. A shared layout runs it as one batch view: the blocks are
+    equal consecutive flat ranges of D, so reshape(num_matrices, fan_out, fan_in) stacks them, and newton_schulz
+    orthogonalises each matrix of a stack alone (proofs/blocks.md#batch-view); D may be any run of whole
+    consecutive blocks. A separate layout runs each block alone (map_blocks) on the whole D.
+    """
+    if layout.separate:
+        return map_blocks(lambda b, d: (newton_schulz(d, **cfg.ns_kwargs()),), layout, direction)[0]
     matrices = direction.reshape(layout.matrices_shape)
     return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
 
@@ -97,8 +297,12 @@ def decay(param: Tensor, cfg: MuonConfig) -> Tensor:
 def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
     """P' = decay(P) - lr * s * O, in the origin's operation order; elementwise given the layout's scale.
 
-    `update` may be any shard of O aligned with `param`: the scale depends only on the global layout.
+    Shared layout: one scale s = lr_scale(fan_out, fan_in) for the whole param, and `update` may be any shard
+    of O aligned with `param` (the scale depends only on the global layout). Separate layout: each block with
+    its own scale, on its own tensor (map_blocks), so param and update are whole tensors.
     """
+    if layout.separate:
+        return map_blocks(lambda b, p, u: (apply_update(p, u, b.as_param(), cfg),), layout, param, update)[0]
     ratio = lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt)
     p = decay(param, cfg)
     O = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
@@ -135,7 +339,15 @@ def is_finite(grad: Tensor) -> bool:
 def muon_step(
     param: Tensor, grad: Tensor, buf: Tensor, cfg: MuonConfig, layout: MatrixLayout
 ) -> tuple[Tensor, Tensor]:
-    """One Muon step on one parameter: (P', M'). Pure: param, grad and buf are not written."""
+    """One Muon step on one parameter: (P', M'). Pure: param, grad and buf are not written.
+
+    Shared layout: the three stages on the whole param (module docstring). Separate layout: the whole step on
+    each block as its own param, for every block b and output k (proofs/blocks.md#separate):
+        muon_step(P, G, M, cfg, layout)[k][b.index] == muon_step(P_b, G_b, M_b, cfg, b.as_param())[k]
+    with X_b = read_block(X, b); so a split or per-head param is bitwise the same blocks given as separate params.
+    """
+    if layout.separate:
+        return map_blocks(lambda b, p, g, m: muon_step(p, g, m, cfg, b.as_param()), layout, param, grad, buf)
     new_buf, direction = momentum_direction(grad, buf, cfg)
     update = orthogonalize(direction, layout, cfg)
     return apply_update(param, update, layout, cfg), new_buf

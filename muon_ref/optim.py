@@ -1,8 +1,11 @@
 """muon_ref.Muon: a thin torch.optim.Optimizer over the pure functional core (muon_ref/functional.py).
 
 The class owns validation and state; the math is muon_step. Param-group keys are MuonConfig's fields plus
-`num_experts` (fused 2-D expert bundles [E * m, n]). State per parameter: "momentum_buffer" only; nothing
-derived from shapes is stored, so a state dict loads into any world size or shape-equivalent model.
+the layout keys (muon_ref.functional.LAYOUT_DEFAULTS): `num_experts` (fused 2-D expert bundles [E * m, n]),
+`split_sizes` or `num_heads` with `split_dim` (blocks of a 2-D param, each stepped as its own param: fused
+q/k/v, per-head Muon). State per parameter: "momentum_buffer" only, one tensor of the param's shape for every
+layout; nothing derived from shapes is stored, so a state dict loads into any world size or shape-equivalent
+model.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import torch
 from torch import Tensor
 
 from .config import CONFIG_KEYS, MuonConfig
-from .functional import MatrixLayout, check_gradient, is_finite, matrix_layout, muon_step
+from .functional import (
+    LAYOUT_DEFAULTS, Block, MatrixLayout, check_gradient, is_finite, matrix_layout, muon_step, read_block,
+)
 from .presets import preset_defaults
 
 
@@ -35,12 +40,23 @@ def check_param(p: Tensor, name: str) -> None:
         raise ValueError(f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real floating dtype")
 
 
+def skipped_blocks(grad: Tensor, layout: MatrixLayout) -> tuple[Block, ...]:
+    """The blocks that the "skip" policy leaves unchanged for a non-finite gradient: every block of a shared
+    layout (the whole param), and the blocks with a non-finite gradient of a separate one (each its own param)."""
+    if not layout.separate:
+        return layout.blocks
+    return tuple(b for b in layout.blocks if not is_finite(read_block(grad, b)))
+
+
 class Muon(torch.optim.Optimizer):
     """The reference Muon. `Muon(params, preset="torch" | "keller" | "moonlight" | "dion" | "xtuner" |
-    "emerging", **overrides)`; any MuonConfig field or `num_experts` may be overridden per group.
+    "emerging", **overrides)`; any MuonConfig field or layout key (`num_experts`, `split_sizes`, `num_heads`,
+    `split_dim`) may be overridden per group. A bad layout key raises ValueError naming the parameter and its
+    shape when the group is added.
 
     Non-finite gradients: `nonfinite="raise"` (default) raises ValueError naming the parameter before any
-    parameter or state is written; "skip" leaves that parameter and its momentum unchanged for the step.
+    parameter or state is written; "skip" leaves that parameter and its momentum unchanged for the step (with
+    split_sizes or num_heads, only its blocks whose gradient is non-finite, as separate params would be).
     Zero gradients give a zero orthogonalised update (only weight decay acts). Params whose grad is None
     are skipped.
     """
@@ -61,7 +77,8 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def layout_of(p: Tensor, group: dict[str, Any], name: str = "param") -> MatrixLayout:
-        return matrix_layout(p.shape, group.get("num_experts"), group["flatten"], name)
+        keys = {k: group.get(k, default) for k, default in LAYOUT_DEFAULTS.items()}
+        return matrix_layout(p.shape, flatten=group["flatten"], name=name, **keys)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -77,17 +94,22 @@ class Muon(torch.optim.Optimizer):
                     continue
                 name = param_name(group, i)
                 check_gradient(p.grad, p, name)
+                layout, skipped = self.layout_of(p, group, name), ()
                 if not is_finite(p.grad):
                     if cfg.nonfinite == "raise":
                         raise ValueError(f"{name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)")
-                    continue
-                work.append((p, cfg, self.layout_of(p, group, name)))
-        for p, cfg, layout in work:
+                    skipped = skipped_blocks(p.grad, layout)
+                    if len(skipped) == len(layout.blocks):
+                        continue
+                work.append((p, cfg, layout, skipped))
+        for p, cfg, layout, skipped in work:
             state = self.state[p]
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             new_p, new_buf = muon_step(p, p.grad, buf, cfg, layout)
+            for b in skipped:  # exact copies: the skipped blocks keep their param and momentum bits
+                new_p[b.index], new_buf[b.index] = p[b.index], buf[b.index]
             p.copy_(new_p)
             state["momentum_buffer"] = new_buf
         return loss

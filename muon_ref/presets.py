@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .config import CONFIG_KEYS, MuonConfig
+from .functional import LAYOUT_DEFAULTS
 
 PRESETS: dict[str, dict[str, Any]] = {
     # torch 2.13 torch/optim/_muon.py: Muon defaults (lr 1e-3, wd 0.1, momentum 0.95, nesterov, eps 1e-7)
@@ -57,15 +58,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_defaults(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Group defaults: MuonConfig's, then the preset's, then the caller's overrides (validated)."""
+    """Group defaults: MuonConfig's, then the preset's, then the caller's overrides (validated), plus the
+    layout keys (LAYOUT_DEFAULTS: num_experts, split_sizes, num_heads, split_dim; checked per param by
+    matrix_layout when a group is added)."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
-    unknown = set(overrides) - set(CONFIG_KEYS) - {"num_experts"}
+    unknown = set(overrides) - set(CONFIG_KEYS) - set(LAYOUT_DEFAULTS)
     if unknown:
-        raise ValueError(f"unknown Muon options {sorted(unknown)}; known: {sorted(CONFIG_KEYS)} and num_experts")
+        raise ValueError(f"unknown Muon options {sorted(unknown)}; known: {sorted(CONFIG_KEYS)} and layout keys "
+                         f"{sorted(LAYOUT_DEFAULTS)}")
     values = {k: getattr(MuonConfig(), k) for k in CONFIG_KEYS}
     values.update(PRESETS.get(preset, {}) if preset else {})
-    values.update({k: v for k, v in overrides.items() if k != "num_experts"})
+    values.update({k: v for k, v in overrides.items() if k not in LAYOUT_DEFAULTS})
     MuonConfig(**values)  # validate once, with a message naming the bad option
-    values["num_experts"] = overrides.get("num_experts")
+    values.update({k: overrides.get(k, default) for k, default in LAYOUT_DEFAULTS.items()})
     return values
