@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test test-fast test-thorough test-gpu bench setup clean
+.PHONY: verify test test-fast test-thorough test-gpu bench bench-gpu setup clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# one GPU: the step and kernel tables in one run; options in ARGS, e.g. make bench-gpu ARGS="--dion ../dion"
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,6 +1,7 @@
 """Benchmarks: DistributedMuon against the field's baselines on gloo ranks, the planner's load balance, memory.
 
     python -m benchmarks [--quick] [--world-sizes 2 4] [--sets tiny_moe scaled_moe] [--warmup 2] [--steps 10]
+    python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_dist.harness.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
