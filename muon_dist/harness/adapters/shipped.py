@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import Adapter, package_version
 from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES
+from .field import DionMuon, GramNewtonSchulzMuon, TorchtitanDistMuon, TorchtitanDistMuonOnCpu
 
 _2D = frozenset({"tall", "wide", "square", "row", "primes"})
 
@@ -149,4 +150,9 @@ class MuoniumNoTriton(Muonium):
 SHIPPED: dict[str, type[Adapter]] = {
     "torch": TorchMuon, "keller": KellerSingleDevice, "keller-distributed": KellerDistributed,
     "muon-fsdp2": MuonFsdp2, "muonium": Muonium, "muonium-no-triton": MuoniumNoTriton,
+    "torchtitan": TorchtitanDistMuon, "torchtitan-cpu": TorchtitanDistMuonOnCpu,
+    "gram-newton-schulz": GramNewtonSchulzMuon,
 }
+# Dion is a checkout, not a package: in the set only when $MUON_DION_CHECKOUT names one (a clone may lack it)
+if DionMuon.checkout_from_environment():
+    SHIPPED["dion"] = DionMuon
