@@ -12,7 +12,7 @@ from .functional import (
     muon_step,
     orthogonalize,
 )
-from .newton_schulz import newton_schulz
+from .newton_schulz import NSOptions, newton_schulz, normalise, resolve_ns_options
 from .optim import Muon
 from .polar import (
     Band,
@@ -33,9 +33,10 @@ from .presets import PRESETS
 from .schedules import SCHEDULES, Schedule, get_schedule, register_schedule
 
 __all__ = [
-    "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "PRESETS", "SCHEDULES",
-    "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule", "lr_scale", "matrix_layout",
-    "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "normalised_singular_values", "orthogonality_error",
-    "orthogonalize", "polar_error", "polar_factor", "register_schedule", "scalar_map", "schedule_band",
-    "signed_singular_values", "step_image", "step_polynomial",
+    "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "NSOptions", "PRESETS",
+    "SCHEDULES", "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule", "lr_scale",
+    "matrix_layout", "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "normalise",
+    "normalised_singular_values", "orthogonality_error", "orthogonalize", "polar_error", "polar_factor",
+    "register_schedule", "resolve_ns_options", "scalar_map", "schedule_band", "signed_singular_values",
+    "step_image", "step_polynomial",
 ]

@@ -25,12 +25,13 @@ changes outputs that the origins would make NaN (0/0 when eps = 0).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from .schedules import Schedule, get_schedule
+from .schedules import Coefficients, Schedule, get_schedule
 
 StepForm = Literal["addmm", "keller", "dion"]
 EpsMode = Literal["add", "clamp"]
@@ -41,8 +42,13 @@ EPS_MODES: tuple[str, ...] = ("add", "clamp")
 DEFAULT_EPS = 1e-7
 
 
-def _normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
-    """X / d with d = ||X||_F * safety + eps ("add") or max(||X||_F * safety, eps) ("clamp"); zero stays zero."""
+def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
+    """X / d for one matrix X, with d = ||X||_F * safety + eps ("add") or max(||X||_F * safety, eps) ("clamp").
+
+    Reference equation: the kernel's X_0 (module docstring). Contract: these exact ops are the kernel's, so a fast
+    kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise (proofs/newton_schulz.md
+    NS7: d = 0 only for a zero matrix with eps = 0, and is replaced by 1 there, so zero maps to zero).
+    """
     norm = X.norm()
     if safety != 1.0:
         norm = norm * safety
@@ -102,21 +108,52 @@ def newton_schulz_matrix(
             X = _aol_first_step(X, *coefficients[0], step_form=step_form, eps=eps)
             coefficients = coefficients[1:]
     elif normalize_before_cast:
-        X = _normalise(X, eps, eps_mode, safety).to(compute_dtype)
+        X = normalise(X, eps, eps_mode, safety).to(compute_dtype)
     else:
-        X = _normalise(X.to(compute_dtype), eps, eps_mode, safety)
+        X = normalise(X.to(compute_dtype), eps, eps_mode, safety)
     for a, b, c in coefficients:
         X = _step(X, a, b, c, step_form)
     return X.mT if transpose else X
 
 
-def _resolve_precondition(sched: Schedule, precondition: str | None) -> str | None:
-    """None: the schedule's own; "none": no preconditioner; "aol": the AOL preconditioner."""
-    if precondition is None:
-        return sched.precondition
-    if precondition not in ("none", "aol"):
+@dataclass(frozen=True)
+class NSOptions:
+    """What a Newton-Schulz run computes once the schedule and the caller's overrides are resolved.
+
+    coefficients: (a_t, b_t, c_t) of each step actually run (the schedule's step policy applied);
+    eps, safety: the normalisation's d = ||X||_F * safety + eps or max(||X||_F * safety, eps);
+    precondition: "aol" (Turbo-Muon's row scaling replaces the Frobenius normalisation) or None.
+    """
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    safety: float
+    precondition: Literal["aol"] | None
+
+
+def resolve_ns_options(
+    schedule: str | Schedule,
+    steps: int | None = None,
+    eps: float | None = None,
+    safety: float | None = None,
+    precondition: str | None = None,
+) -> NSOptions:
+    """The options newton_schulz runs with: each None takes the schedule's own (its origin's) value.
+
+    eps: the schedule's, else DEFAULT_EPS; safety: the schedule's; steps: the schedule's default_steps, under its
+    step policy (ValueError for a "fixed" schedule given another count); precondition: None for the schedule's,
+    "none" for no preconditioner, "aol" for the AOL preconditioner (ValueError otherwise).
+    Contract: newton_schulz itself calls this, so a fast kernel that does gets the reference's options exactly.
+    """
+    sched = get_schedule(schedule)
+    if precondition not in (None, "none", "aol"):
         raise ValueError(f"precondition must be None, 'none' or 'aol', got {precondition!r}")
-    return None if precondition == "none" else precondition
+    return NSOptions(
+        coefficients=sched.steps_for(steps),
+        eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
+        safety=sched.safety if safety is None else safety,
+        precondition=sched.precondition if precondition is None else (None if precondition == "none" else "aol"),
+    )
 
 
 def newton_schulz(
@@ -146,17 +183,17 @@ def newton_schulz(
         raise ValueError(f"step_form must be one of {STEP_FORMS}, got {step_form!r}")
     if eps_mode not in EPS_MODES:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
-    sched = get_schedule(schedule)
+    options = resolve_ns_options(schedule, steps, eps, safety, precondition)
     kwargs = dict(
-        eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
+        eps=options.eps,
         dtype=dtype,
         step_form=step_form,
         eps_mode=eps_mode,
-        safety=sched.safety if safety is None else safety,
+        safety=options.safety,
         normalize_before_cast=normalize_before_cast,
-        precondition=_resolve_precondition(sched, precondition),
+        precondition=options.precondition,
     )
-    coefficients = sched.steps_for(steps)
+    coefficients = options.coefficients
     if G.ndim == 2:
         return newton_schulz_matrix(G, coefficients, **kwargs)
     stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
