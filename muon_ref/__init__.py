@@ -12,6 +12,7 @@ from .functional import (
     muon_step,
     orthogonalize,
 )
+from .gram import DAO_RESTARTS, gram_newton_schulz, restart_segments
 from .newton_schulz import NSOptions, newton_schulz, normalise, resolve_ns_options
 from .optim import Muon
 from .polar import (
@@ -33,10 +34,10 @@ from .presets import PRESETS
 from .schedules import SCHEDULES, Schedule, get_schedule, register_schedule
 
 __all__ = [
-    "Band", "CONFIG_KEYS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "NSOptions", "PRESETS",
-    "SCHEDULES", "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule", "lr_scale",
-    "matrix_layout", "max_singular_value_error", "momentum_direction", "muon_step", "newton_schulz", "normalise",
-    "normalised_singular_values", "orthogonality_error", "orthogonalize", "polar_error", "polar_factor",
-    "register_schedule", "resolve_ns_options", "scalar_map", "schedule_band", "signed_singular_values",
-    "step_image", "step_polynomial",
+    "Band", "CONFIG_KEYS", "DAO_RESTARTS", "LR_SCALE_ALIASES", "MatrixLayout", "Muon", "MuonConfig", "NSOptions",
+    "PRESETS", "SCHEDULES", "Schedule", "apply_update", "critical_points", "fixed_points", "get_schedule",
+    "gram_newton_schulz", "lr_scale", "matrix_layout", "max_singular_value_error", "momentum_direction",
+    "muon_step", "newton_schulz", "normalise", "normalised_singular_values", "orthogonality_error", "orthogonalize",
+    "polar_error", "polar_factor", "register_schedule", "resolve_ns_options", "restart_segments", "scalar_map",
+    "schedule_band", "signed_singular_values", "step_image", "step_polynomial",
 ]

@@ -24,7 +24,9 @@ changes outputs that the origins would make NaN (0/0 when eps = 0).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,13 +45,18 @@ DEFAULT_EPS = 1e-7
 
 
 def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
-    """X / d for one matrix X, with d = ||X||_F * safety + eps ("add") or max(||X||_F * safety, eps) ("clamp").
+    """X / d for each trailing matrix X of [..., m, n], d = ||X||_F * safety + eps ("add") or
+    max(||X||_F * safety, eps) ("clamp"), each matrix with its own norm.
 
-    Reference equation: the kernel's X_0 (module docstring). Contract: these exact ops are the kernel's, so a fast
-    kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise (proofs/newton_schulz.md
-    NS7: d = 0 only for a zero matrix with eps = 0, and is replaced by 1 there, so zero maps to zero).
+    Reference equation: the kernel's X_0 (module docstring). Contract: on one matrix these are the kernel's exact
+    ops, so a fast kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise. On a
+    stack, the norm is one batched reduction over the last two dims; measured equal bit for bit to the per-matrix
+    norms on this CPU (torch 2.13.0; fp64/fp32/bf16/fp16, 7 shapes up to 300 x 77, 5 seeds, contiguous stacks and
+    their .mT views: 280/280), not a guarantee elsewhere. d = 0 only for a zero matrix with eps = 0 and is
+    replaced by 1 there, so zero maps to zero (proofs/newton_schulz.md#zero-input).
     """
-    norm = X.norm()
+    # one matrix: Tensor.norm, the op of every origin whose bits the presets pin
+    norm = X.norm() if X.ndim == 2 else torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if safety != 1.0:
         norm = norm * safety
     denom = norm + eps if eps_mode == "add" else norm.clamp(min=eps)
@@ -107,13 +114,42 @@ def newton_schulz_matrix(
         if coefficients:
             X = _aol_first_step(X, *coefficients[0], step_form=step_form, eps=eps)
             coefficients = coefficients[1:]
-    elif normalize_before_cast:
-        X = normalise(X, eps, eps_mode, safety).to(compute_dtype)
     else:
-        X = normalise(X.to(compute_dtype), eps, eps_mode, safety)
+        X = _initial_iterate(X, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
     for a, b, c in coefficients:
         X = _step(X, a, b, c, step_form)
     return X.mT if transpose else X
+
+
+def _initial_iterate(
+    X: Tensor, compute_dtype: torch.dtype, eps: float, eps_mode: EpsMode, safety: float, normalize_before_cast: bool
+) -> Tensor:
+    """X_0: normalised then cast (normalize_before_cast), or cast then normalised (the default)."""
+    if normalize_before_cast:
+        return normalise(X, eps, eps_mode, safety).to(compute_dtype)
+    return normalise(X.to(compute_dtype), eps, eps_mode, safety)
+
+
+def _check_matrices(G: Tensor, eps_mode: str, caller: str) -> None:
+    """ValueError for the caller's mistakes common to the kernels on [..., m, n] stacks."""
+    if G.ndim < 2:
+        raise ValueError(f"{caller} needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    if G.is_complex() or not G.is_floating_point():
+        raise ValueError(f"{caller} needs a real floating tensor, got dtype {G.dtype}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+
+
+def _map_matrices(kernel: Callable[[Tensor], Tensor], G: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """kernel(M) for each trailing matrix M of G [..., m, n], stacked back to G's leading dims: each matrix takes
+    its own transpose decision and norm inside the kernel. An empty stack gives an empty tensor of G's shape."""
+    if G.ndim == 2:
+        return kernel(G)
+    stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
+    out = [kernel(stack[i]) for i in range(stack.size(0))]
+    if not out:
+        return torch.empty(G.shape, dtype=compute_dtype, device=G.device)
+    return torch.stack(out).reshape(*G.shape[:-2], *out[0].shape[-2:])
 
 
 @dataclass(frozen=True)
@@ -175,16 +211,13 @@ def newton_schulz(
     cast). `eps`, `safety` and `precondition` default to the schedule's own (its origin's) values.
     Returns a new tensor of shape [..., m, n] in the compute dtype; G is never written.
     """
-    if G.ndim < 2:
-        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
-    if G.is_complex() or not G.is_floating_point():
-        raise ValueError(f"newton_schulz needs a real floating tensor, got dtype {G.dtype}")
+    _check_matrices(G, eps_mode, "newton_schulz")
     if step_form not in STEP_FORMS:
         raise ValueError(f"step_form must be one of {STEP_FORMS}, got {step_form!r}")
-    if eps_mode not in EPS_MODES:
-        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     options = resolve_ns_options(schedule, steps, eps, safety, precondition)
-    kwargs = dict(
+    kernel = functools.partial(
+        newton_schulz_matrix,
+        coefficients=options.coefficients,
         eps=options.eps,
         dtype=dtype,
         step_form=step_form,
@@ -193,11 +226,4 @@ def newton_schulz(
         normalize_before_cast=normalize_before_cast,
         precondition=options.precondition,
     )
-    coefficients = options.coefficients
-    if G.ndim == 2:
-        return newton_schulz_matrix(G, coefficients, **kwargs)
-    stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
-    out = [newton_schulz_matrix(stack[i], coefficients, **kwargs) for i in range(stack.size(0))]
-    if not out:
-        return torch.empty(G.shape, dtype=G.dtype if dtype is None else dtype, device=G.device)
-    return torch.stack(out).reshape(*G.shape[:-2], *out[0].shape[-2:])
+    return _map_matrices(kernel, G, G.dtype if dtype is None else dtype)
