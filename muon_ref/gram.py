@@ -14,9 +14,9 @@ Exact arithmetic: GNS(G) = newton_schulz(G) for every restart schedule (proofs/n
 NS11): A, Z, P and Q are polynomials in the segment's Gram, so they commute, and Q_t X_0 is the NS iterate.
 IEEE arithmetic: a segment of one step runs newton_schulz's "addmm" step with the same ops (Z = addmm(A, A, A,
 beta=b, alpha=c), X <- addmm(X, Z, X, beta=a)), so restarting after every step is newton_schulz(step_form="addmm")
-bit for bit. Longer segments carry the rounding of A: the eigenvalues s^2 of the Gram are known only to about
-u * s_max^2 (u the unit roundoff), so a small singular value's s^2 can turn negative, and on a negative value
-z = a + b r + c r^2 > 1 keeps growing with r <- r z^2 until Q blows up. The restarts bound how far it grows.
+bit for bit. Longer segments carry the rounding of A: the Gram's eigenvalues r = s^2 are known only to about
+u ||X||_F^2 = u (u the unit roundoff), so a small singular value's r can turn negative, and on a negative r,
+z = a + b r + c r^2 > a > 1 and r <- r z^2 grow until Q blows up. Restarts bound how far it grows.
 
 Restart schedule of Dao-AILab/gram-newton-schulz 0.1.6 (PyPI; gram_newton_schulz.py, restart_autotune.py):
 `GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])`, "a restart after the 2nd iteration", with its
@@ -25,9 +25,9 @@ POLAR_EXPRESS_COEFFICIENTS (the paper's first 5 Polar Express steps, safety 1.05
 the scalar model q <- q z, r <- r z^2 started at r = x^2 - 4e-4, x in logspace(0, -10, 10000): it picks [2]
 for both shipped coefficient sets (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS = "you5"; run here).
 Its numerics: X / (||X||_F + 1e-7) in float32 (eps_mode "add", normalize before the cast), then float16; a
-square matrix takes standard Newton-Schulz there (no FLOPs saved). This module runs Gram NS on every shape, in
-`dtype` (bfloat16 by default, like newton_schulz); pass dtype=torch.float16, normalize_before_cast=True for the
-package's numerics.
+square matrix takes standard Newton-Schulz there (Gram NS would cost 1.2x its FLOPs). This module runs Gram NS
+on every shape, in `dtype` (bfloat16 by default, like newton_schulz); dtype=torch.float16 and
+normalize_before_cast=True give the package's dtype and normalisation order (for a float32 G).
 """
 
 from __future__ import annotations
@@ -140,7 +140,15 @@ def gram_newton_schulz(
     8 m^2 n + 28 m^3 against 20 m^2 n + 10 m^3, i.e. fewer FLOPs iff n > 1.5 m: 1.20x at n = m, 0.67x at
     n = 4 m, 0.54x at n = 8 m, 0.4x as n / m grows.
 
-    Float behaviour: see the module docstring and notebooks/gram_newton_schulz.ipynb.
+    Float behaviour, measured on this CPU with polar_express_dao (notebooks/gram_newton_schulz.ipynb; the
+    Gaussian band: 1,500 random matrices, asserted by tests/test_gram.py with margin):
+        float32: newton_schulz's band to 1e-3 on every input there, with or without restarts.
+        bfloat16, restart after step 2 (the defaults): Gaussians with n / m in [2, 8], signed singular values in
+            [0.826, 1.188] (newton_schulz: [0.833, 1.126]); square and ill-conditioned inputs reach a largest
+            singular value of 1.33 and 1.41 (newton_schulz: 1.12). Restarts (1, 3): at most 1.13 on every input.
+        no restart, float16 or bfloat16: blows up where the Gram has eigenvalues near the rounding floor (bf16:
+            66 on a square Gaussian, 1.2e7 on rank 4 + noise, 2.8e13 on rank 1); Gaussians with n >= 2m hold.
+        8-step polar_express, bfloat16: one restart blows up, (1, 3) reaches 4.4, (2, 4, 6) holds.
     """
     _check_matrices(G, eps_mode, "gram_newton_schulz")
     options = resolve_ns_options(schedule, steps, eps, safety)
