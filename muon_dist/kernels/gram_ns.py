@@ -9,7 +9,9 @@ its matrices share a shape), each segment between restarts is
     X <- Q X                                       bmm (a one-step segment: baddbmm(X, Z, X, beta=a))
 the operation order of muon_ref.gram_segment, matrix by matrix. No Python loop over the E matrices and no
 data-dependent control flow (the segments depend only on the step count and the restarts), so the function can
-be wrapped in torch.compile; the tests run it eagerly.
+be wrapped in torch.compile; the tests run it eagerly. Checked once here (bf16, a [4, 32, 96] stack):
+torch.compile(fullgraph=True) captures it in one graph; backend "aot_eager" gave the eager bits, "inductor" on
+CPU differed by up to 3.1e-2 (it fuses the elementwise epilogues): the contract below is for eager execution.
 
 Everything but the batched products is muon_ref's public code: the options (resolve_ns_options), the restart
 segments (restart_segments) and the normalisation (normalise, which takes each matrix's own norm in one
