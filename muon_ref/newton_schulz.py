@@ -52,8 +52,8 @@ def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor
     ops, so a fast kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise. On a
     stack, the norm is one batched reduction over the last two dims; measured equal bit for bit to the per-matrix
     norms on this CPU (torch 2.13.0; fp64/fp32/bf16/fp16, 7 shapes up to 300 x 77, 5 seeds, contiguous stacks and
-    their .mT views: 280/280), not a guarantee elsewhere. d = 0 only for a zero matrix with eps = 0 and is
-    replaced by 1 there, so zero maps to zero (proofs/newton_schulz.md#zero-input).
+    their .mT views: 280/280; asserted by tests/test_gram.py), not a guarantee elsewhere. d = 0 only for a zero
+    matrix with eps = 0 and is replaced by 1 there, so zero maps to zero (proofs/newton_schulz.md#zero-input).
     """
     # one matrix: Tensor.norm, the op of every origin whose bits the presets pin
     norm = X.norm() if X.ndim == 2 else torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
@@ -166,6 +166,14 @@ class NSOptions:
     safety: float
     precondition: Literal["aol"] | None
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"eps must be finite and >= 0, got {self.eps!r}")
+        if not (math.isfinite(self.safety) and self.safety > 0):
+            raise ValueError(f"safety must be finite and > 0, got {self.safety!r}")
+        if self.precondition not in (None, "aol"):
+            raise ValueError(f"precondition must be None or 'aol', got {self.precondition!r}")
+
 
 def resolve_ns_options(
     schedule: str | Schedule,
@@ -178,7 +186,8 @@ def resolve_ns_options(
 
     eps: the schedule's, else DEFAULT_EPS; safety: the schedule's; steps: the schedule's default_steps, under its
     step policy (ValueError for a "fixed" schedule given another count); precondition: None for the schedule's,
-    "none" for no preconditioner, "aol" for the AOL preconditioner (ValueError otherwise).
+    "none" for no preconditioner, "aol" for the AOL preconditioner (ValueError otherwise); ValueError too for a
+    negative or non-finite eps and a safety that is not positive and finite (NSOptions checks itself).
     Contract: newton_schulz itself calls this, so a fast kernel that does gets the reference's options exactly.
     """
     sched = get_schedule(schedule)

@@ -71,6 +71,13 @@ def test_resolve_ns_options_takes_each_unset_option_from_the_schedule(name):
         resolve_ns_options(name, precondition="turbo")
 
 
+@pytest.mark.parametrize("eps, safety, match", [(-1e-7, None, "eps"), (float("nan"), None, "eps"),
+                                                 (None, 0.0, "safety"), (None, float("inf"), "safety")])
+def test_resolve_ns_options_refuses_a_negative_eps_and_a_safety_that_is_not_positive(eps, safety, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_ns_options("keller", eps=eps, safety=safety)
+
+
 @settings(max_examples=examples(0.5))
 @given(batch=st.integers(1, 4), m=dims, n=dims, transposed=st.booleans(), eps_mode=st.sampled_from(["add", "clamp"]),
        dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
