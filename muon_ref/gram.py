@@ -84,7 +84,8 @@ def gram_segment(X: Tensor, coefficients: tuple[Coefficients, ...]) -> Tensor:
             Q = torch.addmm(Q, Q, Z, beta=a)
         if not last:
             A = gram_update(A, Z, a)
-    return X if Q is None else Q @ X  # Q is None only for an empty segment
+    assert Q is not None, "empty segment: restart_segments never makes one"
+    return Q @ X
 
 
 def gram_newton_schulz_matrix(
@@ -142,7 +143,8 @@ def gram_newton_schulz(
 
     Float behaviour, measured on this CPU with polar_express_dao (notebooks/gram_newton_schulz.ipynb; the
     Gaussian band: 1,500 random matrices, asserted by tests/test_gram.py with margin):
-        float32: newton_schulz's band to 1e-3 on every input there, with or without restarts.
+        float32: newton_schulz's band to 1e-3 on the Gaussians there and its largest singular value on the
+            hard inputs, with or without restarts.
         bfloat16, restart after step 2 (the defaults): Gaussians with n / m in [2, 8], signed singular values in
             [0.826, 1.188] (newton_schulz: [0.833, 1.126]); square and ill-conditioned inputs reach a largest
             singular value of 1.33 and 1.41 (newton_schulz: 1.12). Restarts (1, 3): at most 1.13 on every input.

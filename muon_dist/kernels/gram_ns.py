@@ -64,7 +64,8 @@ def gram_segment_batched(X: Tensor, coefficients: tuple[Coefficients, ...]) -> T
         if not last:
             AP = torch.baddbmm(A, A, Z, beta=a)
             A = torch.baddbmm(AP, Z, AP, beta=a)
-    return X if Q is None else torch.bmm(Q, X)  # Q is None only for an empty segment
+    assert Q is not None, "empty segment: restart_segments never makes one"
+    return torch.bmm(Q, X)
 
 
 def gram_newton_schulz_batched(
