@@ -24,13 +24,16 @@ changes outputs that the origins would make NaN (0/0 when eps = 0).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from .schedules import Schedule, get_schedule
+from .schedules import Coefficients, Schedule, get_schedule
 
 StepForm = Literal["addmm", "keller", "dion"]
 EpsMode = Literal["add", "clamp"]
@@ -41,9 +44,19 @@ EPS_MODES: tuple[str, ...] = ("add", "clamp")
 DEFAULT_EPS = 1e-7
 
 
-def _normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
-    """X / d with d = ||X||_F * safety + eps ("add") or max(||X||_F * safety, eps) ("clamp"); zero stays zero."""
-    norm = X.norm()
+def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor:
+    """X / d for each trailing matrix X of [..., m, n], d = ||X||_F * safety + eps ("add") or
+    max(||X||_F * safety, eps) ("clamp"), each matrix with its own norm.
+
+    Reference equation: the kernel's X_0 (module docstring). Contract: on one matrix these are the kernel's exact
+    ops, so a fast kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise. On a
+    stack, the norm is one batched reduction over the last two dims; measured equal bit for bit to the per-matrix
+    norms on this CPU (torch 2.13.0; fp64/fp32/bf16/fp16, 7 shapes up to 300 x 77, 5 seeds, contiguous stacks and
+    their .mT views: 280/280; asserted by tests/test_gram.py), not a guarantee elsewhere. d = 0 only for a zero
+    matrix with eps = 0 and is replaced by 1 there, so zero maps to zero (proofs/newton_schulz.md#zero-input).
+    """
+    # one matrix: Tensor.norm, the op of every origin whose bits the presets pin
+    norm = X.norm() if X.ndim == 2 else torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if safety != 1.0:
         norm = norm * safety
     denom = norm + eps if eps_mode == "add" else norm.clamp(min=eps)
@@ -101,22 +114,91 @@ def newton_schulz_matrix(
         if coefficients:
             X = _aol_first_step(X, *coefficients[0], step_form=step_form, eps=eps)
             coefficients = coefficients[1:]
-    elif normalize_before_cast:
-        X = _normalise(X, eps, eps_mode, safety).to(compute_dtype)
     else:
-        X = _normalise(X.to(compute_dtype), eps, eps_mode, safety)
+        X = _initial_iterate(X, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
     for a, b, c in coefficients:
         X = _step(X, a, b, c, step_form)
     return X.mT if transpose else X
 
 
-def _resolve_precondition(sched: Schedule, precondition: str | None) -> str | None:
-    """None: the schedule's own; "none": no preconditioner; "aol": the AOL preconditioner."""
-    if precondition is None:
-        return sched.precondition
-    if precondition not in ("none", "aol"):
+def _initial_iterate(
+    X: Tensor, compute_dtype: torch.dtype, eps: float, eps_mode: EpsMode, safety: float, normalize_before_cast: bool
+) -> Tensor:
+    """X_0: normalised then cast (normalize_before_cast), or cast then normalised (the default)."""
+    if normalize_before_cast:
+        return normalise(X, eps, eps_mode, safety).to(compute_dtype)
+    return normalise(X.to(compute_dtype), eps, eps_mode, safety)
+
+
+def _check_matrices(G: Tensor, eps_mode: str, caller: str) -> None:
+    """ValueError for the caller's mistakes common to the kernels on [..., m, n] stacks."""
+    if G.ndim < 2:
+        raise ValueError(f"{caller} needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    if G.is_complex() or not G.is_floating_point():
+        raise ValueError(f"{caller} needs a real floating tensor, got dtype {G.dtype}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+
+
+def _map_matrices(kernel: Callable[[Tensor], Tensor], G: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """kernel(M) for each trailing matrix M of G [..., m, n], stacked back to G's leading dims: each matrix takes
+    its own transpose decision and norm inside the kernel. An empty stack gives an empty tensor of G's shape."""
+    if G.ndim == 2:
+        return kernel(G)
+    stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
+    out = [kernel(stack[i]) for i in range(stack.size(0))]
+    if not out:
+        return torch.empty(G.shape, dtype=compute_dtype, device=G.device)
+    return torch.stack(out).reshape(*G.shape[:-2], *out[0].shape[-2:])
+
+
+@dataclass(frozen=True)
+class NSOptions:
+    """What a Newton-Schulz run computes once the schedule and the caller's overrides are resolved.
+
+    coefficients: (a_t, b_t, c_t) of each step actually run (the schedule's step policy applied);
+    eps, safety: the normalisation's d = ||X||_F * safety + eps or max(||X||_F * safety, eps);
+    precondition: "aol" (Turbo-Muon's row scaling replaces the Frobenius normalisation) or None.
+    """
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    safety: float
+    precondition: Literal["aol"] | None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"eps must be finite and >= 0, got {self.eps!r}")
+        if not (math.isfinite(self.safety) and self.safety > 0):
+            raise ValueError(f"safety must be finite and > 0, got {self.safety!r}")
+        if self.precondition not in (None, "aol"):
+            raise ValueError(f"precondition must be None or 'aol', got {self.precondition!r}")
+
+
+def resolve_ns_options(
+    schedule: str | Schedule,
+    steps: int | None = None,
+    eps: float | None = None,
+    safety: float | None = None,
+    precondition: str | None = None,
+) -> NSOptions:
+    """The options newton_schulz runs with: each None takes the schedule's own (its origin's) value.
+
+    eps: the schedule's, else DEFAULT_EPS; safety: the schedule's; steps: the schedule's default_steps, under its
+    step policy (ValueError for a "fixed" schedule given another count); precondition: None for the schedule's,
+    "none" for no preconditioner, "aol" for the AOL preconditioner (ValueError otherwise); ValueError too for a
+    negative or non-finite eps and a safety that is not positive and finite (NSOptions checks itself).
+    Contract: newton_schulz itself calls this, so a fast kernel that does gets the reference's options exactly.
+    """
+    sched = get_schedule(schedule)
+    if precondition not in (None, "none", "aol"):
         raise ValueError(f"precondition must be None, 'none' or 'aol', got {precondition!r}")
-    return None if precondition == "none" else precondition
+    return NSOptions(
+        coefficients=sched.steps_for(steps),
+        eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
+        safety=sched.safety if safety is None else safety,
+        precondition=sched.precondition if precondition is None else (None if precondition == "none" else "aol"),
+    )
 
 
 def newton_schulz(
@@ -138,29 +220,19 @@ def newton_schulz(
     cast). `eps`, `safety` and `precondition` default to the schedule's own (its origin's) values.
     Returns a new tensor of shape [..., m, n] in the compute dtype; G is never written.
     """
-    if G.ndim < 2:
-        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
-    if G.is_complex() or not G.is_floating_point():
-        raise ValueError(f"newton_schulz needs a real floating tensor, got dtype {G.dtype}")
+    _check_matrices(G, eps_mode, "newton_schulz")
     if step_form not in STEP_FORMS:
         raise ValueError(f"step_form must be one of {STEP_FORMS}, got {step_form!r}")
-    if eps_mode not in EPS_MODES:
-        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
-    sched = get_schedule(schedule)
-    kwargs = dict(
-        eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
+    options = resolve_ns_options(schedule, steps, eps, safety, precondition)
+    kernel = functools.partial(
+        newton_schulz_matrix,
+        coefficients=options.coefficients,
+        eps=options.eps,
         dtype=dtype,
         step_form=step_form,
         eps_mode=eps_mode,
-        safety=sched.safety if safety is None else safety,
+        safety=options.safety,
         normalize_before_cast=normalize_before_cast,
-        precondition=_resolve_precondition(sched, precondition),
+        precondition=options.precondition,
     )
-    coefficients = sched.steps_for(steps)
-    if G.ndim == 2:
-        return newton_schulz_matrix(G, coefficients, **kwargs)
-    stack = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
-    out = [newton_schulz_matrix(stack[i], coefficients, **kwargs) for i in range(stack.size(0))]
-    if not out:
-        return torch.empty(G.shape, dtype=G.dtype if dtype is None else dtype, device=G.device)
-    return torch.stack(out).reshape(*G.shape[:-2], *out[0].shape[-2:])
+    return _map_matrices(kernel, G, G.dtype if dtype is None else dtype)

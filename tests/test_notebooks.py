@@ -20,7 +20,7 @@ import muon_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOKS = ("ns_schedules", "ns_numerics", "design_a_schedule")
+NOTEBOOKS = ("ns_schedules", "ns_numerics", "design_a_schedule", "gram_newton_schulz")
 # Each notebook takes 10-30 s on an idle 2-core CPU (notebooks/README.md); the limits leave room for a
 # loaded machine without letting a hung kernel stall the suite.
 CELL_TIMEOUT_S = 240

@@ -10,9 +10,9 @@ rounded once to the compute dtype after the epilogue (b A and a X are added in f
 input_precision="ieee" (no TF32), as torch's default fp32 matmul does.
 
 Everything that is not a per-step matmul is muon_ref's own code: the schedule (get_schedule(...).steps_for),
-the eps and safety defaults, the transpose decision and the normalisation (muon_ref.newton_schulz._normalise,
-on the same views in the same dtype), so newton_schulz_triton(G, steps=0) equals newton_schulz(G, steps=0)
-bitwise.
+the eps and safety defaults (muon_ref.resolve_ns_options), the transpose decision and the normalisation
+(muon_ref.normalise, on the same views in the same dtype), so newton_schulz_triton(G, steps=0) equals
+newton_schulz(G, steps=0) bitwise.
 
 Contract against muon_ref.newton_schulz with the same arguments and its default step_form "addmm":
     max |newton_schulz_triton(G) - newton_schulz(G)| <= 1e-5 (float32), 4e-3 (float16)
@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from muon_ref.newton_schulz import DEFAULT_EPS, EPS_MODES, EpsMode, _normalise
+from muon_ref import normalise, resolve_ns_options
+from muon_ref.newton_schulz import EPS_MODES, EpsMode
 from muon_ref.schedules import Schedule, get_schedule
 
 # triton.jit builds interpreter kernels iff TRITON_INTERPRET=1 when it decorates: for the kernels below, when
@@ -203,9 +204,8 @@ def newton_schulz_triton(
     sched = get_schedule(schedule)
     compute_dtype = G.dtype if dtype is None else dtype
     _check_arguments(G, compute_dtype, eps_mode, sched)
-    coefficients = sched.steps_for(steps)
-    eps = (sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps
-    safety = sched.safety if safety is None else safety
+    options = resolve_ns_options(sched, steps, eps, safety)
+    coefficients, eps, safety = options.coefficients, options.eps, options.safety
     m, n = G.shape[-2:]
     stack = G.reshape(math.prod(G.shape[:-2]), m, n)
     if stack.size(0) == 0:
@@ -249,5 +249,5 @@ def _initial_iterates(
     """
     views = [M.mT if transpose else M for M in stack]
     if normalize_before_cast:
-        return torch.stack([_normalise(V, eps, eps_mode, safety).to(compute_dtype) for V in views])
-    return torch.stack([_normalise(V.to(compute_dtype), eps, eps_mode, safety) for V in views])
+        return torch.stack([normalise(V, eps, eps_mode, safety).to(compute_dtype) for V in views])
+    return torch.stack([normalise(V.to(compute_dtype), eps, eps_mode, safety) for V in views])
