@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from muon_dist.layout import chunk_bounds
+from muon_dist.geometry import chunk_bounds
 from muon_ref.functional import MatrixLayout, apply_update, matrix_layout, momentum_direction, orthogonalize
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults

@@ -31,7 +31,7 @@
    (the reference FLOPs above / time / peak: a kernel that does fewer FLOPs shows as a higher fraction, not a
    smaller count) and its max |difference| from muon_ref.newton_schulz (by design large for other
    coefficients: Polar Express). Kernels: muon_ref.newton_schulz; torch.optim.Muon's internal NS (2-D only);
-   every muon_dist.kernels backend through its orthogonalizer; the Triton kernel at each --triton-tiles
+   every muon_dist.kernels backend through its orthogonalize; the Triton kernel at each --triton-tiles
    (block/block_k/num_warps); with --dion, Dion's NS functions.
 A kernel or optimizer that cannot run here (Triton without CUDA, out of memory) is a row saying why.
 
@@ -440,7 +440,7 @@ class Kernel:
 
 def kernels(cfg: MuonConfig, triton_tiles: list[tuple[int, int, int]], dion: object | None) -> list[Kernel]:
     """muon_ref's kernel first (every difference is taken against it), then the others."""
-    from muon_dist.kernels import BACKENDS, orthogonalizer
+    from muon_dist.kernels import BACKENDS, backend
 
     rows = [Kernel("muon_ref.newton_schulz", lambda G: newton_schulz(G, **cfg.ns_kwargs()))]
     with contextlib.suppress(ImportError):  # a private module of torch.optim: its names may move between versions
@@ -449,10 +449,9 @@ def kernels(cfg: MuonConfig, triton_tiles: list[tuple[int, int, int]], dion: obj
         coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
         rows.append(Kernel("torch.optim._muon._zeropower_via_newtonschulz", lambda G: _muon._zeropower_via_newtonschulz(
             G, coefficients, _muon.DEFAULT_NS_STEPS, _muon.EPS), matrices_only=True))
-    for backend in BACKENDS:
-        orthogonalize = orthogonalizer(backend)
-        rows.append(Kernel(f"muon_dist.kernels backend {backend}",
-                           lambda G, f=orthogonalize: f(G, matrix_layout(G.shape), cfg)))
+    for name in BACKENDS:  # imported at the first call: a backend whose package is missing is an unavailable row
+        rows.append(Kernel(f"muon_dist.kernels backend {name}",
+                           lambda G, name=name: backend(name).orthogonalize(G, matrix_layout(G.shape), cfg)))
     rows += [Kernel(f"triton_ns tiles {b}/{k}/{w}", triton_with_tiles(cfg, b, k, w)) for b, k, w in triton_tiles]
     return rows + ([] if dion is None else dion_kernels(dion))
 

@@ -39,8 +39,8 @@ import torch
 import muon_ref
 from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
 from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
-from muon_dist.layout import chunk_bounds
-from muon_dist.plan import PATHS
+from muon_dist.geometry import chunk_bounds
+from muon_dist.paths import PATHS
 
 from . import balance_table, memory
 

@@ -1,15 +1,23 @@
 """muon_dist: distributed Muon on DTensor / FSDP2 shards, checked bitwise against muon_ref.
 
-Pieces (/work/shared/STYLE.md): layout (what a param is globally), plan (pure, digest-checked), paths (one
-module per communication path; the kernel is muon_ref's, passed in), comm (the only place collectives run).
+The optimizer core (README, "Design"): layout (what a param is globally, read from its DTensor), geometry (its
+shard groups and every member's box), plan (a pure, digest-checked function of the layouts: batches, paths,
+owners), paths (one module per communication path, one interface), comm (the only place collectives run),
+elementwise (shard stages with the reference's bits), kernels (orthogonalisation backends), step (the step as a
+function) and optim (DistributedMuon, a thin optimizer over it); checkpoint converts state dicts. The harness
+(verify, conformance, benchmarks' fixtures) is muon_dist.harness; nothing here imports it.
 """
 
+from .batch import Batch
 from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
-from .layout import ParamLayout, chunk_bounds, read_layout
+from .geometry import Box, Geometry, chunk_bounds
+from .layout import ParamLayout, read_layout
 from .optim import DistributedMuon, StepReport
-from .plan import PATHS, Batch, Entry, Options, Plan, expected_bytes, plan
+from .paths import PATHS
+from .plan import Entry, Options, Plan, expected_bytes, plan
 
 __all__ = [
-    "PATHS", "Batch", "Comm", "DistributedMuon", "Entry", "Group", "Options", "ParamLayout", "Plan", "StepReport",
-    "ThreadComm", "ThreadWorld", "TorchComm", "chunk_bounds", "expected_bytes", "plan", "read_layout",
+    "PATHS", "Batch", "Box", "Comm", "DistributedMuon", "Entry", "Geometry", "Group", "Options", "ParamLayout",
+    "Plan", "StepReport", "ThreadComm", "ThreadWorld", "TorchComm", "chunk_bounds", "expected_bytes", "plan",
+    "read_layout",
 ]

@@ -1,6 +1,7 @@
-"""The only module that calls collectives. Each call is recorded: bytes sent and received by this rank, per
-collective and per path, counted as a direct (one message per peer) implementation would move them, so the
-counts are the algorithm's traffic, not the backend's (a ring all-gather moves the same total).
+"""The only module that calls collectives. Each call is recorded under the name its caller gives (a path, or a
+check of the step): bytes sent and received by this rank, counted as a direct (one message per peer)
+implementation would move them, so the counts are the algorithm's traffic, not the backend's (a ring all-gather
+moves the same total). It knows groups of ranks, never layouts or paths.
 
 Two implementations with one interface: TorchComm over torch.distributed (gloo, NCCL) and ThreadComm, ranks
 as threads of one process, for fast property tests of the planner and the paths.
@@ -15,8 +16,6 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
-
-from .layout import mesh_groups
 
 # (world group, parts) -> {part: process group}: new_group is collective over the world, so each partition's
 # groups are created once per process and reused by every optimizer and step.
@@ -78,25 +77,27 @@ class Comm:
     def check_agreement(self, digest: bytes, what: str) -> list[bytes]:
         """All-gather a 32-byte digest over the world; every rank gets every rank's digest (never a hang)."""
         assert len(digest) == 32
-        world = self.group(tuple(range(self.world_size)), None, 0)
+        world = self.world_group()
         mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(self.device)
         gathered = self.all_gather(mine, world, what).cpu()
         return [bytes(gathered[32 * r: 32 * (r + 1)].tolist()) for r in range(self.world_size)]
 
-    def group(self, ranks: tuple[int, ...], mesh: Any, axes: int | tuple[int, ...]) -> Group:
-        """The group of `ranks`: the mesh axis (or axes, flattened in mesh order) `axes` of DeviceMesh `mesh`,
-        or the default group when mesh is None."""
-        axes = (axes,) if isinstance(axes, int) else axes
-        if mesh is not None and len(axes) > 1:
-            return self.subgroups(mesh_groups(mesh.mesh, axes))[ranks]
-        return Group(ranks, self._handle(mesh, axes[0]))
+    def world_group(self) -> Group:
+        return Group(tuple(range(self.world_size)), self._world_handle())
+
+    def group(self, ranks: tuple[int, ...], handle: Any = None) -> Group:
+        """The group of `ranks` (global ranks, in group order) with a backend handle the caller already has (a
+        DeviceMesh axis's group), or the default group's when ranks are the whole world."""
+        if handle is None and ranks == tuple(range(self.world_size)):
+            handle = self._world_handle()
+        return Group(ranks, handle)
 
     def subgroups(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Group]:
         """A Group for each of `parts` (disjoint groups of global ranks). Collective on first use: every rank of
         the world must call it with the same `parts`, in the same order of calls, member or not."""
         return {part: Group(part, handle) for part, handle in self._subgroup_handles(parts).items()}
 
-    def _handle(self, mesh: Any, axis: int) -> Any:
+    def _world_handle(self) -> Any:
         return None
 
     def _subgroup_handles(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Any]:
@@ -120,8 +121,8 @@ class TorchComm(Comm):
         if dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def _handle(self, mesh: Any, axis: int) -> Any:
-        return self.dist.group.WORLD if mesh is None else mesh.get_group(axis)
+    def _world_handle(self) -> Any:
+        return self.dist.group.WORLD
 
     def _subgroup_handles(self, parts: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], Any]:
         """new_group for every part, once per process: cached by the parts themselves (global ranks: a stable

@@ -21,13 +21,14 @@ run_stage reproduces the one-thread reference.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .layout import ParamLayout
+from .geometry import Box
 
 # A multiple of every vector chunk of at::vec on CPU (a 512-bit register holds 32 bf16 values; loops
 # unroll by 2): the body/tail boundary of any of them is a multiple of 64.
@@ -36,17 +37,20 @@ BLOCK = 64
 Stage = Callable[..., tuple[Tensor, ...]]
 
 
-def tail_positions(layout: ParamLayout) -> tuple[Tensor, Tensor, int]:
-    """(local flat indices, their positions in the tail buffer, the tail length) of this rank's tail elements."""
-    numel = math.prod(layout.global_shape)
+@functools.lru_cache(maxsize=4096)
+def tail_positions(global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, Tensor, int]:
+    """(local flat indices, their positions in the tail buffer, the tail length) of the tail elements that lie in
+    `box` (the shard's box of the whole tensor). Cached: a pure function of the geometry."""
+    numel = math.prod(global_shape)
     start = numel - numel % BLOCK
     flat = torch.arange(start, numel)
-    coords = torch.stack(torch.unravel_index(flat, layout.global_shape)) if flat.numel() else torch.empty(len(layout.global_shape), 0, dtype=torch.long)
-    offset = torch.tensor(layout.global_offset).unsqueeze(1)
-    size = torch.tensor(layout.local_shape).unsqueeze(1)
+    coords = (torch.stack(torch.unravel_index(flat, global_shape)) if flat.numel()
+              else torch.empty(len(global_shape), 0, dtype=torch.long))
+    offset = torch.tensor(box.offsets).unsqueeze(1)
+    size = torch.tensor(box.shape).unsqueeze(1)
     inside = ((coords >= offset) & (coords < offset + size)).all(dim=0)
     local = coords[:, inside] - offset
-    strides = torch.tensor([math.prod(layout.local_shape[d + 1:]) for d in range(len(layout.local_shape))])
+    strides = torch.tensor([math.prod(box.shape[d + 1:]) for d in range(len(box.shape))])
     return (local * strides.unsqueeze(1)).sum(dim=0), flat[inside] - start, numel - start
 
 
@@ -56,18 +60,19 @@ def _padded(x: Tensor, length: int) -> Tensor:
     return out
 
 
-def run_stage(stage: Stage, inputs: Sequence[Tensor], layout: ParamLayout) -> tuple[Tensor, ...]:
-    """stage(*inputs) on this rank's shard, each element with the bits of stage(*full_inputs) (see module doc)."""
+def run_stage(stage: Stage, inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, ...]:
+    """stage(*inputs) on the shard `box` of a tensor of `global_shape`, each element with the bits that
+    stage(*full_inputs) gives it (see module doc)."""
     numel = inputs[0].numel()
     body = stage(*(_padded(x, math.ceil(numel / BLOCK) * BLOCK) for x in inputs))
     outs = [y[:numel].clone() for y in body]
-    local_idx, tail_pos, tail_len = tail_positions(layout)
+    local_idx, tail_pos, tail_len = tail_positions(tuple(global_shape), box)
     if local_idx.numel():
         tail_in = []
         for x in inputs:
             buf = x.new_zeros(tail_len)
-            buf[tail_pos] = x.reshape(-1)[local_idx]
+            buf[tail_pos.to(x.device)] = x.reshape(-1)[local_idx.to(x.device)]
             tail_in.append(buf)
         for out, y in zip(outs, stage(*tail_in)):
-            out[local_idx] = y[tail_pos]
-    return tuple(out.reshape(layout.local_shape) for out in outs)
+            out[local_idx.to(out.device)] = y[tail_pos.to(out.device)]
+    return tuple(out.reshape(box.shape) for out in outs)

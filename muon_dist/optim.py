@@ -1,51 +1,41 @@
 """DistributedMuon: muon_ref.Muon's optimizer on DTensor / FSDP2 shards (or plain replicated tensors).
 
-One step: validate locally; plan (muon_dist/plan.py); all-gather the plan's digest and raise on every rank if
-any rank disagrees; OR the ranks' non-finite flags; run momentum on local shards; move each batch through its
-path (muon_dist/paths), where the owner runs muon_ref's kernel on the whole matrix; all-gather whether any rank's
-local work failed (then every rank raises, nothing written); apply the update on local shards. The elementwise
-stages go through muon_dist.elementwise.run_stage for the reference's bits.
+A thin torch.optim.Optimizer over the step function of muon_dist/step.py, as muon_ref.Muon is over
+muon_ref.functional: the class validates params and gradients, owns the state ("momentum_buffer" per param),
+reads each param's layout (once, while its shape, placements and mesh stay the same), resolves each group's
+config once per step, finds the process group of each batch (a DeviceMesh axis's own group where there is one),
+and writes what the step yields.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from muon_ref.functional import apply_update, check_gradient, is_finite, momentum_direction
+from muon_ref import LAYOUT_DEFAULTS, MuonConfig
+from muon_ref.functional import check_gradient
 from muon_ref.optim import check_param, group_config, param_name
 from muon_ref.presets import preset_defaults
 
-from .comm import Comm, TorchComm
-from .elementwise import run_stage
-from .kernels import orthogonalizer
+from .batch import Batch
+from .comm import Comm, Group, TorchComm
+from .kernels import backend
 from .layout import ParamLayout, read_layout
-from .paths import RUNNERS, global_all_to_all
-from .plan import Entry, Options, Plan, plan
+from .plan import Entry, Options, Plan
+from .step import ParamInput, execute, prepare
 
 
 @dataclass(frozen=True)
 class StepReport:
     """paths: (param name, path or None when it did not step), in param-group order.
-    bytes_by_path: this rank's (sent, received) bytes of the step, by path (and by the step's checks)."""
+    bytes_by_path: this rank's (sent, received) bytes of the step, by path and by the step's checks."""
 
     paths: tuple[tuple[str, str | None], ...]
     bytes_by_path: dict[str, tuple[int, int]]
-
-
-@dataclass
-class _Item:
-    param: Tensor
-    name: str
-    group_index: int
-    layout: ParamLayout
-    grad: Tensor | None  # this rank's shard of the gradient
 
 
 def _local(t: Tensor) -> Tensor:
@@ -56,20 +46,22 @@ class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
     and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
     muon_dist/checkpoint.py), plus keyword-only options: `comm` (default TorchComm over torch.distributed),
-    `remainder` ("agrs" | "padded_all_to_all"), `force_path` and `dispatch` ("batched" | "global": one
-    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py).
-    After each step, `last_report` is a StepReport.
+    `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
+    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py) and
+    `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
+    tolerance). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
     def __init__(self, params: Iterable[Any], preset: str | None = "torch", *, comm: Comm | None = None,
                  remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
                  ns_backend: str = "torch", **overrides: Any) -> None:
         self.comm = comm if comm is not None else TorchComm()
-        self.orthogonalize = orthogonalizer(ns_backend)  # "triton": a tolerance, not bits (kernels/triton_ns.py)
+        self.backend = backend(ns_backend)
         self.options = Options(remainder, force_path, dispatch)
         self.preset = preset
         self.last_report: StepReport | None = None
         self.last_plan: Plan | None = None
+        self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}  # id(param) -> (what it was read from, layout)
         super().__init__(params, preset_defaults(preset, overrides))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -79,7 +71,7 @@ class DistributedMuon(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
             check_param(p, name)
-            self._layout(p, group, name).matrices  # ValueError naming the param for a non-matrix
+            self.layout(p, group, name).geometry  # ValueError naming the param for a non-matrix or bad layout
         self._own_group_params()
 
     def _own_group_params(self) -> None:
@@ -95,16 +87,27 @@ class DistributedMuon(torch.optim.Optimizer):
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
-    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> ParamLayout:
-        return read_layout(p, name, group.get("num_experts"), group["flatten"], self.comm.rank, self.comm.world_size)
+    def layout(self, p: Tensor, group: dict[str, Any], name: str) -> ParamLayout:
+        """The param's layout, read once and reused while its shape, placements, mesh, local shape and layout keys
+        stay the same."""
+        keys = {k: group.get(k, LAYOUT_DEFAULTS.get(k)) for k in (*LAYOUT_DEFAULTS, "flatten")}
+        split = keys.get("split_sizes")
+        seen = (name, tuple(p.shape), p.dtype, getattr(p, "placements", None), getattr(p, "device_mesh", None),
+                tuple(_local(p).shape), tuple(split) if split is not None else None,
+                *(keys[k] for k in ("num_experts", "num_heads", "split_dim", "flatten")))
+        cached = self._layouts.get(id(p))
+        if cached is None or cached[0] != seen:
+            cached = (seen, read_layout(p, name, keys, self.comm.world_size, self.comm.rank))
+            self._layouts[id(p)] = cached
+        return cached[1]
 
-    def _collect(self) -> tuple[list[_Item], str | None]:
-        """Every param in param-group order with its local gradient; the first local error, as a message."""
-        items, error = [], None
+    def _collect(self, configs: list[MuonConfig]) -> tuple[tuple[Entry, ...], list[ParamInput], list, str | None]:
+        """Every param in param-group order: its entry, local shards, param object; the first local error."""
+        entries, inputs, params, error = [], [], [], None
         for gi, group in enumerate(self.param_groups):
+            update_dtype = configs[gi].ns_dtype
             for i, p in enumerate(group["params"]):
-                name = param_name(group, i)
-                grad = p.grad
+                name, grad = param_name(group, i), p.grad
                 if grad is not None and error is None:
                     try:
                         check_gradient(grad, p, name)
@@ -113,51 +116,26 @@ class DistributedMuon(torch.optim.Optimizer):
                                              f"{getattr(grad, 'placements', None)} differ from the param's")
                     except ValueError as e:
                         error = str(e)
-                items.append(_Item(p, name, gi, self._layout(p, group, name), None if grad is None else _local(grad)))
-        return items, error
+                entries.append(Entry(self.layout(p, group, name), gi, str(update_dtype or p.dtype),
+                                     grad is not None))
+                buf = _local(self.state[p]["momentum_buffer"])
+                inputs.append(ParamInput(_local(p), None if grad is None else _local(grad), buf))
+                params.append(p)
+        return tuple(entries), inputs, params, error
 
-    def _update_dtype(self, item: _Item) -> torch.dtype:
-        """The kernel's output dtype: the config's ns_dtype, or the param's when it is None."""
-        return group_config(self.param_groups[item.group_index]).ns_dtype or item.param.dtype
-
-    def _entries(self, items: list[_Item], skip: set[int]) -> tuple[Entry, ...]:
-        return tuple(Entry(item.layout, item.group_index, str(self._update_dtype(item)),
-                           item.grad is not None and i not in skip) for i, item in enumerate(items))
-
-    def _agree(self, step_plan: Plan, error: str | None) -> None:
-        """All-gather the plan digests (or a local error's) and raise the same way on every rank on mismatch."""
-        digest = hashlib.sha256(b"error:" + error.encode()).digest() if error else step_plan.digest()
-        digests = self.comm.check_agreement(digest, "plan_digest")
-        if error:
-            raise ValueError(error)
-        if len(set(digests)) > 1:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            mine = [(e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
-                    for e in step_plan.entries]
-            raise ValueError(f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
-                             f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
-                             f"error on that rank); rank {self.comm.rank} sees (name, shape, placements, dtype, "
-                             f"has grad): {mine}")
-
-    def _nonfinite(self, items: list[_Item]) -> set[int]:
-        """Indices of params whose gradient is non-finite on any rank (one small all-gather over the world)."""
-        flags = [item.grad is not None and not is_finite(item.grad) for item in items]
-        world = self.comm.group(tuple(range(self.comm.world_size)), None, 0)
-        mine = torch.tensor(flags, dtype=torch.uint8, device=self.comm.device)
-        gathered = self.comm.all_gather(mine, world, "nonfinite_check").cpu().reshape(self.comm.world_size, len(items))
-        bad = set(torch.nonzero(gathered.amax(dim=0)).flatten().tolist())
-        for i in sorted(bad):
-            if group_config(self.param_groups[items[i].group_index]).nonfinite == "raise":
-                p = items[i].param
-                raise ValueError(f"{items[i].name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)")
-        return bad
-
-    def kernel(self, item: _Item) -> Callable[[Tensor], Tensor]:
-        """This param's kernel: muon_ref's orthogonalize (newton_schulz per matrix) on the whole param, or on a run
-        of its whole experts (the expert paths pass a rank's experts: the layout keeps their count)."""
-        cfg, matrices = group_config(self.param_groups[item.group_index]), item.layout.matrices
-        size = matrices.fan_out * matrices.fan_in
-        return lambda x: self.orthogonalize(x, dataclasses.replace(matrices, num_matrices=x.numel() // size), cfg)
+    def _group_for(self, params: list[Tensor]) -> Callable[[Batch], Group]:
+        """The process group of a batch: the DeviceMesh axis's own group when one axis shards, sub-groups made once
+        per partition when several do (every rank calls this in plan order), the default group otherwise."""
+        def group_for(batch: Batch) -> Group:
+            geometry = batch.geometries[0]
+            ranks = geometry.group_of(self.comm.rank)
+            mesh = getattr(params[batch.params[0]], "device_mesh", None)
+            if mesh is None or not geometry.axes:
+                return self.comm.group(ranks)
+            if len(geometry.axes) == 1:
+                return self.comm.group(ranks, mesh.get_group(geometry.axes[0]))
+            return self.comm.subgroups(geometry.groups)[ranks]
+        return group_for
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -166,65 +144,20 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.reset()
-        items, error = self._collect()
-        self._agree(plan(self._entries(items, set()), self.options), error)
-        step_plan = plan(self._entries(items, self._nonfinite(items)), self.options)
-        failures: list[tuple[str, Exception]] = []
-        buffers, directions = self._momentum(items, step_plan, failures)
-        updates = self._orthogonalize(items, step_plan, directions, failures)
-        self._agree_no_failure(failures)
-        self._apply(items, updates, buffers)
+        configs = [group_config(g) for g in self.param_groups]  # resolved once per group per step
+        entries, inputs, params, error = self._collect(configs)
+        per_param = [configs[e.group_index] for e in entries]
+        step_plan = prepare(self.comm, entries, inputs, per_param, self.options, error)
+        for i, new_param, new_buf in execute(self.comm, step_plan, inputs, per_param, self.backend,
+                                             self._group_for(params)):
+            p = params[i]
+            _local(p).copy_(new_param)
+            self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)
         self._own_group_params()
         self.last_plan = step_plan
-        self.last_report = StepReport(tuple((it.name, p) for it, p in zip(items, step_plan.path_of())),
+        self.last_report = StepReport(tuple((e.layout.name, path) for e, path in zip(entries, step_plan.path_of())),
                                       {k: (v[0], v[1]) for k, v in self.comm.ledger.items()})
         return loss
-
-    @staticmethod
-    def _guard(failures: list[tuple[str, Exception]], what: str, fn: Callable[..., Any],
-               fallback: Callable[..., Any]) -> Callable[..., Any]:
-        """fn, except that an exception is recorded in `failures` and answered with fallback(*args) (zeros): the
-        rank keeps taking part in the step's remaining collectives instead of leaving its peers blocked in them,
-        and _agree_no_failure then raises on every rank before anything is written."""
-        def run(*args: Any) -> Any:
-            try:
-                return fn(*args)
-            except Exception as e:  # noqa: BLE001 - re-raised by _agree_no_failure, with its rank
-                failures.append((what, e))
-                return fallback(*args)
-        return run
-
-    def _agree_no_failure(self, failures: list[tuple[str, Exception]]) -> None:
-        """A digest all-gather after the step's last data collective, before any write: if the local work of any
-        rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins)."""
-        ok = hashlib.sha256(b"step ok").digest()
-        digests = self.comm.check_agreement(hashlib.sha256(b"step failed").digest() if failures else ok, "plan_digest")
-        failed = [r for r, d in enumerate(digests) if d != ok]
-        if failures:
-            what, e = failures[0]
-            raise RuntimeError(f"DistributedMuon: rank {self.comm.rank} failed mid-step in {what} "
-                               f"({type(e).__name__}: {e}); failed ranks {failed}; no param or momentum buffer "
-                               f"was written on any rank") from e
-        if failed:
-            raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
-                               f"no param or momentum buffer was written on any rank")
-
-    def _momentum(self, items: list[_Item], step_plan: Plan,
-                  failures: list[tuple[str, Exception]]) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
-        """(new momentum buffers, directions) of the active params, on local shards; nothing is written."""
-        buffers, directions = {}, {}
-        for batch in step_plan.batches:
-            for i in batch.params:
-                item = items[i]
-                cfg = group_config(self.param_groups[item.group_index])
-                buf = self.state[item.param].get("momentum_buffer")
-                buf = torch.zeros_like(item.grad) if buf is None else _local(buf)
-                stage = functools.partial(momentum_direction, cfg=cfg)
-                momentum = self._guard(failures, f"the momentum of {item.name}",
-                                       lambda g, b, s=stage, lay=item.layout: run_stage(s, [g, b], lay),
-                                       lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
-                buffers[i], directions[i] = momentum(item.grad, buf)
-        return buffers, directions
 
     @staticmethod
     def _like_param(local: Tensor, param: Tensor) -> Tensor:
@@ -233,34 +166,3 @@ class DistributedMuon(torch.optim.Optimizer):
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-
-    def _orthogonalize(self, items: list[_Item], step_plan: Plan, directions: dict[int, Tensor],
-                       failures: list[tuple[str, Exception]]) -> dict[int, Tensor]:
-        """Each batch through its path; returns this rank's shard of every active param's update."""
-        updates = {}
-        for batch in step_plan.batches:
-            first = items[batch.params[0]]
-            layout = first.layout
-            mesh = getattr(first.param, "device_mesh", None)
-            group = self.comm.group(layout.group_ranks(), mesh, layout.shard_axes or (0,))
-            dtype = self._update_dtype(first)
-            kernels = [self._guard(failures, f"the kernel of a batch from {items[i].name}", self.kernel(items[i]),
-                                   lambda full, dtype=dtype: torch.zeros_like(full, dtype=dtype)) for i in batch.params]
-            moving = [directions[i] for i in batch.params]
-            if batch.path == "global_all_to_all":
-                outs = global_all_to_all.run(self.comm, group, moving, [items[i].layout for i in batch.params],
-                                             kernels, batch.owners, dtype)
-            else:
-                outs = RUNNERS[batch.path](self.comm, group, moving, layout, kernels[0], dtype)
-            updates.update(zip(batch.params, outs))
-        return updates
-
-    def _apply(self, items: list[_Item], updates: dict[int, Tensor], buffers: dict[int, Tensor]) -> None:
-        """Write params and momentum buffers (only now, after every collective of the step succeeded)."""
-        for i, update in updates.items():
-            item = items[i]
-            cfg = group_config(self.param_groups[item.group_index])
-            stage = lambda p, u, m=item.layout.matrices: (apply_update(p, u, m, cfg),)  # noqa: E731
-            (new,) = run_stage(stage, [_local(item.param), update], item.layout)
-            _local(item.param).copy_(new)
-            self.state[item.param]["momentum_buffer"] = self._like_param(buffers[i], item.param)

@@ -1,56 +1,56 @@
 """plan(): a pure function of every parameter's layout -> a frozen Plan, identical on every rank.
 
-Params with the same layout, the same param group and the same kernel output dtype form a run; a run on a
-sharded layout is cut, in param-group order, into batches of W (the shard group's size) that take the
-all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the padded
-all-to-all). Replicated runs are cut into batches of at most W. Member k of the group orthogonalises param
-k of its batch. The digest of the plan is compared across ranks before the first data collective.
+Params with the same layout (all but the name), the same param group and the same kernel output dtype form a
+run; a run on a sharded layout is cut, in param-group order, into batches of W (the shard group's size) that take
+the all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the padded
+all-to-all). Replicated runs are cut into batches of at most W. Each path's module gives the owners (member k
+orthogonalises param k). The digest of the plan is compared across ranks before the first data collective.
 
-Expert stacks sharded on their expert dim (3-D [E, m, n], or fused [E * m, n] with num_experts; on a 1-D
-FSDP mesh or an (ep, fsdp) mesh with (Shard(0), Shard(0))) are planned from where the boxes fall, never from
-mesh names: if every member holds whole experts, "local" (E_local % fsdp == 0, and every 3-D stack); else if
-the members that share an expert hold exactly that one expert, "subgroup_all_gather" (fsdp % E_local == 0
-with the expert's rows divisible by fsdp / E_local); else the all-to-all family over the whole shard group
-(proofs/paths.md#expert-fallback). E % ep != 0 needs no special case: the boxes say which case it is.
+Expert stacks (a shared layout of several blocks: 3-D [E, m, n], or fused [E * m, n] with num_experts) are planned
+from where the boxes fall on the blocks, never from mesh names: if every member holds whole blocks, "local"; else
+if every component of members that share a block holds exactly that one block, "subgroup_all_gather"; else the
+all-to-all family over the whole shard group (proofs/paths.md#expert-fallback). E % ep != 0 needs no special
+case: the boxes say which case it is.
 
-dispatch="global" (Options.dispatch) then merges every batch of the all-to-all family (all_to_all, agrs,
-padded_all_to_all) into one "global_all_to_all" batch per (shard group, direction dtype, update dtype), each
-param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its matrices times their
-number; ties to the lowest param index and rank). Expert paths and replicated batches stay as they are.
+dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (GLOBAL_DISPATCH: the
+all-to-all family) into one "global_all_to_all" batch per (shard groups, direction dtype, update dtype), each
+param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
+param index and rank). Expert paths and replicated batches stay as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Mapping
 
 from .balance import lpt, ns_flops
+from .batch import Batch
+from .geometry import parse_placement
 from .layout import ParamLayout
+from .paths import PATHS
 
-PATHS: tuple[str, ...] = ("all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "subgroup_all_gather",
-                          "global_all_to_all")
-A2A_FAMILY = ("all_to_all", "agrs", "padded_all_to_all")
-RemainderPath = Literal["agrs", "padded_all_to_all"]
+REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.REMAINDER)
 
 
 @dataclass(frozen=True)
 class Options:
     """remainder: the path of a remainder batch. force_path: every sharded batch takes this path, full or not
-    (so only the paths that take any batch size: "agrs" or "padded_all_to_all"). dispatch: "batched" (batches of
-    W same-layout params) or "global" (one LPT-balanced batch per shard group and dtype pair)."""
+    (so only the paths that take any batch size). dispatch: "batched" (batches of W same-layout params) or
+    "global" (one LPT-balanced batch per shard group and dtype pair)."""
 
-    remainder: RemainderPath = "agrs"
+    remainder: str = "agrs"
     force_path: str | None = None
-    dispatch: Literal["batched", "global"] = "batched"
+    dispatch: str = "batched"
 
     def __post_init__(self) -> None:
-        if self.remainder not in ("agrs", "padded_all_to_all"):
-            raise ValueError(f"remainder must be 'agrs' or 'padded_all_to_all', got {self.remainder!r}")
-        if self.force_path not in (None, "agrs", "padded_all_to_all"):
-            raise ValueError(f"force_path must be None, 'agrs' or 'padded_all_to_all' (all_to_all takes only full "
-                             f"batches: it is the default for them), got {self.force_path!r}")
+        if self.remainder not in REMAINDER_PATHS:
+            raise ValueError(f"remainder must be one of {REMAINDER_PATHS}, got {self.remainder!r}")
+        if self.force_path is not None and self.force_path not in REMAINDER_PATHS:
+            raise ValueError(f"force_path must be None or one of {REMAINDER_PATHS} (the paths that take any batch "
+                             f"size; all_to_all is the default for full batches), got {self.force_path!r}")
         if self.dispatch not in ("batched", "global"):
             raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
         if self.dispatch == "global" and self.force_path is not None:
@@ -68,37 +68,13 @@ class Entry:
     active: bool
 
     def key(self) -> tuple:
-        return (self.layout.signature()[1:], self.group_index, self.update_dtype)
-
-    def canonical(self) -> tuple:
-        return (self.layout.signature(), self.group_index, self.update_dtype, self.active)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Invariants: 1 <= len(params) <= group_size (any number on global_all_to_all); num_padding ==
-    group_size - len(params) on the padded path, 0 elsewhere; all_to_all batches are full (len(params) ==
-    group_size); owners (global_all_to_all only, else empty): the owning member of each param."""
-
-    path: str
-    params: tuple[int, ...]
-    group_size: int
-    num_padding: int
-    owners: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        is_global = self.path == "global_all_to_all"
-        assert self.path in PATHS and 1 <= len(self.params) and (is_global or len(self.params) <= self.group_size), self
-        assert len(self.owners) == (len(self.params) if is_global else 0), self
-        assert all(0 <= o < self.group_size for o in self.owners), self
-        assert self.path != "all_to_all" or len(self.params) == self.group_size, self
-        want = self.group_size - len(self.params) if self.path == "padded_all_to_all" else 0
-        assert self.num_padding == want, self
+        return (self.layout.shape_key(), self.group_index, self.update_dtype)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Invariants: every active param is in exactly one batch; inactive params are in none."""
+    """Invariants: every active param is in exactly one batch and inactive params are in none; every batch meets
+    its path's invariants (the path module's check)."""
 
     entries: tuple[Entry, ...]
     options: Options
@@ -107,6 +83,8 @@ class Plan:
     def __post_init__(self) -> None:
         planned = sorted(i for b in self.batches for i in b.params)
         assert planned == [i for i, e in enumerate(self.entries) if e.active], planned
+        for batch in self.batches:
+            PATHS[batch.path].check(batch)
 
     def path_of(self) -> tuple[str | None, ...]:
         """Per param, in param-group order: the path it takes (None when it does not step)."""
@@ -117,129 +95,95 @@ class Plan:
         return tuple(paths)
 
     def digest(self) -> bytes:
-        """sha256 of the rank-independent content (never this rank's shard box)."""
-        canon = (tuple(e.canonical() for e in self.entries), self.options, self.batches)
+        """sha256 of the plan (all of it is rank-independent; computed once per plan)."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> bytes:
+        canon = (tuple((e.layout, e.group_index, e.update_dtype, e.active) for e in self.entries), self.options,
+                 tuple((b.path, b.params, b.owners, b.direction_dtype, b.update_dtype) for b in self.batches))
         return hashlib.sha256(repr(canon).encode()).digest()
+
+
+def is_expert_stack(layout: ParamLayout) -> bool:
+    """A 3-D [E, m, n] stack or a fused [E * m, n] bundle (num_experts), sharded along its expert dim only."""
+    stack = (len(layout.global_shape) == 3 and not layout.flatten) or layout.num_experts is not None
+    return stack and {parse_placement(p)[1] for p in layout.placements} <= {None, 0}
 
 
 def expert_path(layout: ParamLayout) -> str | None:
     """"local" or "subgroup_all_gather" for an expert stack whose boxes allow it; None for the all-to-all family."""
-    if layout.expert_rows is None:
+    if not is_expert_stack(layout):
         return None
-    components = layout.expert_components()
-    if all(len(c) == 1 for c in components):
+    geometry = layout.geometry
+    shared = [c for c in geometry.components if len(c) > 1]
+    if not shared:
         return "local"
-    unions = [sum(layout.box(j)[1][0] for j in c) for c in components if len(c) > 1]
-    return "subgroup_all_gather" if all(u == layout.expert_rows for u in unions) else None
+    one_block = all(len(geometry.blocks_of(c)) == 1 and sum(geometry.sizes[j] for j in c)
+                    == math.prod(geometry.blocks[geometry.blocks_of(c)[0]].shape) for c in shared)
+    return "subgroup_all_gather" if one_block else None
 
 
-def _batch_path(layout: ParamLayout, num_params: int, group_size: int, options: Options) -> str:
-    if layout.shard_dim is None:
+def _batch_path(entry: Entry, num_params: int, options: Options) -> str:
+    geometry = entry.layout.geometry
+    if not geometry.sharded:
         return "replicated"
     if options.force_path is not None:
         return options.force_path
-    return expert_path(layout) or ("all_to_all" if num_params == group_size else options.remainder)
+    full = num_params == geometry.group_size
+    return expert_path(entry.layout) or ("all_to_all" if full else options.remainder)
 
 
+@functools.lru_cache(maxsize=16)
 def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
-    """The plan of one step: runs of same-key active params in order, cut into batches of the group size."""
+    """The plan of one step: runs of same-key active params in order, cut into batches of the group size. A pure
+    function of its arguments, cached: a step whose layouts, groups and gradients are as before reuses its plan."""
     runs: dict[tuple, list[int]] = {}
     for i, entry in enumerate(entries):
         if entry.active:
             runs.setdefault(entry.key(), []).append(i)
     batches = []
     for members in runs.values():
-        layout = entries[members[0]].layout
-        size = len(layout.group_ranks())
-        for start in range(0, len(members), size):
-            chunk = tuple(members[start:start + size])
-            path = _batch_path(layout, len(chunk), size, options)
-            padding = size - len(chunk) if path == "padded_all_to_all" else 0
-            batches.append(Batch(path, chunk, size, padding))
+        first = entries[members[0]]
+        geometry = first.layout.geometry
+        for start in range(0, len(members), geometry.group_size):
+            chunk = tuple(members[start:start + geometry.group_size])
+            path = _batch_path(first, len(chunk), options)
+            batches.append(Batch(path, chunk, (geometry,) * len(chunk),
+                                 PATHS[path].owners(len(chunk), geometry.group_size), first.layout.dtype,
+                                 first.update_dtype))
     if options.dispatch == "global":
         batches = _global(entries, batches)
     return Plan(tuple(entries), options, tuple(batches))
 
 
 def _global(entries: tuple[Entry, ...], batches: list[Batch]) -> list[Batch]:
-    """The all-to-all family's batches merged per (shard group, direction dtype, update dtype), after the other
-    batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs."""
+    """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), after the
+    other batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs."""
     kept, merged = [], {}
     for batch in batches:
-        if batch.path not in A2A_FAMILY:
+        if not PATHS[batch.path].GLOBAL_DISPATCH:
             kept.append(batch)
             continue
-        layout = entries[batch.params[0]].layout
-        key = (layout.all_groups(), layout.dtype, entries[batch.params[0]].update_dtype)
+        key = (batch.geometries[0].groups, batch.direction_dtype, batch.update_dtype)
         merged.setdefault(key, []).extend(batch.params)
-    for (groups, *_), params in merged.items():
+    for (_, direction_dtype, update_dtype), params in merged.items():
         params.sort()
-        costs = [m.num_matrices * ns_flops(m.fan_out, m.fan_in) for m in (entries[i].layout.matrices for i in params)]
-        W = len(groups[0])
-        kept.append(Batch("global_all_to_all", tuple(params), W, 0, tuple(lpt(costs, W))))
+        costs = [sum(ns_flops(b.fan_out, b.fan_in) for b in entries[i].layout.matrices.blocks) for i in params]
+        geometries = tuple(entries[i].layout.geometry for i in params)
+        owners = tuple(lpt(costs, geometries[0].group_size))
+        kept.append(Batch("global_all_to_all", tuple(params), geometries, owners, direction_dtype, update_dtype))
     return kept
 
 
-def expected_bytes(plan: Plan, itemsizes: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """This rank's bytes (sent, received) by path, from the formulas of each path's docstring."""
+def expected_bytes(plan: Plan, rank: int, itemsizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """This rank's bytes (sent, received) by path, from each path's formula; a path whose batches call no
+    collective on this rank has no entry (as in the comm's ledger)."""
     totals: dict[str, list[int]] = {}
     for batch in plan.batches:
-        if batch.path == "global_all_to_all":
-            sent, received = _global_bytes(plan, batch, itemsizes)
+        moved = PATHS[batch.path].expected_bytes(batch, batch.geometries[0].member(rank), itemsizes)
+        if moved is not None:
             acc = totals.setdefault(batch.path, [0, 0])
-            acc[0] += sent
-            acc[1] += received
-            continue
-        entry = plan.entries[batch.params[0]]
-        layout, W = entry.layout, batch.group_size
-        sizes = [math.prod(layout.box(j)[1]) for j in range(W)]
-        grad_b, upd_b = itemsizes[layout.dtype], itemsizes[entry.update_dtype]
-        member = layout.group_ranks().index(layout.rank)
-        if batch.path in ("local", "subgroup_all_gather"):
-            component = next(c for c in layout.expert_components() if member in c)
-            if len(component) == 1:
-                continue  # no collective on this rank
-            sizes, member = [sizes[j] for j in component], component.index(member)
-        sent, received = _path_bytes(batch, sizes, member, grad_b, upd_b, math.prod(layout.global_shape))
-        acc = totals.setdefault(batch.path, [0, 0])
-        acc[0] += sent
-        acc[1] += received
+            acc[0] += moved[0]
+            acc[1] += moved[1]
     return {k: (v[0], v[1]) for k, v in totals.items()}
-
-
-def _path_bytes(batch: Batch, sizes: list[int], me: int, grad_b: int, upd_b: int, numel: int) -> tuple[int, int]:
-    """all_to_all / padded: my shard of each other owner's matrix out, the others' shards of mine in, and back.
-    agrs: all-gather of R shards padded to max(sizes), reduce-scatter of the same. replicated: all-gather.
-    subgroup_all_gather (sizes: the boxes of my component only, EP-local): all-gather of R boxes padded to
-    max(sizes), directions only."""
-    W, R = batch.group_size, len(batch.params)
-    if batch.path in ("all_to_all", "padded_all_to_all"):
-        mine_out = (W - 1) * sizes[me]
-        others_in = sum(sizes) - sizes[me]
-        return mine_out * grad_b + others_in * upd_b, others_in * grad_b + mine_out * upd_b
-    if batch.path == "agrs":
-        moved = (W - 1) * R * max(sizes)
-        return moved * (grad_b + upd_b), moved * (grad_b + upd_b)
-    if batch.path == "subgroup_all_gather":
-        moved = (len(sizes) - 1) * R * max(sizes) * grad_b
-        return moved, moved
-    moved = (W - 1) * numel * upd_b
-    return moved, moved
-
-
-def _global_bytes(plan: Plan, batch: Batch, itemsizes: dict[str, int]) -> tuple[int, int]:
-    """global_all_to_all: a param I do not own: my box out, its update's box back; a param I own: every other
-    member's box in, and back out. Per param, over all ranks: its size minus the owner's box, each way."""
-    sent = received = 0
-    for i, owner in zip(batch.params, batch.owners):
-        entry = plan.entries[i]
-        layout = entry.layout
-        grad_b, upd_b = itemsizes[layout.dtype], itemsizes[entry.update_dtype]
-        me = layout.group_ranks().index(layout.rank)
-        box = math.prod(layout.box(me)[1])
-        lacking = math.prod(layout.global_shape) - box
-        if owner == me:
-            sent, received = sent + lacking * upd_b, received + lacking * grad_b
-        else:
-            sent, received = sent + box * grad_b, received + box * upd_b
-    return sent, received

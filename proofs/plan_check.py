@@ -29,7 +29,7 @@ import torch
 
 from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes
 from muon_dist import plan as real_plan
-from muon_dist.paths import RUNNERS
+from muon_dist.paths import PATHS
 
 DTYPE = torch.float64
 PARTIAL_PATHS = ("local", "subgroup_all_gather")  # their kernel calls see whole experts, not the whole param
@@ -81,18 +81,13 @@ def expert_cases(max_world: int = 8) -> Iterator[Case]:
             yield Case(W, shape, "S0", count, Options(), ep=ep, num_experts=E if fused else None)
 
 
-def layout_for(name: str, case: Case, rank: int) -> ParamLayout:
+def layout_for(name: str, case: Case) -> ParamLayout:
     W = case.world_size
     if case.ep is None:
-        base = ParamLayout(name, case.shape, str(DTYPE), tuple(range(W)), ("fsdp",), (case.placement,), None,
-                           False, rank, (), ())
-    else:
-        fsdp = W // case.ep
-        mesh = tuple(tuple(range(i * fsdp, (i + 1) * fsdp)) for i in range(case.ep))
-        base = ParamLayout(name, case.shape, str(DTYPE), mesh, ("ep", "fsdp"), ("S0", "S0"), case.num_experts,
-                           False, rank, (), ())
-    offset, local = base.box(base.group_ranks().index(rank))
-    return ParamLayout(*base.signature(), rank, local, offset)
+        return ParamLayout(name, case.shape, str(DTYPE), tuple(range(W)), (case.placement,), ("fsdp",))
+    fsdp = W // case.ep
+    mesh = tuple(tuple(range(i * fsdp, (i + 1) * fsdp)) for i in range(case.ep))
+    return ParamLayout(name, case.shape, str(DTYPE), mesh, ("S0", "S0"), ("ep", "fsdp"), case.num_experts)
 
 
 def label(k: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -113,25 +108,26 @@ def whole_matrices(full: torch.Tensor, case: Case) -> tuple[int, range] | None:
     return k, range(offset // unit, (offset + full.numel()) // unit)
 
 
-def box(full: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-    d = layout.shard_dim
-    return full if d is None else full.narrow(d, layout.global_offset[d], layout.local_shape[d])
+def box(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    geometry = layout.geometry
+    return full[geometry.boxes[geometry.member(rank)].index].contiguous()
 
 
 def _rank_main(case: Case, rank: int, world: ThreadWorld, planner: Callable, calls: Counter, out: dict) -> None:
     comm = ThreadComm(world, rank)
-    layouts = [layout_for(f"p{k}", case, rank) for k in range(case.count)]
+    layouts = [layout_for(f"p{k}", case) for k in range(case.count)]
     step_plan = planner(tuple(Entry(lay, 0, str(DTYPE), True) for lay in layouts), case.options)
     failures, updates = [], {}
     for batch in step_plan.batches:
         lay = layouts[batch.params[0]]
+        num_padding = batch.group_size - len(batch.params) if batch.path == "padded_all_to_all" else 0
 
-        def kernel(full: torch.Tensor, batch=batch) -> torch.Tensor:
+        def kernel(full: torch.Tensor, frame, batch=batch, num_padding=num_padding) -> torch.Tensor:
             if full.numel() == 0 and batch.path in PARTIAL_PATHS:  # a rank holding no expert of this param
                 return 2 * full + 1
             run = whole_matrices(full, case)
             whole = run is not None and (batch.path in PARTIAL_PATHS or full.shape == case.shape)
-            if not whole and batch.num_padding and torch.count_nonzero(full) == 0:
+            if not whole and num_padding and torch.count_nonzero(full) == 0:
                 calls["padding"] += 1
             elif not whole or run[0] not in batch.params:
                 failures.append(f"I3: rank {rank} ({batch.path}) got {tuple(full.shape)} that is not whole "
@@ -140,19 +136,19 @@ def _rank_main(case: Case, rank: int, world: ThreadWorld, planner: Callable, cal
                 calls.update((run[0], e, batch.path) for e in run[1])
             return 2 * full + 1
 
-        group = Group(lay.group_ranks())
-        outs = RUNNERS[batch.path](comm, group, [box(label(i, case.shape), layouts[i]) for i in batch.params],
-                                   lay, kernel, DTYPE)
+        group = Group(lay.geometry.group_of(rank))
+        outs = PATHS[batch.path].run(comm, group, batch, [box(label(i, case.shape), layouts[i], rank)
+                                                          for i in batch.params], [kernel] * len(batch.params))
         updates.update(zip(batch.params, outs))
     for k, lay in enumerate(layouts):
-        if k not in updates or not torch.equal(updates[k], box(2 * label(k, case.shape) + 1, lay)):
+        if k not in updates or not torch.equal(updates[k], box(2 * label(k, case.shape) + 1, lay, rank)):
             failures.append(f"I4: rank {rank} did not get back its box of param {k}")
-    want = expected_bytes(step_plan, ITEMSIZES)
+    want = expected_bytes(step_plan, rank, ITEMSIZES)
     got = {path: (sent, received) for path, (sent, received) in comm.ledger.items()}
     if got != want:
         failures.append(f"I5: rank {rank} counted {got}, the formula says {want}")
     out[rank] = (step_plan.digest(), failures)
-    out["num_padding"] = sum(b.num_padding for b in step_plan.batches)
+    out["num_padding"] = sum(b.group_size - len(b.params) for b in step_plan.batches if b.path == "padded_all_to_all")
 
 
 def check_case(case: Case, planner: Callable = real_plan) -> list[str]:

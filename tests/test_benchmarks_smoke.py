@@ -13,7 +13,7 @@ import torch
 from benchmarks import balance_table, memory
 from benchmarks.run import METHODS, Bench, equals_reference, main, muon_specs, rank_bench, reference
 from muon_dist.harness.launch import RankPool
-from muon_dist.layout import chunk_bounds
+from muon_dist.geometry import chunk_bounds
 
 BENCH = Bench("tiny_moe", world_size=2, warmup=1, steps=1)
 

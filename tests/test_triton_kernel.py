@@ -246,7 +246,7 @@ def test_distributed_muon_runs_the_triton_kernel_within_its_tolerance(tns, devic
 
 
 def test_an_unknown_kernel_backend_is_refused():
-    from muon_dist.kernels import orthogonalizer
+    from muon_dist.kernels import backend
 
     with pytest.raises(ValueError, match="ns_backend must be one of"):
-        orthogonalizer("cuda")
+        backend("cuda")

@@ -6,7 +6,9 @@ rank's shard with `box_of(reference, ...)` checks muon_dist against DTensor's se
 
 Mesh kinds (W ranks): "fsdp" (1-D), "hsdp" (replicate 2 x fsdp W/2), "ep<k>" (ep k x fsdp W/k; "ep" is "ep2").
 Placements: "plain" (a plain tensor, the same on every rank), "R" (Replicate), "S<d>" (Shard(d) on the mesh's last
-axis, Replicate on the others; on ep meshes Shard(d) on both axes: EP chunks the dim, FSDP chunks each EP block).
+axis, Replicate on the others; on ep meshes Shard(d) on both axes: EP chunks the dim, FSDP chunks each EP block),
+or one code per mesh axis joined by commas ("S0,S1": Shard(0) on axis 0, Shard(1) on axis 1; DTensor applies
+them left to right, each chunking the current piece).
 """
 
 from __future__ import annotations
@@ -66,15 +68,34 @@ def device_mesh(kind: str, device: str = "cpu") -> Any:
     return _MESHES[key]
 
 
-def box_of(full: Tensor, placement: str, kind: str, rank: int, world_size: int) -> Tensor:
-    """What `rank` holds of `full` under the placement on a mesh of the kind (computed without a mesh)."""
+def axis_codes(placement: str, kind: str, world_size: int) -> tuple[str, ...]:
+    """One code per mesh axis ("R" or "S<d>") of a placement on a mesh of the kind."""
+    shape, _ = mesh_shape(kind, world_size)
+    if "," in placement:
+        codes = tuple(placement.split(","))
+        if len(codes) != len(shape):
+            raise ValueError(f"placement {placement!r} has {len(codes)} codes for a {len(shape)}-D mesh {kind!r}")
+        return codes
     if placement in ("plain", "R"):
-        return full
-    dim = int(placement[1:])
-    (*outer, inner), _ = mesh_shape(kind, world_size)
-    if kind.startswith("ep"):  # rank = ep_index * fsdp + fsdp_index: chunk for EP, then for FSDP
-        return chunk(chunk(full, dim, rank // inner, outer[0]), dim, rank % inner, inner)
-    return chunk(full, dim, rank % inner, inner)
+        return ("R",) * len(shape)
+    if kind.startswith("ep"):
+        return (placement,) * len(shape)
+    return ("R",) * (len(shape) - 1) + (placement,)
+
+
+def box_of(full: Tensor, placement: str, kind: str, rank: int, world_size: int) -> Tensor:
+    """What `rank` holds of `full` under the placement on a mesh of the kind (computed without a mesh: each
+    axis's Shard chunks the current piece, left to right; rank = the row-major index of its mesh coordinates)."""
+    shape, _ = mesh_shape(kind, world_size)
+    coords, rest = [], rank
+    for size in reversed(shape):
+        rest, c = divmod(rest, size)
+        coords.append(c)
+    piece = full
+    for code, size, coord in zip(axis_codes(placement, kind, world_size), shape, reversed(coords)):
+        if code != "R":
+            piece = chunk(piece, int(code[1:]), coord, size)
+    return piece
 
 
 def distribute(full: Tensor, placement: str, kind: str, device: str = "cpu") -> Tensor:
@@ -87,12 +108,8 @@ def distribute(full: Tensor, placement: str, kind: str, device: str = "cpu") -> 
         return full.clone()
     dm = device_mesh(kind, device)
     box = box_of(full, placement, kind, dist.get_rank(), dist.get_world_size()).clone()
-    if placement == "R":
-        placements = [Replicate()] * dm.ndim
-    elif kind.startswith("ep"):
-        placements = [Shard(int(placement[1:]))] * dm.ndim
-    else:
-        placements = [Replicate()] * (dm.ndim - 1) + [Shard(int(placement[1:]))]
+    placements = [Replicate() if code == "R" else Shard(int(code[1:]))
+                  for code in axis_codes(placement, kind, dist.get_world_size())]
     return DTensor.from_local(box, dm, placements, shape=full.shape, stride=full.stride())
 
 

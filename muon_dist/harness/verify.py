@@ -205,7 +205,7 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
 def row_boxes(rows: int, mesh: str, world_size: int) -> list[tuple[int, int]]:
     """(offset, length) along dim 0 of every member's box: torch.chunk over the group, or on the ep mesh a
     chunk (over ep = 2) of a chunk (over fsdp = W / 2) in mesh order (proofs/paths.md#experts)."""
-    from muon_dist.layout import chunk_bounds
+    from muon_dist.geometry import chunk_bounds
 
     if mesh != "ep":
         group = world_size // 2 if mesh == "hsdp" else world_size

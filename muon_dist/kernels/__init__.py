@@ -1,42 +1,74 @@
-"""Fast orthogonalisation kernels, each checked against muon_ref.newton_schulz (the oracle).
+"""Orthogonalisation backends: a registry of kernels with one signature, each checked against muon_ref.
 
-triton_ns: Newton-Schulz with Triton GEMMs (symmetric Gram and polynomial on one triangle of tiles).
-It is imported only when used (ns_backend="triton"), so muon_dist never needs triton otherwise.
-On a machine without CUDA the kernels run only in Triton's interpreter, which is chosen when the module
-is imported: set TRITON_INTERPRET=1 before that import (README.md in this folder).
+A backend orthogonalises every block of a param: `orthogonalize(direction, layout, cfg)` with
+muon_ref.functional.orthogonalize's signature and meaning (layout: muon_ref's MatrixLayout, cfg: MuonConfig). Its
+contract is bitwise (muon_ref's own kernel) or a measured tolerance, stated in its module's docstring.
+BACKENDS maps a name to the module that defines it (`BACKEND = Backend(...)`); modules are imported when first
+used, so an optional dependency (triton) is needed only by its backend. Add one with register(name, module).
+
+    torch    muon_dist.kernels.reference   muon_ref's newton_schulz: bitwise
+    triton   muon_dist.kernels.triton_ns   Triton GEMMs, one triangle of the symmetric products: a tolerance
+    gram     muon_dist.kernels.gram_ns     Gram Newton-Schulz, batched torch ops: another algorithm, a tolerance
 """
 
+from __future__ import annotations
 
-from typing import Callable
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import Tensor
 
-from muon_ref.config import MuonConfig
-from muon_ref.functional import MatrixLayout, orthogonalize
+from muon_ref import MatrixLayout, MuonConfig, map_blocks
 
 Orthogonalize = Callable[[Tensor, MatrixLayout, MuonConfig], Tensor]
-BACKENDS: tuple[str, ...] = ("torch", "triton")
+
+BACKENDS: dict[str, str] = {
+    "torch": "muon_dist.kernels.reference",
+    "triton": "muon_dist.kernels.triton_ns",
+    "gram": "muon_dist.kernels.gram_ns",
+}
 
 
-def triton_orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
-    """muon_ref.functional.orthogonalize with the Triton kernel: each matrix of the layout through
-    newton_schulz_triton with the config's schedule, steps, eps, dtype, eps_mode, safety and normalisation.
-    Contract: triton_ns's tolerance against muon_ref (its docstring), not bits. The fused step has no
-    step_form; the AOL preconditioner is not supported (ValueError)."""
-    from .triton_ns import newton_schulz_triton
+@dataclass(frozen=True)
+class Backend:
+    """name; orthogonalize (muon_ref.functional.orthogonalize's signature); bitwise: whether it returns muon_ref's
+    bits (else its module's docstring states the tolerance)."""
 
+    name: str
+    orthogonalize: Orthogonalize
+    bitwise: bool
+
+
+def register(name: str, module: str) -> None:
+    """Make `module` (which defines BACKEND) the backend called `name`."""
+    BACKENDS[name] = module
+
+
+def backend(name: str) -> Backend:
+    """The backend called `name`; ValueError naming the known ones otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"ns_backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    found = importlib.import_module(BACKENDS[name]).BACKEND
+    assert found.name == name, (found.name, name)
+    return found
+
+
+def over_stacks(stack_kernel: Callable[[Tensor, MuonConfig], Tensor]) -> Orthogonalize:
+    """An orthogonalize from a kernel of stacks [k, fan_out, fan_in]: a shared layout's blocks as one stack (its
+    batch view), a separate layout's blocks one by one (each a stack of one, muon_ref's map_blocks)."""
+    def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
+        if layout.separate:
+            return map_blocks(lambda b, d: (stack_kernel(d.unsqueeze(0), cfg).squeeze(0),), layout, direction)[0]
+        return stack_kernel(direction.reshape(layout.matrices_shape), cfg).reshape(direction.shape)
+    return orthogonalize
+
+
+def own_step_kwargs(cfg: MuonConfig, name: str) -> dict:
+    """The config's newton_schulz arguments for a kernel with its own step (no step_form) and no preconditioner:
+    ValueError naming the backend when the config asks for the AOL preconditioner."""
     kwargs = cfg.ns_kwargs()
     kwargs.pop("step_form")
     if kwargs.pop("precondition") not in (None, "none"):
-        raise ValueError("ns_backend='triton' does not support the AOL preconditioner")
-    matrices = direction.reshape(layout.matrices_shape)
-    return newton_schulz_triton(matrices, **kwargs).reshape(direction.shape)
-
-
-def orthogonalizer(backend: str) -> Orthogonalize:
-    """The per-param orthogonalisation of a backend: "torch" (muon_ref's own, bitwise) or "triton"."""
-    if backend == "torch":
-        return orthogonalize
-    if backend == "triton":
-        return triton_orthogonalize
-    raise ValueError(f"ns_backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"ns_backend={name!r} does not support the AOL preconditioner")
+    return kwargs

@@ -43,9 +43,11 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from muon_ref import DAO_RESTARTS, Schedule, normalise, resolve_ns_options, restart_segments
+from muon_ref import DAO_RESTARTS, MuonConfig, Schedule, normalise, resolve_ns_options, restart_segments
 from muon_ref.newton_schulz import EPS_MODES, EpsMode
 from muon_ref.schedules import Coefficients
+
+from . import Backend, over_stacks, own_step_kwargs
 
 
 def gram_segment_batched(X: Tensor, coefficients: tuple[Coefficients, ...]) -> Tensor:
@@ -142,6 +144,16 @@ def _measure_contract(num_stacks: int = 2000) -> None:
         d = signed_singular_values(gram_newton_schulz_batched(G), G)
         low, high = min(low, float(d.min())), max(high, float(d.max()))
     print(f"bfloat16 signed singular values, {num_stacks // 4} Gaussian stacks, n / m in [2, 8]: [{low:.3f}, {high:.3f}]")
+
+
+def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
+    """A stack through gram_newton_schulz_batched with the config's schedule, steps, eps, dtype, eps_mode, safety
+    and normalisation, restarting after step 2 (DAO_RESTARTS); no step_form (the Gram step has its own operation
+    order); the AOL preconditioner is refused."""
+    return gram_newton_schulz_batched(stack, **own_step_kwargs(cfg, "gram"))
+
+
+BACKEND = Backend("gram", over_stacks(_stack_kernel), bitwise=False)  # contract: this module's docstring
 
 
 if __name__ == "__main__":

@@ -41,9 +41,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from muon_ref import normalise, resolve_ns_options
+from muon_ref import MuonConfig, normalise, resolve_ns_options
 from muon_ref.newton_schulz import EPS_MODES, EpsMode
 from muon_ref.schedules import Schedule, get_schedule
+
+from . import Backend, over_stacks, own_step_kwargs
 
 # triton.jit builds interpreter kernels iff TRITON_INTERPRET=1 when it decorates: for the kernels below, when
 # this module is imported; for triton.language's own jit functions (tl.zeros, tl.cdiv, ...), when triton is.
@@ -251,3 +253,12 @@ def _initial_iterates(
     if normalize_before_cast:
         return torch.stack([normalise(V, eps, eps_mode, safety).to(compute_dtype) for V in views])
     return torch.stack([normalise(V.to(compute_dtype), eps, eps_mode, safety) for V in views])
+
+
+def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
+    """A stack through newton_schulz_triton with the config's schedule, steps, eps, dtype, eps_mode, safety and
+    normalisation (the fused step has no step_form; the AOL preconditioner is refused)."""
+    return newton_schulz_triton(stack, **own_step_kwargs(cfg, "triton"))
+
+
+BACKEND = Backend("triton", over_stacks(_stack_kernel), bitwise=False)  # contract: this module's docstring

@@ -1,15 +1,24 @@
-"""One module per communication path. Each `run` maps this rank's shards of a batch's directions to this
-rank's shards of their orthogonalised updates, calling `kernel` (muon_ref's, passed in) on whole matrices.
-global_all_to_all takes a batch of params of any layouts (one layout and kernel per param, and their owners),
-so it is called directly, not through RUNNERS."""
+"""One module per communication path, each with the same interface, registered here from the modules:
+
+    NAME: str                        the path's name in plans and reports
+    GLOBAL_DISPATCH: bool            dispatch="global" merges its batches into global_all_to_all
+    REMAINDER: bool                  it takes a batch of any size up to W (Options.remainder / force_path)
+    owners(num_params, group_size)   the member that orthogonalises each param of a batch it takes (() when every
+                                     member orthogonalises what it holds)
+    check(batch)                     the invariants of a batch on this path (asserts: the plan's own mistakes)
+    run(comm, group, batch, directions, kernels) -> updates
+                                     this member's box of every param's update, from its boxes of the directions
+    expected_bytes(batch, member, itemsizes) -> (sent, received) | None
+                                     the member's traffic, the formula of the module's Traffic paragraph (None
+                                     when the member calls no collective)
+
+Each module's docstring states its reference equation and contract (proofs/paths.md). A new path is its module,
+its line below, its proof section and its tests; the planner and the executor read only this interface.
+"""
+
+from types import ModuleType
 
 from . import agrs, all_to_all, global_all_to_all, local, padded_all_to_all, replicated, subgroup_all_gather
 
-RUNNERS = {
-    "all_to_all": all_to_all.run,
-    "agrs": agrs.run,
-    "padded_all_to_all": padded_all_to_all.run,
-    "replicated": replicated.run,
-    "local": local.run,
-    "subgroup_all_gather": subgroup_all_gather.run,
-}
+PATHS: dict[str, ModuleType] = {m.NAME: m for m in (
+    all_to_all, agrs, padded_all_to_all, replicated, local, subgroup_all_gather, global_all_to_all)}

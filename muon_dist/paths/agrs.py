@@ -14,29 +14,50 @@ in the all-gather and again in the reduce-scatter; over all members W times the 
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+
 from torch import Tensor
 
+from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-from ..layout import ParamLayout
-from .shards import Kernel, cut, join, member_sizes
+from ..geometry import whole
+from .shards import cut, join
+
+NAME = "agrs"
+GLOBAL_DISPATCH = True
+REMAINDER = True
 
 # What non-owners contribute to the sum: x + (-0.0) == x for every x; +0.0 would turn an owner's -0.0 into +0.0.
 ADDITIVE_IDENTITY = -0.0
 
 
-def run(comm: Comm, group: Group, directions: list[Tensor], layout: ParamLayout, kernel: Kernel,
-        update_dtype: torch.dtype) -> list[Tensor]:
-    me, sizes, W, R = group.ranks.index(comm.rank), member_sizes(layout, group.size), group.size, len(directions)
-    width = max(sizes)
+def owners(num_params: int, group_size: int) -> tuple[int, ...]:
+    return tuple(range(num_params))
+
+
+def check(batch: Batch) -> None:
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+    assert len(set(batch.geometries)) == 1, batch  # one layout: one box size per member
+
+
+def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+    geometry, W, R = batch.geometries[0], group.size, len(directions)
+    me, sizes, width = group.ranks.index(comm.rank), geometry.sizes, max(geometry.sizes)
     send = directions[0].new_zeros(R, width)
     for k, d in enumerate(directions):
         send[k, : sizes[me]] = d.reshape(-1)
-    gathered = comm.all_gather(send, group, "agrs").reshape(W, R, width)
-    contrib = send.new_full((W, R, width), ADDITIVE_IDENTITY, dtype=update_dtype)
+    gathered = comm.all_gather(send, group, NAME).reshape(W, R, width)
+    contrib = send.new_full((W, R, width), ADDITIVE_IDENTITY, dtype=batch.update_torch_dtype)
     if me < R:
-        full = join([gathered[j, me, : sizes[j]] for j in range(W)], layout)
-        for j, box in enumerate(cut(kernel(full).to(update_dtype), layout, W)):
+        frame = whole(geometry.global_shape)
+        full = join([gathered[j, me, : sizes[j]] for j in range(W)], list(geometry.boxes), frame)
+        for j, box in enumerate(cut(kernels[me](full, frame).to(batch.update_torch_dtype), geometry)):
             contrib[j, me, : sizes[j]] = box
-    mine = comm.reduce_scatter_sum(contrib, group, "agrs").reshape(R, width)
-    return [mine[k, : sizes[me]].reshape(layout.local_shape) for k in range(R)]
+    mine = comm.reduce_scatter_sum(contrib, group, NAME).reshape(R, width)
+    return [mine[k, : sizes[me]].reshape(geometry.boxes[me].shape) for k in range(R)]
+
+
+def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
+    moved = (batch.group_size - 1) * len(batch.params) * max(batch.geometries[0].sizes)
+    both = moved * (itemsizes[batch.direction_dtype] + itemsizes[batch.update_dtype])
+    return both, both

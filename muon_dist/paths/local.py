@@ -1,23 +1,41 @@
-"""Local path: an expert stack whose every box holds whole experts (E_local % fsdp == 0, every 3-D stack
-sharded on dim 0, or boxes that happen to end on expert boundaries). No communication.
+"""Local path: a param whose every member's box holds whole blocks (experts): every 3-D stack sharded on its
+expert dim, fused experts with E_local % fsdp == 0, or boxes that happen to end on block boundaries. No
+communication: each member orthogonalises the blocks it holds.
 
 Reference equation, on every member r, for every param k of the batch:
     run(batch)[k] == box_r(kernel(full(batch[k])))
-Contract: bitwise (proofs/paths.md#local). box_r is a run of whole experts, and muon_ref's newton_schulz
-orthogonalises each matrix of a stack alone (a Python loop over stack[i]), so kernel on box_r's experts gives
-each expert the bits kernel on the whole stack gives it. Traffic: none.
+Contract: bitwise (proofs/paths.md#local). box_r is a run of whole blocks, and muon_ref's newton_schulz
+orthogonalises each matrix of a stack alone (a Python loop over stack[i]), so the kernel on box_r's blocks gives
+each block the bits the kernel on the whole param gives it. Traffic: none.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+
 from torch import Tensor
 
+from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-from ..layout import ParamLayout
-from .shards import Kernel
+
+NAME = "local"
+GLOBAL_DISPATCH = False
+REMAINDER = False
 
 
-def run(comm: Comm, group: Group, directions: list[Tensor], layout: ParamLayout, kernel: Kernel,
-        update_dtype: torch.dtype) -> list[Tensor]:
-    return [kernel(d).to(update_dtype) for d in directions]
+def owners(num_params: int, group_size: int) -> tuple[int, ...]:
+    return ()
+
+
+def check(batch: Batch) -> None:
+    assert batch.owners == () and all(len(c) == 1 for g in batch.geometries for c in g.components), batch
+
+
+def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+    me = group.ranks.index(comm.rank)
+    return [kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
+            for d, kernel, geometry in zip(directions, kernels, batch.geometries)]
+
+
+def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> None:
+    return None  # no collective

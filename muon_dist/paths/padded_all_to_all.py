@@ -11,17 +11,43 @@ traffic of W - R zero matrices, and their W - R kernel calls.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
+from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-from ..layout import ParamLayout
-from . import all_to_all
-from .shards import Kernel
+from .exchange import exchange, exchange_bytes
+
+NAME = "padded_all_to_all"
+GLOBAL_DISPATCH = True
+REMAINDER = True  # takes any batch size up to W
 
 
-def run(comm: Comm, group: Group, directions: list[Tensor], layout: ParamLayout, kernel: Kernel,
-        update_dtype: torch.dtype) -> list[Tensor]:
-    zeros = [torch.zeros_like(directions[0]) for _ in range(group.size - len(directions))]
-    updates = all_to_all.run(comm, group, directions + zeros, layout, kernel, update_dtype, "padded_all_to_all")
+def owners(num_params: int, group_size: int) -> tuple[int, ...]:
+    return tuple(range(num_params))
+
+
+def check(batch: Batch) -> None:
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+
+
+def padded(batch: Batch) -> tuple[tuple, tuple[int, ...]]:
+    """(geometries, owners) with the W - R zero matrices appended (the first param's geometry, members R..W-1)."""
+    extra = batch.group_size - len(batch.params)
+    return batch.geometries + (batch.geometries[0],) * extra, batch.owners + tuple(range(len(batch.params),
+                                                                                         batch.group_size))
+
+
+def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+    geometries, all_owners = padded(batch)
+    extra = batch.group_size - len(directions)
+    zeros = [torch.zeros_like(directions[0]) for _ in range(extra)]
+    updates = exchange(comm, group, geometries, all_owners, list(directions) + zeros, list(kernels) + [kernels[0]] * extra,
+                       batch.update_torch_dtype, NAME)
     return updates[: len(directions)]
+
+
+def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
+    return exchange_bytes(*padded(batch), member, itemsizes, batch.direction_dtype, batch.update_dtype)

@@ -10,20 +10,39 @@ Traffic: (W - 1) matrices of the batch's size each way per member (members k >= 
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+
 from torch import Tensor
 
+from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-from ..layout import ParamLayout
-from .shards import Kernel
+from ..geometry import whole
+
+NAME = "replicated"
+GLOBAL_DISPATCH = False
+REMAINDER = False
 
 
-def run(comm: Comm, group: Group, directions: list[Tensor], layout: ParamLayout, kernel: Kernel,
-        update_dtype: torch.dtype) -> list[Tensor]:
+def owners(num_params: int, group_size: int) -> tuple[int, ...]:
+    return tuple(range(num_params))
+
+
+def check(batch: Batch) -> None:
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+    assert len(set(batch.geometries)) == 1 and not batch.geometries[0].sharded, batch
+
+
+def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+    shape = batch.geometries[0].global_shape
     me, numel = group.ranks.index(comm.rank), directions[0].numel()
     if me < len(directions):
-        mine = kernel(directions[me]).to(update_dtype).reshape(-1)
+        mine = kernels[me](directions[me], whole(shape)).to(batch.update_torch_dtype).reshape(-1)
     else:
-        mine = directions[0].new_zeros(numel, dtype=update_dtype)
-    gathered = comm.all_gather(mine, group, "replicated").reshape(group.size, numel)
-    return [gathered[k].reshape(layout.global_shape) for k in range(len(directions))]
+        mine = directions[0].new_zeros(numel, dtype=batch.update_torch_dtype)
+    gathered = comm.all_gather(mine, group, NAME).reshape(group.size, numel)
+    return [gathered[k].reshape(shape) for k in range(len(directions))]
+
+
+def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
+    moved = (batch.group_size - 1) * batch.numel(0) * itemsizes[batch.update_dtype]
+    return moved, moved

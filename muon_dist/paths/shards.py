@@ -1,39 +1,35 @@
-"""Cutting a whole parameter into the shard group's boxes and joining them back (Shard(0) or Shard(1)).
+"""Cutting a whole parameter into its shard group's boxes and joining boxes back (any dims, any boxes).
 
-Equation: join(cut(X)) == X for every X of the layout's global shape, and cut(X)[j] is what member j holds
-(torch.chunk boxes; empty boxes included). Shard(1) is the same with dim 1 (proofs/paths.md#shard1).
+Equations: join(cut(X, g), g.boxes, whole) == X for every X of g's global shape (the boxes tile the tensor:
+proofs/sharding.md), and cut(X, g)[j] is member j's box of X, flattened (empty boxes included); join of the boxes
+that tile a frame (a block) gives exactly the frame's part of X (proofs/paths.md#shard1).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Callable
-
-import torch
 from torch import Tensor
 
-from ..layout import ParamLayout
-
-Kernel = Callable[[Tensor], Tensor]
+from ..geometry import Box, Geometry, whole
 
 
-def member_sizes(layout: ParamLayout, group_size: int) -> list[int]:
-    return [math.prod(layout.box(j)[1]) for j in range(group_size)]
-
-
-def cut(full: Tensor, layout: ParamLayout, group_size: int) -> list[Tensor]:
-    """Member j's box of `full`, flattened, for j in 0..group_size-1."""
-    dim = layout.shard_dim
+def cut(full: Tensor, geometry: Geometry, frame: Box | None = None) -> list[Tensor]:
+    """Member j's box of `full` (the tensor of `frame`, default the whole param), flattened, for every member j;
+    empty for a member whose box lies outside the frame."""
+    frame = frame or whole(geometry.global_shape)
     out = []
-    for j in range(group_size):
-        offsets, shape = layout.box(j)
-        out.append(full.narrow(dim, offsets[dim], shape[dim]).contiguous().reshape(-1))
+    for box in geometry.boxes:
+        part = box.intersect(frame) if box.numel else None
+        out.append(full[part.within(frame).index].contiguous().reshape(-1) if part else full.new_empty(0))
     return out
 
 
-def join(pieces: list[Tensor], layout: ParamLayout) -> Tensor:
-    """The whole parameter from its members' flattened boxes: exactly the global shape, never padded."""
-    shaped = [p.reshape(layout.box(j)[1]) for j, p in enumerate(pieces)]
-    full = torch.cat(shaped, dim=layout.shard_dim)
-    assert tuple(full.shape) == layout.global_shape, (full.shape, layout.global_shape)
-    return full
+def join(pieces: list[Tensor], boxes: list[Box], frame: Box) -> Tensor:
+    """The tensor of `frame` from flattened pieces of the boxes that tile it: exactly its shape, never padded."""
+    out = pieces[0].new_empty(frame.shape)
+    filled = 0
+    for piece, box in zip(pieces, boxes):
+        if box.numel:
+            out[box.within(frame).index] = piece.reshape(box.shape)
+            filled += box.numel
+    assert filled == frame.numel, (filled, frame)
+    return out

@@ -3,27 +3,35 @@ the paths taken, and the byte counts."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from muon_dist.harness.fixtures import bits, box_of, same_bits
+from muon_dist.harness.fixtures import axis_codes, bits, box_of, mesh_shape, same_bits
+from muon_dist.step import CHECKS
 
 from .conftest import get_pool, record_paths
 from .workers import Case, distributed_steps, reference_steps
 
 
-def group_size(case: Case, world_size: int) -> int:
-    return world_size // 2 if case.mesh == "hsdp" else world_size
+def group_size(case: Case, world_size: int, placement: str = "S0") -> int:
+    """The shard group's size: the product of the sizes of the mesh axes that shard (all when none does)."""
+    shape, _ = mesh_shape(case.mesh, world_size)
+    codes = axis_codes(placement, case.mesh, world_size)
+    sharding = [n for n, code in zip(shape, codes) if code != "R"]
+    return math.prod(sharding) if sharding else world_size
 
 
 def expected_paths(case: Case, world_size: int) -> list[str]:
     """The planner's rule, restated: same-layout params in order, batches of W; a full batch of a sharded
     layout takes all_to_all, a remainder the remainder path; plain and Replicate params take replicated."""
-    opts, W = dict(case.options), group_size(case, world_size)
+    opts = dict(case.options)
     runs: dict[tuple, list[int]] = {}
     for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
         runs.setdefault(key, []).append(i)
     paths = [""] * len(case.shapes)
     for (shape, placement, _), members in runs.items():
+        W = group_size(case, world_size, "R" if placement == "plain" else placement)
         for start in range(0, len(members), W):
             chunk = members[start:start + W]
             if placement in ("plain", "R"):
@@ -63,7 +71,7 @@ def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
         assert not r["differing"], f"rank {rank}: params differ from muon_ref: {r['differing']} ({case})"
         assert r["buffers_equal"], f"rank {rank}: momentum buffers differ from muon_ref ({case})"
         assert [p for _, p in r["paths"]] == want_paths, (rank, r["paths"], want_paths)
-        moved = {k: v for k, v in r["bytes"].items() if k not in ("plan_digest", "nonfinite_check")}
+        moved = {k: v for k, v in r["bytes"].items() if k not in CHECKS}
         assert moved == r["expected"], (rank, moved, r["expected"])
     return results
 

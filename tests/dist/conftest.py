@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from muon_dist.plan import PATHS
+from muon_dist.paths import PATHS
 
 from muon_dist.harness.launch import RankPool
 

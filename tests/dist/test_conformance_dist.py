@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,22 +17,26 @@ import muon_ref
 from muon_dist import DistributedMuon
 from muon_dist.harness import conformance
 from muon_dist.harness.adapters.shipped import DistributedReference
+from muon_dist.kernels import Backend
 
 DIST_FAST = ["--world-sizes", "2", "--dtypes", "float32", "--families", "even", "uneven", "empty", "remainder",
              "--shrink-budget", "15"]
 
 
-class PaddedNewtonSchulz(DistributedMuon):
+def padded_newton_schulz(full: torch.Tensor, layout: muon_ref.MatrixLayout, cfg: muon_ref.MuonConfig) -> torch.Tensor:
     """Like Dion: rows padded with zeros to a multiple of W and kept inside NS, so the transpose is decided on
     the padded shape."""
+    W = dist.get_world_size()
+    pad = full.new_zeros(math.ceil(full.shape[0] / W) * W - full.shape[0], *full.shape[1:])
+    return muon_ref.newton_schulz(torch.cat([full, pad]), **cfg.ns_kwargs())[: full.shape[0]]
 
-    def kernel(self, item: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        cfg, W = muon_ref.optim.group_config(self.param_groups[0]), dist.get_world_size()
 
-        def padded(full: torch.Tensor) -> torch.Tensor:
-            pad = full.new_zeros(math.ceil(full.shape[0] / W) * W - full.shape[0], *full.shape[1:])
-            return muon_ref.newton_schulz(torch.cat([full, pad]), **cfg.ns_kwargs())[: full.shape[0]]
-        return padded
+class PaddedNewtonSchulz(DistributedMuon):
+    """DistributedMuon with the padded kernel as its backend."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.backend = Backend("torch", padded_newton_schulz, bitwise=False)
 
 
 class PaddedAdapter(DistributedReference):

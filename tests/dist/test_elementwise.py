@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist import ParamLayout
+from muon_dist import Box
 from muon_dist.elementwise import run_stage
 from muon_ref.functional import apply_update, matrix_layout, momentum_direction
 from muon_ref.optim import group_config
@@ -18,20 +18,15 @@ from muon_ref.presets import PRESETS, preset_defaults
 from muon_dist.harness.fixtures import bits
 from tests.conftest import examples
 
+from .batches import layout_1d
 from .checks import timeout_for
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
 
 
-def shard_layout(shape: tuple[int, int], placement: str, rank: int, W: int) -> ParamLayout:
-    base = ParamLayout("p", shape, "torch.bfloat16", tuple(range(W)), None, (placement,), None, False, rank, (), ())
-    offset, local = base.box(rank)
-    return ParamLayout(*base.signature(), rank, local, offset)
-
-
-def box(t: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-    d = layout.shard_dim
-    return t.narrow(d, layout.global_offset[d], layout.local_shape[d]).contiguous()
+def shard_box(shape: tuple[int, int], placement: str, rank: int, W: int) -> Box:
+    geometry = layout_1d(shape, placement, W, "torch.bfloat16").geometry
+    return geometry.boxes[geometry.member(rank)]
 
 
 @settings(max_examples=examples(2.0))
@@ -48,10 +43,12 @@ def test_momentum_and_update_on_every_shard_equal_the_whole_tensor_bitwise(shape
     apply = lambda p, u: (apply_update(p, u, mlayout, cfg),)  # noqa: E731
     whole = momentum(grad, buf) + apply(param, update)
     for rank in range(W):
-        lay = shard_layout(shape, placement, rank, W)
-        got = run_stage(momentum, [box(grad, lay), box(buf, lay)], lay) + run_stage(apply, [box(param, lay), box(update, lay)], lay)
+        mine = shard_box(shape, placement, rank, W)
+        on = lambda t: t[mine.index].contiguous()  # noqa: E731
+        got = (run_stage(momentum, [on(grad), on(buf)], shape, mine)
+               + run_stage(apply, [on(param), on(update)], shape, mine))
         for g, w in zip(got, whole):
-            assert torch.equal(bits(g), bits(box(w, lay))), (rank, lay)
+            assert torch.equal(bits(g), bits(on(w))), (rank, mine)
 
 
 def test_bf16_add_alpha_depends_on_the_position_in_the_call_on_this_cpu() -> None:

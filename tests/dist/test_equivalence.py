@@ -98,3 +98,16 @@ def test_expert_stacks_and_flattened_params_equal_reference_bitwise(world_size: 
     """Expert stacks on a 1-D mesh take the path their boxes call for (tests/dist/test_experts.py): 3-D on dim 0
     is local; split experts go whole to an owner, which runs the kernel per matrix."""
     run_case(world_size, case)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size, case", [
+    (4, Case(((6, 4),) * 3, ("S0,S1",) * 3, mesh="hsdp")),  # 2 x 2 blocks of a (6, 4) matrix
+    (4, Case(((5, 3),) * 5, ("S1,S0",) * 5, mesh="hsdp", dtype="bfloat16")),  # uneven, empty blocks, a remainder
+    (4, Case(((4, 2, 3),) * 2, ("S0,S1",) * 2, mesh="ep2")),  # experts split along dim 1 too: the a2a family
+], ids=["2x2-blocks", "uneven-blocks", "3d-experts"])
+def test_params_sharded_along_two_dims_equal_reference_bitwise(world_size: int, case: Case) -> None:
+    """Shard(d) on one mesh axis and Shard(d') on the other (FSDP2 over a row- or column-parallel TP layer): the
+    shard group is the whole mesh, each member holds a 2-D block, and the all-to-all family joins the blocks."""
+    results = run_case(world_size, case)
+    assert {p for _, p in results[0]["paths"]} <= {"all_to_all", "agrs"}

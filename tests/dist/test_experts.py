@@ -13,20 +13,20 @@ Byte formulas (b: bytes per element of the gradient, fp32 here; R: params of the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from muon_dist import Entry, Group, Options, ThreadComm, ThreadWorld, expected_bytes, plan
 from muon_dist.comm import run_threads
-from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
-from muon_dist.paths import RUNNERS
-from muon_ref.presets import PRESETS
-
 from muon_dist.harness.fixtures import same_bits
+from muon_dist.paths import PATHS
+from muon_dist.step import CHECKS
+from muon_ref.presets import PRESETS
 from tests.conftest import examples
 
+from .batches import box, layout_ep
 from .checks import run_case, run_unchecked, timeout_for
 from .conftest import get_pool
 from .workers import Case, bad_expert_step, subgroup_cache_probe
@@ -144,7 +144,7 @@ def test_local_experts_move_no_bytes(E: int, ep: int, fsdp: int, fused: bool) ->
     W, case = expert_case(E, 2, 3, fused, ep, fsdp, 2)
     for r in run_case(W, case):
         assert {p for _, p in r["paths"]} == {"local"}
-        assert set(r["bytes"]) == {"plan_digest", "nonfinite_check"}, r["bytes"]
+        assert set(r["bytes"]) == set(CHECKS), r["bytes"]  # the step's checks only
 
 
 @pytest.mark.timeout(60)
@@ -188,24 +188,16 @@ def test_sub_groups_are_created_once_per_rank_layout_and_reused_by_a_new_mesh_ob
 @pytest.mark.parametrize("kind, message", [
     ("num_experts_does_not_divide_rows", "num_experts=3 does not divide 8 rows"),
     ("num_experts_differs_on_one_rank", "disagree with rank 0 on the step's plan"),
-    ("shard_dims_differ", "shard more than one mesh axis along different dims"),
 ])
 def test_expert_mistakes_raise_on_every_rank(kind: str, message: str) -> None:
     errors = get_pool(4).run(bad_expert_step, kind, timeout=30)
     assert all(message in e for e in errors), errors
 
 
-def _thread_layout(rank: int, ep: int, fsdp: int, shape: tuple[int, ...], E: int | None) -> ParamLayout:
-    mesh = tuple(tuple(range(e * fsdp, (e + 1) * fsdp)) for e in range(ep))
-    base = ParamLayout("p", shape, "torch.float64", mesh, ("ep", "fsdp"), ("S0", "S0"), E, False, rank, (), ())
-    offset, local = base.box(base.group_ranks().index(rank))
-    return ParamLayout(*base.signature(), rank, local, offset)
-
-
 def _labelled_kernel(calls: list, matrix: tuple[int, int]):
     """Records its input's number of experts; maps each expert X to 2 X + its first element (per expert, so a
     kernel fed a wrong or partial expert gives other values)."""
-    def kernel(x: torch.Tensor) -> torch.Tensor:
+    def kernel(x: torch.Tensor, frame=None) -> torch.Tensor:
         experts = x.reshape(-1, *matrix)
         calls.append(experts.shape[0])
         return (2 * experts + experts[:, :1, :1]).reshape(x.shape)
@@ -224,25 +216,28 @@ def test_expert_paths_on_threads_give_each_rank_its_box_of_the_per_expert_kernel
     fulls = [torch.arange(k * E * m * n, (k + 1) * E * m * n, dtype=torch.float64).reshape(shape) + 1 for k in range(count)]
     world, results = ThreadWorld(W, timeout_s=20), [None] * W
 
+    layout = layout_ep(shape, ep, fsdp, "torch.float64", num_experts)
+
     def rank_main(rank: int) -> None:
-        comm, layout, calls = ThreadComm(world, rank), _thread_layout(rank, ep, fsdp, shape, num_experts), []
+        comm, calls = ThreadComm(world, rank), []
         step_plan = plan(tuple(Entry(layout, 0, "torch.float64", True) for _ in fulls), Options())
-        boxes = [f.narrow(0, layout.global_offset[0], layout.local_shape[0]).contiguous() for f in fulls]
+        boxes = [box(f, layout, rank) for f in fulls]
         kernel = _labelled_kernel(calls, (m, n))
         ups = []
         for b in step_plan.batches:
-            ups += RUNNERS[b.path](comm, Group(layout.group_ranks()), [boxes[i] for i in b.params], layout,
-                                   kernel, torch.float64)
-        results[rank] = (layout, ups, dict(comm.ledger), expected_bytes(step_plan, {"torch.float64": 8}),
+            ups += PATHS[b.path].run(comm, Group(layout.geometry.group_of(rank)), b, [boxes[i] for i in b.params],
+                                     [kernel] * len(b.params))
+        results[rank] = (rank, ups, dict(comm.ledger), expected_bytes(step_plan, rank, {"torch.float64": 8}),
                          step_plan.batches[0].path, calls)
 
     run_threads(W, rank_main)
     reference = _labelled_kernel([], (m, n))
-    for layout, ups, ledger, want_bytes, path, calls in results:
+    for rank, ups, ledger, want_bytes, path, calls in results:
+        local_rows = box(fulls[0], layout, rank).shape[0]
         for got, full in zip(ups, fulls):
-            want = reference(full).narrow(0, layout.global_offset[0], layout.local_shape[0])
-            assert torch.equal(got, want), (path, layout)
+            want = box(reference(full), layout, rank)
+            assert torch.equal(got, want), (path, layout, rank)
         assert {k: tuple(v) for k, v in ledger.items()} == want_bytes, (path, ledger, want_bytes)
         if path in ("local", "subgroup_all_gather"):
             unit = m if model["fused"] else 1
-            assert all(c * unit <= max(layout.local_shape[0], unit) for c in calls), (path, calls, layout)
+            assert all(c * unit <= max(local_rows, unit) for c in calls), (path, calls, layout)

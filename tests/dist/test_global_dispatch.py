@@ -11,18 +11,19 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
-from muon_dist import Entry, Options, ParamLayout, plan
+from muon_dist import Entry, Options, plan
 from muon_dist.balance import lpt, ns_flops
 from muon_dist.harness.fixtures import box_of
+from muon_dist.step import CHECKS
 
 from tests.conftest import examples
 
+from .batches import layout_1d
 from .checks import run_case, run_unchecked, timeout_for
 from .test_equivalence import cases
 from .workers import Case
 
 GLOBAL = (("dispatch", "global"),)
-DATA = ("plan_digest", "nonfinite_check")  # the step's checks, not data collectives
 
 
 def _global(drawn: tuple[int, Case]) -> tuple[int, Case]:
@@ -31,7 +32,7 @@ def _global(drawn: tuple[int, Case]) -> tuple[int, Case]:
 
 
 def _data_calls(result: dict) -> list[tuple[str, str]]:
-    return [c for c in result["calls"] if c[0] not in DATA]
+    return [c for c in result["calls"] if c[0] not in CHECKS]  # the step's checks are not data collectives
 
 
 @pytest.mark.timeout(timeout_for(60))
@@ -77,9 +78,7 @@ def test_global_dispatch_moves_exactly_the_lower_bound_on_every_rank(world_size:
 
 
 def _entry(rank: int, W: int, shape: tuple[int, int]) -> Entry:
-    base = ParamLayout("p", shape, "torch.float32", tuple(range(W)), None, ("S0",), None, False, rank, (), ())
-    offset, local = base.box(rank)
-    return Entry(ParamLayout(*base.signature(), rank, local, offset), 0, "torch.float32", True)
+    return Entry(layout_1d(shape, "S0", W, "torch.float32"), 0, "torch.float32", True)
 
 
 def _loads(step_plan, W: int) -> list[int]:

@@ -12,37 +12,37 @@ from hypothesis import strategies as st
 
 import muon_ref
 from muon_dist.comm import run_threads as run_on_threads
-from muon_dist import Entry, Group, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes, plan
-from muon_dist.paths import RUNNERS, agrs
+from muon_dist import Group, ThreadComm, ThreadWorld
+from muon_dist.paths import PATHS, agrs
 
 from muon_dist.harness.fixtures import bits
 from tests.conftest import examples
 
+from .batches import batch_of, box, layout_1d
 from .checks import timeout_for
 
-NS = functools.partial(muon_ref.newton_schulz, **muon_ref.MuonConfig().ns_kwargs())
+_NS = functools.partial(muon_ref.newton_schulz, **muon_ref.MuonConfig().ns_kwargs())
+ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
 
-def layout_on(rank: int, W: int, shape: tuple[int, int], placement: str, dtype: torch.dtype) -> ParamLayout:
-    base = ParamLayout("p", shape, str(dtype), tuple(range(W)), None, (placement,), None, False, rank, (), ())
-    offset, local = base.box(rank) if placement != "R" else ((0, 0), shape)
-    return ParamLayout(*base.signature(), rank, local, offset)
+def NS(x: torch.Tensor, frame=None) -> torch.Tensor:
+    """muon_ref's kernel on a whole matrix (the kernels' signature: the frame is the whole param here)."""
+    return _NS(x)
 
 
 def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, kernel, out_dtype) -> list[dict]:
     """Every rank's run of `path` on its boxes of `fulls`: {"updates", "ledger", "expected"}, or raises."""
     world, results = ThreadWorld(W, timeout_s=20), [None] * W
+    layout = layout_1d(tuple(fulls[0].shape), placement, W, fulls[0].dtype)
+    batch = batch_of(path, layout, len(fulls), out_dtype)
 
     def rank_main(rank: int) -> None:
-        comm, layout = ThreadComm(world, rank), layout_on(rank, W, tuple(fulls[0].shape), placement, fulls[0].dtype)
-        dim = layout.shard_dim
-        local = [f if dim is None else f.narrow(dim, layout.global_offset[dim], layout.local_shape[dim]) for f in fulls]
-        ups = RUNNERS[path](comm, Group(tuple(range(W))), [x.contiguous() for x in local], layout, kernel, out_dtype)
-        force = None if path in ("replicated", "all_to_all") else path
-        entries = tuple(Entry(layout, 0, str(out_dtype), True) for _ in fulls)
-        want = expected_bytes(plan(entries, Options(force_path=force)), {"torch.float32": 4, "torch.bfloat16": 2})
-        results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": want, "layout": layout,
-                         "calls": [c[1] for c in comm.calls]}
+        comm = ThreadComm(world, rank)
+        ups = PATHS[path].run(comm, Group(tuple(range(W))), batch, [box(f, layout, rank) for f in fulls],
+                              [kernel] * len(fulls))
+        want = PATHS[path].expected_bytes(batch, rank, ITEMSIZES)
+        results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": {path: want}, "layout": layout,
+                         "rank": rank, "calls": [c[1] for c in comm.calls]}
 
     run_on_threads(W, rank_main)
     return results
@@ -50,14 +50,13 @@ def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, ke
 
 def assert_equation(results: list[dict], fulls: list[torch.Tensor], kernel, out_dtype) -> None:
     """run(batch)[k] == box_r(kernel(full(batch[k]))) on every rank r, bit for bit; bytes as planned."""
-    wants = [kernel(f).to(out_dtype) for f in fulls]
+    wants = [kernel(f, None).to(out_dtype) for f in fulls]
     for r in results:
         lay = r["layout"]
         assert len(r["updates"]) == len(fulls), (len(r["updates"]), len(fulls))
         for got, want in zip(r["updates"], wants):
-            d = lay.shard_dim
-            box = want if d is None else want.narrow(d, lay.global_offset[d], lay.local_shape[d])
-            assert torch.equal(bits(got), bits(box)), (lay, got, box)
+            mine = box(want, lay, r["rank"])
+            assert torch.equal(bits(got), bits(mine)), (lay, got, mine)
         assert {k: tuple(v) for k, v in r["ledger"].items()} == r["expected"]
         path = next(iter(r["ledger"]))
         assert r["calls"] == COLLECTIVES[path], (path, r["calls"])
@@ -73,7 +72,7 @@ EXPERT_PATHS = {"local", "subgroup_all_gather"}  # expert stacks only: tests/dis
 @st.composite
 def batches(draw) -> tuple:
     W = draw(st.integers(1, 8))
-    path = draw(st.sampled_from(sorted(set(RUNNERS) - EXPERT_PATHS)))
+    path = draw(st.sampled_from(sorted(set(PATHS) - EXPERT_PATHS - {"global_all_to_all"})))
     count = W if path == "all_to_all" else draw(st.integers(1, W))
     shape = (draw(st.integers(1, 2 * W + 2)), draw(st.integers(1, 2 * W + 2)))
     placement = "R" if path == "replicated" else draw(st.sampled_from(["S0", "S1"]))
@@ -93,7 +92,7 @@ def test_each_path_returns_this_ranks_box_of_the_kernel_on_the_whole_matrix(draw
     assert_equation(results, fulls, NS, torch.bfloat16)
 
 
-def _negative_zeros(x: torch.Tensor) -> torch.Tensor:
+def _negative_zeros(x: torch.Tensor, frame=None) -> torch.Tensor:
     """A kernel whose output holds -0.0 (where x > 0) and +0.0 (where x <= 0)."""
     return torch.where(x > 0, torch.full_like(x, -0.0), torch.zeros_like(x))
 

@@ -9,19 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist import Entry, Options, ParamLayout, plan
+from muon_dist import Entry, Options, plan
 
 from tests.conftest import examples
 
+from .batches import layout_1d
 from .checks import timeout_for
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
 
 
 def entry(rank: int, W: int, shape: tuple[int, int], placement: str, group: int = 0, active: bool = True) -> Entry:
-    base = ParamLayout("p", shape, "torch.float32", tuple(range(W)), None, (placement,), None, False, rank, (), ())
-    offset, local = base.box(rank)
-    return Entry(ParamLayout(*base.signature(), rank, local, offset), group, "torch.bfloat16", active)
+    """What rank `rank` plans for a param (a layout is rank-independent: `rank` shows the plan does not vary)."""
+    return Entry(layout_1d(shape, placement, W, "torch.float32"), group, "torch.bfloat16", active)
 
 
 specs = st.lists(st.tuples(st.sampled_from([(5, 3), (4, 4), (1, 7)]), st.sampled_from(["S0", "S1", "R"]),
@@ -54,7 +54,8 @@ def test_full_batches_take_all_to_all_and_the_remainder_the_remainder_path() -> 
     entries = tuple(entry(0, 4, (5, 3), "S0") for _ in range(6))
     assert plan(entries, Options()).path_of() == ("all_to_all",) * 4 + ("agrs",) * 2
     padded = plan(entries, Options("padded_all_to_all"))
-    assert padded.path_of()[4:] == ("padded_all_to_all",) * 2 and padded.batches[-1].num_padding == 2
+    last = padded.batches[-1]
+    assert padded.path_of()[4:] == ("padded_all_to_all",) * 2 and last.group_size - len(last.params) == 2  # padding
 
 
 @pytest.mark.parametrize("kwargs", [dict(remainder="all_to_all"), dict(force_path="replicated"),

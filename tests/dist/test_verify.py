@@ -25,15 +25,15 @@ def test_verify_passes_on_two_world_sizes_and_exercises_every_remainder_path(tmp
     assert a2a and all(r["bytes_per_rank"] == pytest.approx(r["bound_per_rank"]) for r in a2a)
 
 
-def _dropping(comm, group, directions, layout, kernel, update_dtype):
-    return [torch.zeros_like(d, dtype=update_dtype) for d in directions]
+def _dropping(comm, group, batch, directions, kernels):
+    return [torch.zeros_like(d, dtype=batch.update_torch_dtype) for d in directions]
 
 
 @pytest.mark.timeout(240)
 def test_verify_exits_non_zero_when_a_path_drops_its_updates(monkeypatch, capsys):
-    from muon_dist import paths
+    from muon_dist.paths import agrs
 
-    monkeypatch.setitem(paths.RUNNERS, "agrs", _dropping)  # the forked ranks inherit the broken path
+    monkeypatch.setattr(agrs, "run", _dropping)  # the forked ranks inherit the broken path
     assert verify.main(["--world-sizes", "2", "--steps", "1"]) == 1
     assert "contract violations: 0" not in capsys.readouterr().out
 

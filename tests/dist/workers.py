@@ -45,50 +45,56 @@ def _groups(case: Case, params: list) -> list[dict]:
 
 def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
     """Negative controls: break the distributed step the way the field has (the equality check must notice)."""
+    from muon_dist.kernels import Backend
+
     if how == "ns_on_padded":  # Dion's bug: rows padded to a multiple of W inside NS (flips the transpose choice)
-        W, cfg = dist.get_world_size(), muon_ref.optim.group_config(opt.param_groups[0])
+        W = dist.get_world_size()
 
-        def padded(item):
-            def run(full):
-                rows = math.ceil(full.shape[0] / W) * W
-                pad = full.new_zeros(rows - full.shape[0], *full.shape[1:])
-                return muon_ref.newton_schulz(torch.cat([full, pad]), **cfg.ns_kwargs())[: full.shape[0]]
-            return run
-        opt.kernel = padded
+        def padded(direction, layout, cfg):
+            rows = math.ceil(direction.shape[0] / W) * W
+            pad = direction.new_zeros(rows - direction.shape[0], *direction.shape[1:])
+            return muon_ref.newton_schulz(torch.cat([direction, pad]), **cfg.ns_kwargs())[: direction.shape[0]]
+        opt.backend = Backend("torch", padded, bitwise=False)
     elif how == "drop_remainder":  # a remainder batch that is never orthogonalised
-        from muon_dist import paths
+        from muon_dist.paths import agrs
 
-        real = dict(paths.RUNNERS)
+        real_run = agrs.run
 
-        def dropped(comm, group, directions, layout, kernel, update_dtype):
-            return [torch.zeros_like(d, dtype=update_dtype) for d in directions]
-        paths.RUNNERS["agrs"] = dropped
-        opt._restore = lambda: paths.RUNNERS.update(real)
+        def dropped(comm, group, batch, directions, kernels):
+            return [torch.zeros_like(d, dtype=batch.update_torch_dtype) for d in directions]
+        agrs.run = dropped
+        opt._restore = lambda: setattr(agrs, "run", real_run)
     elif how == "wrong_slice":  # the subgroup path keeps the mirror member's rows of the gathered expert
         from muon_dist.paths import subgroup_all_gather as sub
 
-        real_rows = sub.own_rows
-        sub.own_rows = lambda update, start, length: update.narrow(0, update.shape[0] - start - length, length)
-        opt._restore = lambda: setattr(sub, "own_rows", real_rows)
-    elif how == "bundle_ns":  # NS on a rank's experts as one stacked matrix, not per expert
-        cfg = muon_ref.optim.group_config(opt.param_groups[0])
-        opt.kernel = lambda item: lambda x: muon_ref.newton_schulz(x.reshape(-1, x.shape[-1]), **cfg.ns_kwargs()).reshape(x.shape)
-    elif how == "global_send_order":  # global_all_to_all's forward send packs boxes in reverse param order
-        from muon_dist.paths import global_all_to_all as glob
+        real_piece = sub.own_piece
 
-        real_pack, calls = glob.pack, [0]
+        def mirrored(update, mine, frame):
+            start = mine.offsets[0] - frame.offsets[0]
+            return update.narrow(0, update.shape[0] - start - mine.shape[0], mine.shape[0])
+        sub.own_piece = mirrored
+        opt._restore = lambda: setattr(sub, "own_piece", real_piece)
+    elif how == "bundle_ns":  # NS on a rank's experts as one stacked matrix, not per expert
+        def bundled(direction, layout, cfg):
+            return muon_ref.newton_schulz(direction.reshape(-1, direction.shape[-1]),
+                                          **cfg.ns_kwargs()).reshape(direction.shape)
+        opt.backend = Backend("torch", bundled, bitwise=False)
+    elif how == "global_send_order":  # global_all_to_all's forward send packs boxes in reverse param order
+        from muon_dist.paths import exchange
+
+        real_pack, calls = exchange.pack, [0]
 
         def reversed_forward(pieces, empty):  # odd calls are forward sends (reversing both ways only relabels)
             calls[0] += 1
             return real_pack([row[::-1] for row in pieces] if calls[0] % 2 else pieces, empty)
-        glob.pack = reversed_forward
-        opt._restore = lambda: setattr(glob, "pack", real_pack)
+        exchange.pack = reversed_forward
+        opt._restore = lambda: setattr(exchange, "pack", real_pack)
     elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
-        import muon_dist.optim as optim_module
+        import muon_dist.step as step_module
 
-        real_stage = optim_module.run_stage
-        optim_module.run_stage = lambda stage, inputs, layout: stage(*inputs)
-        opt._restore = lambda: setattr(optim_module, "run_stage", real_stage)
+        real_stage = step_module.run_stage
+        step_module.run_stage = lambda stage, inputs, global_shape, box: stage(*inputs)
+        opt._restore = lambda: setattr(step_module, "run_stage", real_stage)
 
 
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:
@@ -117,7 +123,7 @@ def distributed_steps(case: Case) -> dict:
         "params": [local(p).clone() for p in params],
         "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params],
         "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
-        "expected": expected_bytes(opt.last_plan, ITEMSIZES),
+        "expected": expected_bytes(opt.last_plan, dist.get_rank(), ITEMSIZES),
         "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
     }
 
@@ -168,10 +174,6 @@ def _bad_setup(kind: str, rank: int, W: int) -> tuple[list, list]:
         g = full.clone()
         g[-1, -1] = float("nan")  # only the last non-empty shard holds it
         return [distribute(full, "S0", "fsdp")], [distribute(g, "S0", "fsdp")]
-    if kind == "two_shard_axes":
-        mesh = device_mesh("hsdp")
-        p = DTensor.from_local(full[:3, :2].clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
-        return [p], [p.detach().clone()]
     raise AssertionError(kind)
 
 
@@ -243,9 +245,10 @@ def layouts_of_distributed(shape: tuple[int, int], placement: str, mesh_kind: st
     mesh = device_mesh(mesh_kind)
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(int(placement[1:]))]
     p = torch.distributed.tensor.distribute_tensor(torch.zeros(shape), mesh, placements)
-    layout = read_layout(p, "w", None, False, dist.get_rank(), dist.get_world_size())
+    geometry = read_layout(p, "w", {}, dist.get_world_size(), dist.get_rank()).geometry
+    box = geometry.boxes[geometry.member(dist.get_rank())]
     want = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
-    return (layout.local_shape, layout.global_offset), (tuple(want[0]), tuple(want[1])), tuple(p.to_local().shape)
+    return (box.shape, box.offsets), (tuple(want[0]), tuple(want[1])), tuple(p.to_local().shape)
 
 
 def fail_on(rank_to_fail: int, how: str) -> int:
@@ -261,21 +264,21 @@ def fail_on(rank_to_fail: int, how: str) -> int:
 
 def agrs_on_gloo(dtype: str) -> bool:
     """AGRS on gloo with a kernel whose output holds -0.0 and +0.0: does every bit survive the reduce-scatter?"""
-    from muon_dist import Group, ParamLayout, TorchComm
+    from muon_dist import Group, TorchComm
     from muon_dist.paths import agrs
+
+    from .batches import batch_of, box, layout_1d
 
     rank, W = dist.get_rank(), dist.get_world_size()
     full = seeded((7, 3), 0, getattr(torch, dtype))
-    base = ParamLayout("p", (7, 3), str(full.dtype), tuple(range(W)), None, ("S0",), None, False, rank, (), ())
-    offset, local = base.box(rank)
-    layout = ParamLayout(*base.signature(), rank, local, offset)
+    layout = layout_1d((7, 3), "S0", W, full.dtype)
 
-    def kernel(x: torch.Tensor) -> torch.Tensor:
+    def kernel(x: torch.Tensor, frame) -> torch.Tensor:
         return torch.where(x > 0, torch.full_like(x, -0.0), torch.zeros_like(x))
     comm = TorchComm()
-    (got,) = agrs.run(comm, Group(tuple(range(W)), dist.group.WORLD), [full.narrow(0, offset[0], local[0]).clone()],
-                      layout, kernel, full.dtype)
-    want = kernel(full).narrow(0, offset[0], local[0])
+    (got,) = agrs.run(comm, Group(tuple(range(W)), dist.group.WORLD), batch_of("agrs", layout, 1, full.dtype),
+                      [box(full, layout, rank)], [kernel])
+    want = box(kernel(full, None), layout, rank)
     view = torch.int32 if full.element_size() == 4 else torch.int16
     return torch.equal(got.view(view), want.view(view))
 
@@ -289,12 +292,8 @@ def bad_expert_step(kind: str) -> str:
             num_experts = 3
         elif kind == "num_experts_differs_on_one_rank":
             num_experts = 2 if rank == W - 1 else 4
-        elif kind == "shard_dims_differ":
-            full, placements = torch.ones(4, 2, 3), [Shard(0), Shard(1)]
         mesh = device_mesh("ep2")
         local = box_of(full, "S0", "ep2", rank, W)
-        if kind == "shard_dims_differ":
-            local = chunk(chunk(full, 0, rank // (W // 2), 2), 1, rank % (W // 2), W // 2)
         p = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
         opt = DistributedMuon([{"params": [p], "num_experts": num_experts}], preset="torch")
         p.grad = DTensor.from_local(local.clone(), mesh, placements, shape=full.shape, stride=full.stride())

@@ -1,0 +1,85 @@
+"""The exchange shared by the all-to-all family: every param to its owner and its update back, one ragged
+all_to_all_single each way for the whole batch.
+
+Forward: member j sends owner o its boxes of the params o owns, concatenated in param order, with split sizes
+(uneven and empty boxes need no padding). The owner joins each param's boxes into exactly its global tensor and
+runs that param's kernel on it. Back: the update's boxes, in the same order.
+
+Equation, on every member r and for every param k:  exchange(...)[k] == box_r(kernel_k(full(D_k)))
+(proofs/paths.md#a2a, #global): the owner joins exactly the global tensor (the boxes tile it) and runs the param's
+own kernel on it; the exchanges only move bits. Traffic of param k, for member r with box b_r of k's S elements:
+the owner receives S - b_owner direction elements and sends as many update elements back; any other member sends
+b_r direction elements and receives b_r update elements (the lower bound 2 (W - 1) / W S when even).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..batch import Kernel
+from ..comm import Comm, Group
+from ..geometry import Geometry, whole
+from .shards import cut, join
+
+
+def pack(pieces: list[list[Tensor]], empty: Tensor) -> Tensor:
+    """pieces[j]: what goes to member j, in param order; one flat buffer (`empty` when there is nothing)."""
+    flat = [p.reshape(-1) for row in pieces for p in row]
+    return torch.cat(flat) if flat else empty
+
+
+def unpack(flat: Tensor, lengths: list[list[int]]) -> list[list[Tensor]]:
+    """The inverse of pack: lengths[j] are the sizes of the pieces from member j (empty pieces included)."""
+    out, offset = [], 0
+    for row in lengths:
+        out.append([flat[offset + sum(row[:i]):offset + sum(row[:i + 1])] for i in range(len(row))])
+        offset += sum(row)
+    assert offset == flat.numel(), (offset, flat.numel())
+    return out
+
+
+def exchange(comm: Comm, group: Group, geometries: Sequence[Geometry], owners: Sequence[int],
+             directions: Sequence[Tensor], kernels: Sequence[Kernel], update_dtype: torch.dtype,
+             name: str) -> list[Tensor]:
+    """This member's box of every param's update (module docstring); collectives logged under `name`."""
+    W, me = group.size, group.ranks.index(comm.rank)
+    sizes = [g.sizes for g in geometries]  # sizes[k][j]: member j's box of param k
+    owned = [[k for k, o in enumerate(owners) if o == j] for j in range(W)]  # owned[j]: params of member j
+    to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]  # my boxes, by owner
+    from_member = [sum(sizes[k][j] for k in owned[me]) for j in range(W)]  # member j's boxes of my params
+
+    send = pack([[directions[k] for k in owned[j]] for j in range(W)], directions[0].new_empty(0))
+    recv = unpack(comm.all_to_all(send, from_member, to_owner, group, name),
+                  [[sizes[k][j] for k in owned[me]] for j in range(W)])  # recv[j][i]: member j's box of owned[me][i]
+    boxes = []  # boxes[i][j]: member j's box of my i-th param's update
+    for i, k in enumerate(owned[me]):
+        frame = whole(geometries[k].global_shape)
+        full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
+        boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
+
+    send = pack([[b[j] for b in boxes] for j in range(W)], directions[0].new_empty(0, dtype=update_dtype))
+    back = unpack(comm.all_to_all(send, to_owner, from_member, group, name),
+                  [[sizes[k][me] for k in owned[j]] for j in range(W)])
+    updates: list[Tensor | None] = [None] * len(directions)
+    for j in range(W):
+        for k, box in zip(owned[j], back[j]):
+            updates[k] = box.reshape(geometries[k].boxes[me].shape)
+    return updates  # type: ignore[return-value]
+
+
+def exchange_bytes(geometries: Sequence[Geometry], owners: Sequence[int], member: int,
+                   itemsizes: Mapping[str, int], direction_dtype: str, update_dtype: str) -> tuple[int, int]:
+    """(sent, received) bytes of `member` in exchange (the traffic formula of the module docstring)."""
+    sent = received = 0
+    b_dir, b_upd = itemsizes[direction_dtype], itemsizes[update_dtype]
+    for geometry, owner in zip(geometries, owners):
+        box = geometry.sizes[member]
+        if owner == member:
+            lacking = sum(geometry.sizes) - box
+            sent, received = sent + lacking * b_upd, received + lacking * b_dir
+        else:
+            sent, received = sent + box * b_dir, received + box * b_upd
+    return sent, received

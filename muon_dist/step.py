@@ -1,0 +1,215 @@
+"""One distributed Muon step, as a function of this rank's local shards (DistributedMuon is a thin optimizer over
+it, as muon_ref.Muon is over muon_ref.functional).
+
+    step_plan = prepare(comm, entries, inputs, configs, options, error)
+    for index, new_param, new_buf in execute(comm, step_plan, inputs, configs, backend, group_for): ...
+
+Protocol, the same on every rank (so a disagreement is an error on every rank, never a hang):
+  1. all-gather the digest of the plan of the step (a pure function of every param's layout, muon_dist/plan.py),
+     or of this rank's local error; raise ValueError on every rank if any differ ("plan_digest");
+  2. all-gather the non-finite flags of the gradients; a param with a non-finite gradient on any rank raises
+     ValueError on every rank (nonfinite="raise") or does not step on any rank ("skip") ("nonfinite_check");
+  3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element);
+  4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
+     blocks; every member gets back its box of each update;
+  5. all-gather whether any rank's local work raised ("failure_check"): then every rank raises RuntimeError and
+     nothing is written (a failed rank joined the remaining collectives with zeros, so no peer waits for it);
+  6. yield each param's new local shard and new momentum buffer, computed one param at a time (the caller writes).
+Nothing here writes an input. Equation (proofs/paths.md): on every rank r, for every param that steps,
+    new_param == box_r(muon_ref's P'),   new_buf == box_r(muon_ref's M')
+bitwise with the torch backend (another backend: its tolerance, muon_dist/kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from muon_ref import MatrixLayout, MuonConfig
+from muon_ref.functional import apply_update, momentum_direction
+
+from .batch import Batch, Kernel
+from .comm import Comm, Group
+from .elementwise import run_stage
+from .geometry import Box
+from .kernels import Backend
+from .plan import Entry, Options, Plan, plan
+from .paths import PATHS
+
+
+# the step's control collectives, each logged under its own name (every other name in the ledger is a path's)
+CHECKS: tuple[str, ...] = ("plan_digest", "nonfinite_check", "failure_check")
+
+
+@dataclass(frozen=True)
+class ParamInput:
+    """One param's local shards (read, never written): the param, its gradient (None: no gradient this step on
+    this rank) and its momentum buffer."""
+
+    param: Tensor
+    grad: Tensor | None
+    buf: Tensor
+
+
+def agree(comm: Comm, step_plan: Plan, error: str | None) -> None:
+    """Step 1: every rank all-gathers the plan's digest (or its local error's); ValueError on every rank."""
+    digest = hashlib.sha256(b"error:" + error.encode()).digest() if error else step_plan.digest()
+    digests = comm.check_agreement(digest, "plan_digest")
+    if error:
+        raise ValueError(error)
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        mine = [(e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
+                for e in step_plan.entries]
+        raise ValueError(f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
+                         f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
+                         f"error on that rank); rank {comm.rank} sees (name, shape, placements, dtype, has grad): "
+                         f"{mine}")
+
+
+def nonfinite(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput],
+              configs: Sequence[MuonConfig]) -> set[int]:
+    """Step 2: indices of params whose gradient is non-finite on any rank (one small all-gather over the world,
+    one device-to-host copy); ValueError naming the first such param whose group says nonfinite="raise"."""
+    flags = [torch.isfinite(x.grad).all().logical_not() if x.grad is not None else None for x in inputs]
+    local = torch.zeros(len(inputs), dtype=torch.uint8, device=comm.device)
+    present = [i for i, f in enumerate(flags) if f is not None]
+    if present:
+        local[present] = torch.stack([flags[i] for i in present]).to(comm.device, torch.uint8)
+    gathered = comm.all_gather(local, comm.world_group(), "nonfinite_check").cpu().reshape(comm.world_size, len(inputs))
+    bad = set(torch.nonzero(gathered.amax(dim=0)).flatten().tolist())
+    for i in sorted(bad):
+        if configs[i].nonfinite == "raise":
+            layout = entries[i].layout
+            raise ValueError(f"{layout.name} of shape {layout.global_shape} has a non-finite gradient (NaN or Inf)")
+    return bad
+
+
+def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]]], inputs: Sequence[Tensor],
+                matrices: MatrixLayout, global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, ...]:
+    """An elementwise stage on this rank's box with the reference's bits: on the whole param for a shared layout;
+    for a separate layout (split_sizes, num_heads) on each block's part of the box, as the block's own tensor
+    (muon_ref steps each block as a param of its own: muon_ref.functional.map_blocks)."""
+    if not matrices.separate or not box.numel:
+        return run_stage(stage(matrices), inputs, global_shape, box)
+    outs: list[Tensor] = []
+    for block in matrices.blocks:
+        part = box.intersect(block)
+        if part is None:
+            continue
+        mine = part.within(box)
+        results = run_stage(stage(block.as_param()), [x[mine.index].contiguous() for x in inputs], block.shape,
+                            part.within(block))
+        if not outs:
+            outs = [torch.empty(box.shape, dtype=r.dtype, device=r.device) for r in results]
+        for out, r in zip(outs, results):
+            out[mine.index] = r
+    return tuple(outs)
+
+
+def within(matrices: MatrixLayout, box: Box) -> MatrixLayout:
+    """The layout of the whole blocks inside `box`, in the box's coordinates (the box holds whole blocks)."""
+    inside = [b for b in matrices.blocks if box.intersect(b) == Box(b.offsets, b.shape)]
+    if len(inside) == len(matrices.blocks):
+        return matrices
+    shifted = tuple(type(b)(tuple(o - q for o, q in zip(b.offsets, box.offsets)), b.shape, b.fan_out, b.fan_in)
+                    for b in inside)
+    if matrices.separate:
+        return MatrixLayout(len(shifted), None, None, shifted, separate=True)
+    return MatrixLayout(len(shifted), matrices.fan_out, matrices.fan_in, shifted)
+
+
+def kernel_for(backend: Backend, matrices: MatrixLayout, cfg: MuonConfig) -> Kernel:
+    """The param's kernel: the backend's orthogonalize on the whole blocks of any box of the param."""
+    def kernel(x: Tensor, box: Box) -> Tensor:
+        if not box.numel:
+            return x.to(cfg.ns_dtype or x.dtype)
+        return backend.orthogonalize(x, within(matrices, box), cfg)
+    return kernel
+
+
+def _guarded(failures: list[tuple[str, Exception]], what: str, fn: Callable[..., Any],
+             fallback: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, except that an exception is recorded in `failures` and answered with fallback(*args) (zeros): the rank
+    keeps taking part in the step's remaining collectives instead of leaving its peers blocked in them, and
+    step 5 then raises on every rank before anything is written."""
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised by agree_no_failure, with its rank
+            failures.append((what, e))
+            return fallback(*args)
+    return run
+
+
+def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]]) -> None:
+    """Step 5: a digest all-gather after the step's last data collective, before any write: if the local work of
+    any rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins)."""
+    ok = hashlib.sha256(b"step ok").digest()
+    digests = comm.check_agreement(hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check")
+    failed = [r for r, d in enumerate(digests) if d != ok]
+    if failures:
+        what, e = failures[0]
+        raise RuntimeError(f"DistributedMuon: rank {comm.rank} failed mid-step in {what} ({type(e).__name__}: {e}); "
+                           f"failed ranks {failed}; no param or momentum buffer was written on any rank") from e
+    if failed:
+        raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); no "
+                           f"param or momentum buffer was written on any rank")
+
+
+def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
+            options: Options, error: str | None = None) -> Plan:
+    """Steps 1-2: the plan every rank agreed on, without the params skipped as non-finite. `entries` say which
+    params have a gradient on this rank (active); `error` is this rank's first local error (raised on every
+    rank)."""
+    agree(comm, plan(entries, options), error)
+    skip = nonfinite(comm, entries, inputs, configs)
+    if not skip:
+        return plan(entries, options)
+    return plan(tuple(e if i not in skip else Entry(e.layout, e.group_index, e.update_dtype, False)
+                      for i, e in enumerate(entries)), options)
+
+
+def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
+            backend: Backend, group_for: Callable[[Batch], Group]) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Steps 3-6 on an agreed plan: yields (param index, new local param, new local buffer) for every param that
+    steps, after every rank agreed that the step succeeded."""
+    failures: list[tuple[str, Exception]] = []
+    buffers, directions, updates = {}, {}, {}
+    for batch in step_plan.batches:
+        for i, geometry in zip(batch.params, batch.geometries):
+            layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
+            box = geometry.boxes[geometry.member(comm.rank)]
+            momentum = _guarded(failures, f"the momentum of {layout.name}",
+                                lambda g, b, cfg=cfg: elementwise(lambda m: _momentum(cfg), [g, b], layout.matrices,
+                                                                   layout.global_shape, box),
+                                lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
+            buffers[i], directions[i] = momentum(x.grad, x.buf)
+    for batch in step_plan.batches:
+        update_dtype = batch.update_torch_dtype
+        kernels = [_guarded(failures, f"the kernel of a batch from {step_plan.entries[i].layout.name}",
+                            kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
+                            lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype))
+                   for i in batch.params]
+        outs = PATHS[batch.path].run(comm, group_for(batch), batch, [directions[i] for i in batch.params], kernels)
+        updates.update(zip(batch.params, outs))
+    agree_no_failure(comm, failures)
+    for batch in step_plan.batches:
+        for i, geometry in zip(batch.params, batch.geometries):
+            layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
+            (new,) = elementwise(lambda m, cfg=configs[i]: _apply(m, cfg), [inputs[i].param, updates.pop(i)],
+                                 layout.matrices, layout.global_shape, box)
+            yield i, new, buffers.pop(i)
+
+
+def _momentum(cfg: MuonConfig) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    return lambda g, b: momentum_direction(g, b, cfg)
+
+
+def _apply(matrices: MatrixLayout, cfg: MuonConfig) -> Callable[[Tensor, Tensor], tuple[Tensor]]:
+    return lambda p, u: (apply_update(p, u, matrices, cfg),)
