@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muon_dist.comm import older_collective_names
+
 
 class CountingCollectives:
     """torch.distributed collectives on the default group, with this rank's (sent, received) bytes since reset()."""
@@ -31,7 +33,8 @@ class CountingCollectives:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is rank j's x (n = x.numel())."""
         x = x.contiguous().reshape(-1)
         out = x.new_empty(self.world_size * x.numel())
-        dist.all_gather_into_tensor(out, x)
+        with older_collective_names():
+            dist.all_gather_into_tensor(out, x)
         moved = (self.world_size - 1) * x.numel() * x.element_size()
         self.sent, self.received = self.sent + moved, self.received + moved
         self.collectives += 1

@@ -9,7 +9,9 @@ as threads of one process, for fast property tests of the planner and the paths.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -59,24 +61,30 @@ class Comm:
         me = group.ranks.index(self.rank)
         size = x.element_size()
         self._record(path, "all_to_all", size * (sum(in_splits) - in_splits[me]), size * (sum(out_splits) - out_splits[me]))
+        if group.size == 1:  # a group of one: the result is the input (no backend call)
+            return x.reshape(-1)
         return self._all_to_all(x, list(out_splits), list(in_splits), group)
 
     def all_gather(self, x: Tensor, group: Group, path: str) -> Tensor:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is member j's x (n = x.numel())."""
         moved = (group.size - 1) * x.numel() * x.element_size()
         self._record(path, "all_gather", moved, moved)
-        return self._all_gather(x.reshape(-1), group)
+        return x.reshape(-1) if group.size == 1 else self._all_gather(x.reshape(-1), group)
 
     def reduce_scatter_sum(self, x: Tensor, group: Group, path: str) -> Tensor:
         """Chunk j (of group.size equal chunks) of the elementwise sum over members, returned to member j."""
         assert x.numel() % group.size == 0, (x.numel(), group.size)
         moved = (group.size - 1) * (x.numel() // group.size) * x.element_size()
         self._record(path, "reduce_scatter", moved, moved)
-        return self._reduce_scatter_sum(x.reshape(-1), group)
+        return x.reshape(-1) if group.size == 1 else self._reduce_scatter_sum(x.reshape(-1), group)
 
     def check_agreement(self, digest: bytes, what: str) -> list[bytes]:
-        """All-gather a 32-byte digest over the world; every rank gets every rank's digest (never a hang)."""
+        """All-gather a 32-byte digest over the world; every rank gets every rank's digest (never a hang). A world
+        of one needs no device round trip."""
         assert len(digest) == 32
+        if self.world_size == 1:
+            self._record(what, "all_gather", 0, 0)
+            return [digest]
         world = self.world_group()
         mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(self.device)
         gathered = self.all_gather(mine, world, what).cpu()
@@ -143,13 +151,25 @@ class TorchComm(Comm):
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(group.size * x.numel())
-        self.dist.all_gather_into_tensor(out, x.contiguous(), group=group.handle)
+        with older_collective_names():
+            self.dist.all_gather_into_tensor(out, x.contiguous(), group=group.handle)
         return out
 
     def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(x.numel() // group.size)
-        self.dist.reduce_scatter_tensor(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
+        with older_collective_names():
+            self.dist.reduce_scatter_tensor(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
         return out
+
+
+@contextlib.contextmanager
+def older_collective_names() -> Any:
+    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (FutureWarning) for names that torch
+    2.9-2.12 lack; we call the older names on purpose, so their deprecation warning is not the user's to see."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`",
+                                category=FutureWarning)
+        yield
 
 
 def run_threads(world_size: int, rank_main: Any, timeout_s: float = 60.0) -> None:

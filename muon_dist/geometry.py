@@ -95,12 +95,17 @@ class Geometry:
         """Elements of each member's box."""
         return tuple(b.numel for b in self.boxes)
 
+    @functools.cached_property
+    def _where(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        """rank -> (its shard group, its index there), for every rank of the mesh."""
+        return {r: (g, j) for g in self.groups for j, r in enumerate(g)}
+
     def group_of(self, rank: int) -> tuple[int, ...]:
-        return next(g for g in self.groups if rank in g)
+        return self._where[rank][0]
 
     def member(self, rank: int) -> int:
         """This rank's index in its shard group."""
-        return self.group_of(rank).index(rank)
+        return self._where[rank][1]
 
     @functools.cached_property
     def components(self) -> tuple[tuple[int, ...], ...]:

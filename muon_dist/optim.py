@@ -49,19 +49,24 @@ class DistributedMuon(torch.optim.Optimizer):
     `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
     FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py) and
     `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
-    tolerance). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
+    tolerance) and `atomic`: False (default) writes the step in write groups, each after every rank agreed that its
+    local work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
+    neither its group nor the later ones, on every rank); True holds the whole step's and a failure writes
+    nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
     def __init__(self, params: Iterable[Any], preset: str | None = "torch", *, comm: Comm | None = None,
                  remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
-                 ns_backend: str = "torch", **overrides: Any) -> None:
+                 ns_backend: str = "torch", atomic: bool = False, **overrides: Any) -> None:
         self.comm = comm if comm is not None else TorchComm()
         self.backend = backend(ns_backend)
         self.options = Options(remainder, force_path, dispatch)
+        self.atomic = atomic
         self.preset = preset
         self.last_report: StepReport | None = None
         self.last_plan: Plan | None = None
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}  # id(param) -> (what it was read from, layout)
+        self._groups: dict[tuple, Group] = {}  # (partition, sharding axes, mesh) -> this rank's process group
         super().__init__(params, preset_defaults(preset, overrides))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -125,16 +130,21 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _group_for(self, params: list[Tensor]) -> Callable[[Batch], Group]:
         """The process group of a batch: the DeviceMesh axis's own group when one axis shards, sub-groups made once
-        per partition when several do (every rank calls this in plan order), the default group otherwise."""
+        per partition when several do (every rank calls this in plan order), the default group otherwise; found
+        once per (partition, mesh) and reused."""
         def group_for(batch: Batch) -> Group:
             geometry = batch.geometries[0]
-            ranks = geometry.group_of(self.comm.rank)
             mesh = getattr(params[batch.params[0]], "device_mesh", None)
-            if mesh is None or not geometry.axes:
-                return self.comm.group(ranks)
-            if len(geometry.axes) == 1:
-                return self.comm.group(ranks, mesh.get_group(geometry.axes[0]))
-            return self.comm.subgroups(geometry.groups)[ranks]
+            key = (geometry.groups, geometry.axes, mesh)
+            if key not in self._groups:
+                ranks = geometry.group_of(self.comm.rank)
+                if mesh is None or not geometry.axes:
+                    self._groups[key] = self.comm.group(ranks)
+                elif len(geometry.axes) == 1:
+                    self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0]))
+                else:
+                    self._groups[key] = self.comm.subgroups(geometry.groups)[ranks]
+            return self._groups[key]
         return group_for
 
     @torch.no_grad()
@@ -149,7 +159,7 @@ class DistributedMuon(torch.optim.Optimizer):
         per_param = [configs[e.group_index] for e in entries]
         step_plan = prepare(self.comm, entries, inputs, per_param, self.options, error)
         for i, new_param, new_buf in execute(self.comm, step_plan, inputs, per_param, self.backend,
-                                             self._group_for(params)):
+                                             self._group_for(params), self.atomic):
             p = params[i]
             _local(p).copy_(new_param)
             self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)

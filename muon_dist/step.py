@@ -12,9 +12,12 @@ Protocol, the same on every rank (so a disagreement is an error on every rank, n
   3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element);
   4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
      blocks; every member gets back its box of each update;
-  5. all-gather whether any rank's local work raised ("failure_check"): then every rank raises RuntimeError and
-     nothing is written (a failed rank joined the remaining collectives with zeros, so no peer waits for it);
-  6. yield each param's new local shard and new momentum buffer, computed one param at a time (the caller writes).
+  5. after each write group's batches (write_groups: at most WRITE_GROUPS per step, or the whole step when atomic),
+     all-gather whether any rank's local work raised ("failure_check"): then every rank raises RuntimeError and
+     that group and the later ones are not written (a failed rank joined the group's remaining collectives with
+     zeros, so no peer waits for it; every rank wrote the same earlier groups);
+  6. yield each param of the group: its new local shard and new momentum buffer, one param at a time (the caller
+     writes), then go on with the next group.
 Nothing here writes an input. Equation (proofs/paths.md): on every rank r, for every param that steps,
     new_param == box_r(muon_ref's P'),   new_buf == box_r(muon_ref's M')
 bitwise with the torch backend (another backend: its tolerance, muon_dist/kernels).
@@ -23,6 +26,7 @@ bitwise with the torch backend (another backend: its tolerance, muon_dist/kernel
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +48,9 @@ from .paths import PATHS
 
 # the step's control collectives, each logged under its own name (every other name in the ledger is a path's)
 CHECKS: tuple[str, ...] = ("plan_digest", "nonfinite_check", "failure_check")
+# a step writes in at most this many groups (each after its own failure check), unless atomic: the new momentum
+# buffers and updates held at once are about 1/WRITE_GROUPS of the step's, not all of them
+WRITE_GROUPS = 16
 
 
 @dataclass(frozen=True)
@@ -114,9 +121,9 @@ def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]
 
 def within(matrices: MatrixLayout, box: Box) -> MatrixLayout:
     """The layout of the whole blocks inside `box`, in the box's coordinates (the box holds whole blocks)."""
-    inside = [b for b in matrices.blocks if box.intersect(b) == Box(b.offsets, b.shape)]
-    if len(inside) == len(matrices.blocks):
+    if box.shape == matrices.shape:  # the whole param
         return matrices
+    inside = [b for b in matrices.blocks if box.intersect(b) == Box(b.offsets, b.shape)]
     shifted = tuple(type(b)(tuple(o - q for o, q in zip(b.offsets, box.offsets)), b.shape, b.fan_out, b.fan_in)
                     for b in inside)
     if matrices.separate:
@@ -147,19 +154,22 @@ def _guarded(failures: list[tuple[str, Exception]], what: str, fn: Callable[...,
     return run
 
 
-def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]]) -> None:
-    """Step 5: a digest all-gather after the step's last data collective, before any write: if the local work of
-    any rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins)."""
+def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]], written: int) -> None:
+    """Step 5: a digest all-gather after a write group's last data collective, before it writes: if the local work
+    of any rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins).
+    `written`: the batches of the plan that earlier write groups wrote on every rank."""
     ok = hashlib.sha256(b"step ok").digest()
     digests = comm.check_agreement(hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check")
     failed = [r for r, d in enumerate(digests) if d != ok]
+    state = ("no param or momentum buffer was written on any rank" if not written else
+             f"the first {written} batches of the step's plan were written on every rank, no other param or buffer")
     if failures:
         what, e = failures[0]
         raise RuntimeError(f"DistributedMuon: rank {comm.rank} failed mid-step in {what} ({type(e).__name__}: {e}); "
-                           f"failed ranks {failed}; no param or momentum buffer was written on any rank") from e
+                           f"failed ranks {failed}; {state}") from e
     if failed:
-        raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); no "
-                           f"param or momentum buffer was written on any rank")
+        raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
+                           f"{state}")
 
 
 def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
@@ -175,36 +185,60 @@ def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput]
                       for i, e in enumerate(entries)), options)
 
 
+def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
+    """The plan's batches in order, cut into write groups: the whole step when `atomic`; else each group closes
+    once its params' elements reach 1/WRITE_GROUPS of the step's (so at most WRITE_GROUPS groups, and a group
+    holds at most one batch more than that share). Global sizes, never a rank's box: every rank must cut the
+    same groups, or their failure checks would not match (a collective mismatch)."""
+    if atomic:
+        return [step_plan.batches]
+    sizes = [sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches]
+    share, groups, current, held = sum(sizes) / WRITE_GROUPS, [], [], 0
+    for batch, size in zip(step_plan.batches, sizes):
+        current.append(batch)
+        held += size
+        if held >= share:
+            groups.append(tuple(current))
+            current, held = [], 0
+    return groups + ([tuple(current)] if current else [])
+
+
 def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
-            backend: Backend, group_for: Callable[[Batch], Group]) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """Steps 3-6 on an agreed plan: yields (param index, new local param, new local buffer) for every param that
-    steps, after every rank agreed that the step succeeded."""
+            backend: Backend, group_for: Callable[[Batch], Group],
+            atomic: bool = False) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Steps 3-6 on an agreed plan, one write group at a time (write_groups): its momentum, its paths, the failure
+    check, then it yields (param index, new local param, new local buffer) for each of its params, for the caller
+    to write. So a step holds the new buffers and updates of one write group at a time, not of the whole step;
+    with `atomic`, the whole step is one group and a failure anywhere writes nothing."""
     failures: list[tuple[str, Exception]] = []
-    buffers, directions, updates = {}, {}, {}
-    for batch in step_plan.batches:
-        for i, geometry in zip(batch.params, batch.geometries):
-            layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
-            box = geometry.boxes[geometry.member(comm.rank)]
-            momentum = _guarded(failures, f"the momentum of {layout.name}",
-                                lambda g, b, cfg=cfg: elementwise(lambda m: _momentum(cfg), [g, b], layout.matrices,
-                                                                   layout.global_shape, box),
-                                lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
-            buffers[i], directions[i] = momentum(x.grad, x.buf)
-    for batch in step_plan.batches:
-        update_dtype = batch.update_torch_dtype
-        kernels = [_guarded(failures, f"the kernel of a batch from {step_plan.entries[i].layout.name}",
-                            kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
-                            lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype))
-                   for i in batch.params]
-        outs = PATHS[batch.path].run(comm, group_for(batch), batch, [directions[i] for i in batch.params], kernels)
-        updates.update(zip(batch.params, outs))
-    agree_no_failure(comm, failures)
-    for batch in step_plan.batches:
-        for i, geometry in zip(batch.params, batch.geometries):
+    written = 0
+    for group in write_groups(step_plan, atomic):
+        pending = []
+        for batch in group:
+            buffers, directions = {}, {}
+            for i, geometry in zip(batch.params, batch.geometries):
+                layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
+                box = geometry.boxes[geometry.member(comm.rank)]
+                momentum = _guarded(failures, f"the momentum of {layout.name}",
+                                    lambda g, b: elementwise(lambda m: _momentum(cfg), [g, b], layout.matrices,
+                                                             layout.global_shape, box),
+                                    lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
+                buffers[i], directions[i] = momentum(x.grad, x.buf)
+            update_dtype = batch.update_torch_dtype
+            kernels = [_guarded(failures, f"the kernel of a batch from {step_plan.entries[i].layout.name}",
+                                kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
+                                lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype))
+                       for i in batch.params]
+            outs = PATHS[batch.path].run(comm, group_for(batch), batch, [directions.pop(i) for i in batch.params],
+                                         kernels)
+            pending += [(i, geometry, buffers[i], out) for i, geometry, out in zip(batch.params, batch.geometries, outs)]
+        agree_no_failure(comm, failures, written)
+        for i, geometry, buf, update in pending:
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
-            (new,) = elementwise(lambda m, cfg=configs[i]: _apply(m, cfg), [inputs[i].param, updates.pop(i)],
+            (new,) = elementwise(lambda m, cfg=configs[i]: _apply(m, cfg), [inputs[i].param, update],
                                  layout.matrices, layout.global_shape, box)
-            yield i, new, buffers.pop(i)
+            yield i, new, buf
+        written += len(group)
 
 
 def _momentum(cfg: MuonConfig) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:

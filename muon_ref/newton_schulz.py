@@ -60,8 +60,10 @@ def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor
     if safety != 1.0:
         norm = norm * safety
     denom = norm + eps if eps_mode == "add" else norm.clamp(min=eps)
-    # 0/0 only when X == 0 and eps == 0; d is replaced by 1 there, so the zero matrix maps to zero.
-    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
+    # d = 0 only for a zero matrix whose eps rounds to 0 in X's dtype (eps = 0; 1e-15 in fp16): d is replaced by 1
+    # there, so the zero matrix maps to zero. Above the dtype's smallest normal eps keeps d > 0: no guard needed.
+    if eps < torch.finfo(X.dtype).tiny:
+        denom = torch.where(denom == 0, torch.ones_like(denom), denom)
     return X / denom
 
 
@@ -190,9 +192,16 @@ def resolve_ns_options(
     negative or non-finite eps and a safety that is not positive and finite (NSOptions checks itself).
     Contract: newton_schulz itself calls this, so a fast kernel that does gets the reference's options exactly.
     """
-    sched = get_schedule(schedule)
     if precondition not in (None, "none", "aol"):
         raise ValueError(f"precondition must be None, 'none' or 'aol', got {precondition!r}")
+    return _resolved(get_schedule(schedule), steps, eps, safety, precondition)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved(sched: Schedule, steps: int | None, eps: float | None, safety: float | None,
+              precondition: str | None) -> NSOptions:
+    """resolve_ns_options on the schedule object (not its name: register_schedule may rebind a name), cached: a
+    pure function that every kernel call asks for."""
     return NSOptions(
         coefficients=sched.steps_for(steps),
         eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,

@@ -40,6 +40,15 @@ def check_param(p: Tensor, name: str) -> None:
         raise ValueError(f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real floating dtype")
 
 
+def all_finite(grads: list[Tensor]) -> list[bool]:
+    """Whether each gradient is finite, with one device-to-host copy for all of them (a per-param bool() would
+    wait for the device once per param)."""
+    if not grads:
+        return []
+    flags = [torch.isfinite(g).all() for g in grads]
+    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+
+
 def skipped_blocks(grad: Tensor, layout: MatrixLayout) -> tuple[Block, ...]:
     """The blocks that the "skip" policy leaves unchanged for a non-finite gradient: every block of a shared
     layout (the whole param), and the blocks with a non-finite gradient of a separate one (each its own param)."""
@@ -86,7 +95,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
+        found = []
         for group in self.param_groups:  # validate everything before writing anything
             cfg = group_config(group)
             for i, p in enumerate(group["params"]):
@@ -94,14 +103,17 @@ class Muon(torch.optim.Optimizer):
                     continue
                 name = param_name(group, i)
                 check_gradient(p.grad, p, name)
-                layout, skipped = self.layout_of(p, group, name), ()
-                if not is_finite(p.grad):
-                    if cfg.nonfinite == "raise":
-                        raise ValueError(f"{name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)")
-                    skipped = skipped_blocks(p.grad, layout)
-                    if len(skipped) == len(layout.blocks):
-                        continue
-                work.append((p, cfg, layout, skipped))
+                found.append((p, cfg, self.layout_of(p, group, name), name))
+        work = []
+        for (p, cfg, layout, name), finite in zip(found, all_finite([p.grad for p, *_ in found])):
+            skipped = ()
+            if not finite:
+                if cfg.nonfinite == "raise":
+                    raise ValueError(f"{name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)")
+                skipped = skipped_blocks(p.grad, layout)
+                if len(skipped) == len(layout.blocks):
+                    continue
+            work.append((p, cfg, layout, skipped))
         for p, cfg, layout, skipped in work:
             state = self.state[p]
             buf = state.get("momentum_buffer")

@@ -94,6 +94,16 @@ def test_a_zero_matrix_maps_to_zero_never_nan(name, eps):
     assert out.shape == (3, 6, 5) and torch.count_nonzero(out) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("eps_mode", ["add", "clamp"])
+@pytest.mark.parametrize("eps", [1e-15, 1e-30, 1e-7])
+def test_a_zero_matrix_maps_to_zero_when_eps_rounds_to_zero_in_the_compute_dtype(dtype, eps_mode, eps):
+    # regression (found by notebooks/ns_numerics.py): 1e-15 is 0 in fp16, so d = 0 for a zero matrix although
+    # eps > 0; the zero guard must depend on eps in the compute dtype, not on eps == 0
+    out = newton_schulz(torch.zeros(6, 5), "polar_express", eps=eps, eps_mode=eps_mode, dtype=dtype)
+    assert torch.count_nonzero(out) == 0 and bool(torch.isfinite(out).all())
+
+
 def test_leading_dims_are_independent_matrices_bitwise():
     G = gaussian((2, 3, 7, 5), 0)
     out = newton_schulz(G)

@@ -44,8 +44,12 @@ def unpack(flat: Tensor, lengths: list[list[int]]) -> list[list[Tensor]]:
 def exchange(comm: Comm, group: Group, geometries: Sequence[Geometry], owners: Sequence[int],
              directions: Sequence[Tensor], kernels: Sequence[Kernel], update_dtype: torch.dtype,
              name: str) -> list[Tensor]:
-    """This member's box of every param's update (module docstring); collectives logged under `name`."""
+    """This member's box of every param's update (module docstring); collectives logged under `name`. A group of
+    one owns every param whole: the kernels run on the directions as they are, with no exchange."""
     W, me = group.size, group.ranks.index(comm.rank)
+    if W == 1:
+        return [kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
+                for d, kernel, g in zip(directions, kernels, geometries)]
     sizes = [g.sizes for g in geometries]  # sizes[k][j]: member j's box of param k
     owned = [[k for k, o in enumerate(owners) if o == j] for j in range(W)]  # owned[j]: params of member j
     to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]  # my boxes, by owner
@@ -71,8 +75,11 @@ def exchange(comm: Comm, group: Group, geometries: Sequence[Geometry], owners: S
 
 
 def exchange_bytes(geometries: Sequence[Geometry], owners: Sequence[int], member: int,
-                   itemsizes: Mapping[str, int], direction_dtype: str, update_dtype: str) -> tuple[int, int]:
-    """(sent, received) bytes of `member` in exchange (the traffic formula of the module docstring)."""
+                   itemsizes: Mapping[str, int], direction_dtype: str, update_dtype: str) -> tuple[int, int] | None:
+    """(sent, received) bytes of `member` in exchange (the traffic formula of the module docstring); None for a
+    group of one (no collective)."""
+    if geometries[0].group_size == 1:
+        return None
     sent = received = 0
     b_dir, b_upd = itemsizes[direction_dtype], itemsizes[update_dtype]
     for geometry, owner in zip(geometries, owners):

@@ -297,3 +297,31 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
     ref_params, _ = reference_run(case, 2)
     return {"error": error, "seconds": seconds, "unchanged": unchanged,
             "differing": differing([local(p) for p in params], ref_params, case)}
+
+
+def raise_in_a_later_write_group(case: Case, failing_rank: int, failing_shape: tuple[int, ...], atomic: bool) -> dict:
+    """Step 0 normal; in step 1 `failing_rank`'s kernel raises on the param(s) of `failing_shape`. The error each rank
+    raised and, per param, whether its shard and momentum buffer changed in the failed step."""
+    from muon_dist.kernels import Backend
+
+    params, opt = _setup(replace(case, overrides=case.overrides + (("atomic", atomic),)))
+    _set_grads(case, params, 0, (), 0)
+    opt.step()
+    before = _locals(params, opt)
+    real = opt.backend
+
+    def failing(direction: torch.Tensor, layout, cfg) -> torch.Tensor:
+        if dist.get_rank() == failing_rank and tuple(direction.shape) == tuple(failing_shape):
+            raise RuntimeError(f"deliberate failure on {tuple(failing_shape)}")
+        return real.orthogonalize(direction, layout, cfg)
+    opt.backend = Backend("torch", failing, bitwise=True)
+    _set_grads(case, params, 1, (), 0)
+    error = "no error"
+    try:
+        opt.step()
+    except RuntimeError as e:
+        error = str(e)
+    after = _locals(params, opt)
+    changed = [not (torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(m), _bits(n)))
+               for a, b, m, n in zip(before["params"], after["params"], before["buffers"], after["buffers"])]
+    return {"error": error, "changed": changed}

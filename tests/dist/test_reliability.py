@@ -3,8 +3,9 @@
 Policies (README "Guarantees"): a non-finite gradient on any rank raises on every rank (nonfinite="raise") or
 skips that param on every rank ("skip"); zero gradients give a zero update; a grad that is None on some ranks
 only is a ValueError on every rank, None on all ranks skips the param; params may join or leave groups between
-steps; a rank whose local work raises mid-step makes every rank raise RuntimeError, nothing written, within
-seconds (an all-gather of failure flags before any write, not the pool's timeout); runs repeat bitwise.
+steps; a rank whose local work raises mid-step makes every rank raise RuntimeError within seconds (an all-gather
+of failure flags before each write group, not the pool's timeout), and every rank writes exactly the write groups
+before the failing one (none with atomic=True); runs repeat bitwise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from muon_dist.harness.fixtures import same_bits
 from .ckpt_workers import (groups_change_between_steps, none_on_some_ranks_then_recover, nonfinite_on_one_rank,
-                           raise_mid_step, zero_gradients)
+                           raise_in_a_later_write_group, raise_mid_step, zero_gradients)
 from .conftest import get_pool
 from .workers import Case, distributed_steps
 
@@ -96,3 +97,19 @@ def test_repeated_runs_are_bitwise_identical() -> None:
     first, second = (get_pool(4).run(distributed_steps, case, timeout=30) for _ in range(2))
     for rank, (a, b) in enumerate(zip(first, second)):
         assert all(same_bits(x, y) for x, y in zip(a["params"] + a["buffers"], b["params"] + b["buffers"])), rank
+
+
+# three batches of equal size (W params each, no empty box): three write groups of a streaming step, one of an
+# atomic step
+GROUPED = Case(shapes=((8, 4),) * 4 + ((4, 8),) * 4 + ((16, 2),) * 4, placements=("S0",) * 12)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_failure_in_a_later_write_group_writes_exactly_the_earlier_groups_on_every_rank(atomic: bool) -> None:
+    results = get_pool(4).run(raise_in_a_later_write_group, GROUPED, 2, (4, 8), atomic, timeout=30)
+    written = [False] * 12 if atomic else [True] * 4 + [False] * 8  # the (8, 4) batch is the first group
+    for rank, r in enumerate(results):
+        assert r["changed"] == written, (rank, r)
+        state = "no param or momentum buffer was written" if atomic else "the first 1 batches of the step's plan"
+        assert "failed mid-step" in r["error"] and state in r["error"], (rank, r["error"])
