@@ -68,10 +68,10 @@ def placement_code(placement: Any, name: str, shape: tuple[int, ...]) -> str:
     Replicate (Partial: the gradient must be reduced before the optimizer runs)."""
     if placement.is_replicate():
         return "R"
-    if placement.is_shard():
+    factor = getattr(placement, "split_factor", None)  # _StridedShard: a Shard subclass in torch 2.9, not in 2.13
+    if factor is not None or placement.is_shard():
         dim = placement.dim % len(shape)
-        factor = getattr(placement, "split_factor", 1)
-        return f"S{dim}" if factor == 1 else f"S{dim}:{factor}"
+        return f"S{dim}" if factor in (None, 1) else f"S{dim}:{int(factor)}"
     raise ValueError(f"{name} of shape {shape}: placement {placement} is not supported (Replicate, Shard or "
                      f"_StridedShard only)")
 

@@ -138,10 +138,10 @@ class DistributedMuon(torch.optim.Optimizer):
             key = (geometry.groups, geometry.axes, mesh)
             if key not in self._groups:
                 ranks = geometry.group_of(self.comm.rank)
-                if mesh is None or not geometry.axes:
+                if mesh is None:
                     self._groups[key] = self.comm.group(ranks)
-                elif len(geometry.axes) == 1:
-                    self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0]))
+                elif len(geometry.axes) <= 1:  # one sharding axis, or a replicated DTensor's 1-D mesh
+                    self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0] if geometry.axes else 0))
                 else:
                     self._groups[key] = self.comm.subgroups(geometry.groups)[ranks]
             return self._groups[key]
@@ -157,9 +157,9 @@ class DistributedMuon(torch.optim.Optimizer):
         configs = [group_config(g) for g in self.param_groups]  # resolved once per group per step
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
-        step_plan = prepare(self.comm, entries, inputs, per_param, self.options, error)
+        step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)
         for i, new_param, new_buf in execute(self.comm, step_plan, inputs, per_param, self.backend,
-                                             self._group_for(params), self.atomic):
+                                             self._group_for(params), self.atomic, skipped):
             p = params[i]
             _local(p).copy_(new_param)
             self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)

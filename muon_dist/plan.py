@@ -6,7 +6,8 @@ the all-to-all path, and a remainder batch of R < W that takes the remainder pat
 all-to-all). Replicated runs are cut into batches of at most W. Each path's module gives the owners (member k
 orthogonalises param k). The digest of the plan is compared across ranks before the first data collective.
 
-Expert stacks (a shared layout of several blocks: 3-D [E, m, n], or fused [E * m, n] with num_experts) are planned
+Params with separate blocks (split_sizes, num_heads) take the "blocks" path when sharded: each block goes to the
+member that holds most of it. Expert stacks (a shared layout of several blocks: 3-D [E, m, n], or fused [E * m, n] with num_experts) are planned
 from where the boxes fall on the blocks, never from mesh names: if every member holds whole blocks, "local"; else
 if every component of members that share a block holds exactly that one block, "subgroup_all_gather"; else the
 all-to-all family over the whole shard group (proofs/paths.md#expert-fallback). E % ep != 0 needs no special
@@ -136,7 +137,8 @@ def _batch_path(entry: Entry, num_params: int, options: Options) -> str:
 
 @functools.lru_cache(maxsize=16)
 def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
-    """The plan of one step: runs of same-key active params in order, cut into batches of the group size. A pure
+    """The plan of one step: runs of same-key active params in order, cut into batches of the group size (a run
+    of sharded params with separate blocks is one "blocks" batch: its units are blocks, not params). A pure
     function of its arguments, cached: a step whose layouts, groups and gradients are as before reuses its plan."""
     runs: dict[tuple, list[int]] = {}
     for i, entry in enumerate(entries):
@@ -146,6 +148,10 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
     for members in runs.values():
         first = entries[members[0]]
         geometry = first.layout.geometry
+        if geometry.sharded and first.layout.matrices.separate and options.force_path is None:
+            batches.append(Batch("blocks", tuple(members), (geometry,) * len(members), (), first.layout.dtype,
+                                 first.update_dtype))
+            continue
         for start in range(0, len(members), geometry.group_size):
             chunk = tuple(members[start:start + geometry.group_size])
             path = _batch_path(first, len(chunk), options)

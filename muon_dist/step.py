@@ -79,22 +79,48 @@ def agree(comm: Comm, step_plan: Plan, error: str | None) -> None:
                          f"{mine}")
 
 
+def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
+    """The parts of a param whose finiteness is flagged apart, as this rank's boxes: one per block of a separate
+    layout (its blocks step, and are skipped, as params of their own), else the whole box. None: no piece here."""
+    geometry = entry.layout.geometry
+    box = geometry.boxes[geometry.member(rank)]
+    if not entry.layout.matrices.separate:
+        return [Box((0,) * len(box.shape), box.shape)]
+    return [part.within(box) if (part := box.intersect(b)) else None for b in entry.layout.matrices.blocks]
+
+
 def nonfinite(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput],
-              configs: Sequence[MuonConfig]) -> set[int]:
-    """Step 2: indices of params whose gradient is non-finite on any rank (one small all-gather over the world,
-    one device-to-host copy); ValueError naming the first such param whose group says nonfinite="raise"."""
-    flags = [torch.isfinite(x.grad).all().logical_not() if x.grad is not None else None for x in inputs]
-    local = torch.zeros(len(inputs), dtype=torch.uint8, device=comm.device)
+              configs: Sequence[MuonConfig]) -> tuple[set[int], dict[int, tuple[int, ...]]]:
+    """Step 2: the params whose gradient is non-finite on any rank (one small all-gather over the world, one
+    device-to-host copy): (params skipped whole, {param: its skipped blocks} for separate layouts with some finite
+    blocks, whose other blocks step as muon_ref steps them); ValueError naming the first such param whose group
+    says nonfinite="raise"."""
+    units = [_flag_units(e, comm.rank) for e in entries]
+    flags = []
+    for x, parts in zip(inputs, units):
+        for part in parts:
+            present = x.grad is not None and part is not None
+            flags.append(torch.isfinite(x.grad[part.index]).all().logical_not() if present else None)
+    local = torch.zeros(len(flags), dtype=torch.uint8, device=comm.device)
     present = [i for i, f in enumerate(flags) if f is not None]
     if present:
         local[present] = torch.stack([flags[i] for i in present]).to(comm.device, torch.uint8)
-    gathered = comm.all_gather(local, comm.world_group(), "nonfinite_check").cpu().reshape(comm.world_size, len(inputs))
-    bad = set(torch.nonzero(gathered.amax(dim=0)).flatten().tolist())
-    for i in sorted(bad):
+    gathered = comm.all_gather(local, comm.world_group(), "nonfinite_check").cpu().reshape(comm.world_size, -1)
+    bad = gathered.amax(dim=0).tolist()
+    skip, partial, start = set(), {}, 0
+    for i, parts in enumerate(units):
+        blocks = tuple(b for b, flag in enumerate(bad[start:start + len(parts)]) if flag)
+        start += len(parts)
+        if not blocks:
+            continue
         if configs[i].nonfinite == "raise":
             layout = entries[i].layout
             raise ValueError(f"{layout.name} of shape {layout.global_shape} has a non-finite gradient (NaN or Inf)")
-    return bad
+        if len(blocks) == len(parts) or not entries[i].layout.matrices.separate:
+            skip.add(i)
+        else:
+            partial[i] = blocks
+    return skip, partial
 
 
 def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]]], inputs: Sequence[Tensor],
@@ -102,8 +128,10 @@ def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]
     """An elementwise stage on this rank's box with the reference's bits: on the whole param for a shared layout;
     for a separate layout (split_sizes, num_heads) on each block's part of the box, as the block's own tensor
     (muon_ref steps each block as a param of its own: muon_ref.functional.map_blocks)."""
-    if not matrices.separate or not box.numel:
+    if not matrices.separate:
         return run_stage(stage(matrices), inputs, global_shape, box)
+    if not box.numel:  # nothing here: any block's stage on the empty inputs gives the empty outputs' dtypes
+        return run_stage(stage(matrices.blocks[0].as_param()), inputs, global_shape, box)
     outs: list[Tensor] = []
     for block in matrices.blocks:
         part = box.intersect(block)
@@ -173,16 +201,16 @@ def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]], written:
 
 
 def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
-            options: Options, error: str | None = None) -> Plan:
-    """Steps 1-2: the plan every rank agreed on, without the params skipped as non-finite. `entries` say which
-    params have a gradient on this rank (active); `error` is this rank's first local error (raised on every
-    rank)."""
+            options: Options, error: str | None = None) -> tuple[Plan, dict[int, tuple[int, ...]]]:
+    """Steps 1-2: the plan every rank agreed on, without the params skipped as non-finite, and the blocks skipped
+    inside params that step (nonfinite()). `entries` say which params have a gradient on this rank (active);
+    `error` is this rank's first local error (raised on every rank)."""
     agree(comm, plan(entries, options), error)
-    skip = nonfinite(comm, entries, inputs, configs)
+    skip, partial = nonfinite(comm, entries, inputs, configs)
     if not skip:
-        return plan(entries, options)
+        return plan(entries, options), partial
     return plan(tuple(e if i not in skip else Entry(e.layout, e.group_index, e.update_dtype, False)
-                      for i, e in enumerate(entries)), options)
+                      for i, e in enumerate(entries)), options), partial
 
 
 def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
@@ -204,12 +232,13 @@ def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
 
 
 def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
-            backend: Backend, group_for: Callable[[Batch], Group],
-            atomic: bool = False) -> Iterator[tuple[int, Tensor, Tensor]]:
+            backend: Backend, group_for: Callable[[Batch], Group], atomic: bool = False,
+            skipped: Mapping[int, tuple[int, ...]] | None = None) -> Iterator[tuple[int, Tensor, Tensor]]:
     """Steps 3-6 on an agreed plan, one write group at a time (write_groups): its momentum, its paths, the failure
     check, then it yields (param index, new local param, new local buffer) for each of its params, for the caller
     to write. So a step holds the new buffers and updates of one write group at a time, not of the whole step;
-    with `atomic`, the whole step is one group and a failure anywhere writes nothing."""
+    with `atomic`, the whole step is one group and a failure anywhere writes nothing. `skipped`: blocks of params
+    that keep their param and buffer bits (non-finite blocks of separate layouts, under nonfinite="skip")."""
     failures: list[tuple[str, Exception]] = []
     written = 0
     for group in write_groups(step_plan, atomic):
@@ -237,6 +266,10 @@ def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: 
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
             (new,) = elementwise(lambda m, cfg=configs[i]: _apply(m, cfg), [inputs[i].param, update],
                                  layout.matrices, layout.global_shape, box)
+            for b in (skipped or {}).get(i, ()):  # exact copies: a skipped block keeps its param and buffer bits
+                if (part := box.intersect(layout.matrices.blocks[b])) is not None:
+                    mine = part.within(box).index
+                    new[mine], buf[mine] = inputs[i].param[mine], inputs[i].buf[mine]
             yield i, new, buf
         written += len(group)
 

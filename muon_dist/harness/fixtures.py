@@ -4,15 +4,19 @@ by kind, the box of a full tensor that a rank holds, DTensors built from full te
 The boxes are computed here from torch.chunk alone, independently of muon_dist's layout code, so that comparing a
 rank's shard with `box_of(reference, ...)` checks muon_dist against DTensor's semantics, not against itself.
 
-Mesh kinds (W ranks): "fsdp" (1-D), "hsdp" (replicate 2 x fsdp W/2), "ep<k>" (ep k x fsdp W/k; "ep" is "ep2").
+Mesh kinds (W ranks): "fsdp" (1-D), "hsdp" (replicate 2 x fsdp W/2), "ep<k>" (ep k x fsdp W/k; "ep" is "ep2"),
+"tp<k>" (dp W/k x tp k), "grid<r>x<s>x<t>" (replicate r x shard s x tp t: HSDP over tensor parallelism).
 Placements: "plain" (a plain tensor, the same on every rank), "R" (Replicate), "S<d>" (Shard(d) on the mesh's last
 axis, Replicate on the others; on ep meshes Shard(d) on both axes: EP chunks the dim, FSDP chunks each EP block),
 or one code per mesh axis joined by commas ("S0,S1": Shard(0) on axis 0, Shard(1) on axis 1; DTensor applies
-them left to right, each chunking the current piece).
+them left to right, each chunking the current piece). "S<d>:<f>" is _StridedShard(d, split_factor=f), FSDP2's
+placement over a tensor-parallel Shard(d): the later axes that cut dim d (sizes multiplying to f) cut first and
+this axis cuts each of their pieces (torch.distributed.tensor.placement_types._StridedShard's docstring).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -53,6 +57,14 @@ def mesh_shape(kind: str, world_size: int) -> tuple[tuple[int, ...], tuple[str, 
     if kind.startswith("ep"):
         ep = int(kind[2:] or 2)
         return (ep, world_size // ep), ("ep", "fsdp")
+    if kind.startswith("tp"):
+        tp = int(kind[2:])
+        return (world_size // tp, tp), ("dp", "tp")
+    if kind.startswith("grid"):
+        shape = tuple(int(n) for n in kind[4:].split("x"))
+        if math.prod(shape) != world_size:
+            raise ValueError(f"mesh kind {kind!r} has {math.prod(shape)} ranks, not {world_size}")
+        return shape, ("replicate", "shard", "tp")
     raise ValueError(f"unknown mesh kind {kind!r}")
 
 
@@ -91,26 +103,42 @@ def box_of(full: Tensor, placement: str, kind: str, rank: int, world_size: int) 
     for size in reversed(shape):
         rest, c = divmod(rest, size)
         coords.append(c)
+    coords.reverse()
+    codes = axis_codes(placement, kind, world_size)
+    order = [a for a, code in enumerate(codes) if code != "R"]
+    for a in [a for a in order if ":" in codes[a]]:  # right to left: the later axes on its dim cut first
+        later = [b for b in order if b > a and codes[b].split(":")[0] == codes[a].split(":")[0]]
+        order = [b for b in order if b != a]
+        order.insert(order.index(later[-1]) + 1, a)
     piece = full
-    for code, size, coord in zip(axis_codes(placement, kind, world_size), shape, reversed(coords)):
-        if code != "R":
-            piece = chunk(piece, int(code[1:]), coord, size)
+    for a in order:
+        piece = chunk(piece, int(codes[a][1:].split(":")[0]), coords[a], shape[a])
     return piece
 
 
 def distribute(full: Tensor, placement: str, kind: str, device: str = "cpu") -> Tensor:
     """This rank's view of `full`: a copy for "plain", else a DTensor holding box_of(full) (as FSDP2 holds it)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     full = full.to(device)
     if placement == "plain":
         return full.clone()
     dm = device_mesh(kind, device)
     box = box_of(full, placement, kind, dist.get_rank(), dist.get_world_size()).clone()
-    placements = [Replicate() if code == "R" else Shard(int(code[1:]))
-                  for code in axis_codes(placement, kind, dist.get_world_size())]
+    placements = [placement_of(code) for code in axis_codes(placement, kind, dist.get_world_size())]
     return DTensor.from_local(box, dm, placements, shape=full.shape, stride=full.stride())
+
+
+def placement_of(code: str) -> Any:
+    """The DTensor placement of a code: "R", "S<d>" or "S<d>:<f>" (_StridedShard)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if code == "R":
+        return Replicate()
+    dim, _, factor = code[1:].partition(":")
+    return _StridedShard(int(dim), split_factor=int(factor)) if factor else Shard(int(dim))
 
 
 def local(t: Tensor) -> Tensor:

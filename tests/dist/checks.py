@@ -30,8 +30,14 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
     for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
         runs.setdefault(key, []).append(i)
     paths = [""] * len(case.shapes)
+    overrides = dict(case.overrides)
+    separate = overrides.get("split_sizes") is not None or overrides.get("num_heads") is not None
     for (shape, placement, _), members in runs.items():
         W = group_size(case, world_size, "R" if placement == "plain" else placement)
+        if separate and placement not in ("plain", "R") and not opts.get("force_path"):
+            for i in members:  # a run of separate blocks is one batch: its units are blocks
+                paths[i] = "blocks"
+            continue
         for start in range(0, len(members), W):
             chunk = members[start:start + W]
             if placement in ("plain", "R"):

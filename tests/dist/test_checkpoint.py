@@ -80,3 +80,22 @@ def test_a_dcp_checkpoint_of_distributed_muon_resumes_in_muon_ref_on_full_tensor
     (result,) = get_pool(1).run(resume_reference, CASE, 2, 4, str(tmp_path), timeout=60)
     plain = replace(CASE, placements=("plain",) * len(CASE.shapes))
     _assert_equal_to_reference([result], plain, 4, none=NEVER_STEPPED, none_until=2)
+
+
+TP_CASE = Case(shapes=((11, 7), (5, 9), (12, 4)), placements=("S0:2,S0", "S0,S1", "S0:2,S0"), mesh="tp2")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("load_world, load_mesh, load_placements", [
+    (2, "fsdp", ("S0", "S0", "S0")),  # tensor parallelism dropped: FSDP2 alone
+    (8, "tp4", ("S0:4,S0", "S0,S1", "S0:4,S0")),  # dp 2 x tp 4
+    (4, "tp2", ("S1,S0", "S0,S0", "S1,S1")),  # the same mesh, other placements
+])
+def test_a_checkpoint_saved_under_tensor_parallelism_resumes_on_another_dp_tp_layout_bitwise(
+        tmp_path, load_world: int, load_mesh: str, load_placements: tuple[str, ...]) -> None:
+    """Saved on a dp 2 x tp 2 mesh (FSDP2 over Colwise: _StridedShard; over Rowwise: Shard(0) x Shard(1)), loaded
+    by DCP into another (dp, tp) layout, continued: bitwise like an uninterrupted muon_ref run."""
+    get_pool(4).run(save_after, TP_CASE, 2, (), str(tmp_path), timeout=60)
+    loaded = replace(TP_CASE, mesh=load_mesh, placements=load_placements)
+    results = get_pool(load_world).run(resume, loaded, 2, 4, str(tmp_path), timeout=60)
+    _assert_equal_to_reference(results, loaded, 4)

@@ -67,13 +67,15 @@ COLLECTIVES = {"all_to_all": ["all_to_all"] * 2, "padded_all_to_all": ["all_to_a
                "agrs": ["all_gather", "reduce_scatter"], "replicated": ["all_gather"]}
 
 
-EXPERT_PATHS = {"local", "subgroup_all_gather"}  # expert stacks only: tests/dist/test_experts.py
+# tested elsewhere: expert stacks (tests/dist/test_experts.py), LPT owners over mixed shapes
+# (tests/dist/test_global_dispatch.py), separate blocks (tests/dist/test_blocks_tp.py)
+ELSEWHERE = {"local", "subgroup_all_gather", "global_all_to_all", "blocks"}
 
 
 @st.composite
 def batches(draw) -> tuple:
     W = draw(st.integers(1, 8))
-    path = draw(st.sampled_from(sorted(set(PATHS) - EXPERT_PATHS - {"global_all_to_all"})))
+    path = draw(st.sampled_from(sorted(set(PATHS) - ELSEWHERE)))
     count = W if path == "all_to_all" else draw(st.integers(1, W))
     shape = (draw(st.integers(1, 2 * W + 2)), draw(st.integers(1, 2 * W + 2)))
     placement = "R" if path == "replicated" else draw(st.sampled_from(["S0", "S1"]))
