@@ -6,6 +6,8 @@ muon_ref.gram_newton_schulz is tests/test_gram.py; the same contracts on CUDA ar
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 import muon_dist.kernels.reference as reference
 from muon_dist.kernels import BACKENDS, backend
+from muon_dist.kernels.contracts import KINDS, measure
 from muon_ref import MuonConfig, matrix_layout, newton_schulz, orthogonalize
 from tests.conftest import examples
 from tests.test_gram import gaussian, same_bits
@@ -29,6 +32,13 @@ def test_every_registered_backend_is_named_as_registered_and_only_torch_claims_b
         assert backend(name).name == name
     assert BACKENDS["triton"] == "muon_dist.kernels.triton_ns"
     assert [backend(name).bitwise for name in ("torch", "gram")] == [True, False]
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_module_states_its_reference_equation_and_contract(name):
+    source = importlib.util.find_spec(BACKENDS[name]).loader.get_source(BACKENDS[name])  # read: triton not imported
+    docstring = source.split('"""')[1]
+    assert "Reference equation" in docstring and "Contract" in docstring
 
 
 # "torch": the batched path's rule (muon_dist/kernels/reference.py docstring)
@@ -103,3 +113,46 @@ def test_the_batched_kernel_refuses_the_aol_preconditioner():
 def test_the_rule_measurement_command_finds_no_violation(capsys):
     assert reference.measure(CPU, num_stacks=6) == 0
     assert "the rule batches" in capsys.readouterr().out
+
+
+# "gram": contract 2 of muon_dist/kernels/gram_ns.py, against muon_ref.newton_schulz under the same config
+
+
+GRAM_SCHEDULES = ["keller", "you5", "polar_express_dao"]
+# measured maxima over 40 inputs of each kind: 1.4e-4, 4.1e-2, 0.40 (gram_ns.py); these are the first 8 of them
+GRAM_DIFFERENCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0.5}
+BF16_ULP = 2.0**-7  # of 1
+# measured bf16 bands (gram_ns.py), widened by 4 bf16 ulps of 1 on both sides
+GRAM_BF16_GAUSSIAN_BAND = {"keller": (0.6685, 1.134), "you5": (0.9548, 1.031), "polar_express_dao": (0.8384, 1.181)}
+GRAM_BF16_HARD_BAND = (-0.497, 1.599)
+
+
+def within(band: tuple[float, float], low: float, high: float, margin: float) -> bool:
+    """[low, high] inside band widened by margin on both sides (False for NaN)."""
+    return band[0] - margin <= low and high <= band[1] + margin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("schedule", GRAM_SCHEDULES)
+def test_the_gram_backend_is_within_its_measured_difference_from_newton_schulz(schedule, dtype):
+    cfg = MuonConfig(schedule=schedule, ns_dtype=dtype)
+    worst = max(measure("gram", cfg, kind, range(8), 64, CPU)["difference"] for kind in KINDS)
+    assert worst <= GRAM_DIFFERENCE[dtype]
+
+
+@pytest.mark.parametrize("schedule", GRAM_SCHEDULES)
+def test_the_gram_backends_bf16_singular_values_stay_inside_the_measured_bands(schedule):
+    cfg = MuonConfig(schedule=schedule, ns_dtype=torch.bfloat16)
+    for kind in KINDS:
+        r = measure("gram", cfg, kind, range(8), 64, CPU)
+        band = GRAM_BF16_GAUSSIAN_BAND[schedule] if kind == "gaussian" else GRAM_BF16_HARD_BAND
+        assert within(band, r["low"], r["high"], 4 * BF16_ULP), (kind, r)
+
+
+@pytest.mark.parametrize("kind", ["low_rank", "ill_conditioned"])
+def test_an_eight_step_schedule_is_outside_the_gram_contract_and_fails_its_band(kind):
+    # negative control: polar_express's 8 steps with the one restart blow up in bf16 (seed 1, measured: 1.2e36 on
+    # the low-rank input, 3.6e17 on the ill-conditioned one; NaN on other seeds)
+    r = measure("gram", MuonConfig(schedule="polar_express", ns_dtype=torch.bfloat16), kind, range(1, 2), 64, CPU)
+    assert not within(GRAM_BF16_HARD_BAND, r["low"], r["high"], 4 * BF16_ULP)
+    assert within(GRAM_BF16_HARD_BAND, r["ref_low"], r["ref_high"], 0.0)  # muon_ref.newton_schulz holds it
