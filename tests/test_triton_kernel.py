@@ -120,8 +120,9 @@ def contract_runs(tns, device) -> dict[tuple, dict[str, float]]:
     from muon_dist.kernels.contracts import measure
     from muon_ref import MuonConfig
 
-    return {case: measure("triton", MuonConfig(schedule=case[1], ns_dtype=case[2]), case[0],
-                          range(case[3], case[3] + 1), 64, torch.device(device)) for case in sorted(CONTRACT_RUNS, key=str)}
+    return {(kind, schedule, dtype, seed): measure("triton", MuonConfig(schedule=schedule, ns_dtype=dtype), kind,
+                                                   range(seed, seed + 1), 64, torch.device(device))
+            for kind, schedule, dtype, seed in CONTRACT_RUNS}
 
 
 @pytest.mark.parametrize("case", sorted(CONTRACT_RUNS, key=str), ids=str)
@@ -146,7 +147,8 @@ def test_a_kernel_with_a_wrong_coefficient_leaves_the_band(tns, device, monkeypa
     correct_update = tns.quintic_update
     monkeypatch.setattr(tns, "quintic_update", lambda B, X, a, **kw: correct_update(B, X, a * 0.95, **kw))
     r = measure("triton", MuonConfig(ns_dtype=torch.float16), "gaussian", range(1), 64, torch.device(device))
-    assert not (GAUSSIAN_KELLER_BAND[0] - BAND_MARGIN <= r["low"] and r["high"] <= GAUSSIAN_KELLER_BAND[1] + BAND_MARGIN)
+    low, high = GAUSSIAN_KELLER_BAND
+    assert not (low - BAND_MARGIN <= r["low"] and r["high"] <= high + BAND_MARGIN)
 
 
 def assert_within_gemm_error_bound(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, terms: int) -> None:

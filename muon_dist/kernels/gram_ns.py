@@ -56,8 +56,9 @@ Gram NS then amplifies (muon_ref/gram.py). Measured on this CPU by `python -m mu
 tests/test_kernels.py asserts these bounds on the first 8 of those inputs, with margins: 2e-4, 5e-2 and 0.5 on the
 differences; the bf16 bands widened by 4 bf16 ulps of 1 (2^-7 each).
 Not covered: longer schedules. polar_express (8 steps) with the one restart gives NaN in float16 and bfloat16 on the
-low-rank and ill-conditioned inputs (bfloat16: 6e33 on one), as muon_ref.gram_newton_schulz does (muon_ref/gram.py:
-"8-step polar_express, bfloat16: one restart blows up"); tests/test_kernels.py pins it as the negative control.
+low-rank and ill-conditioned inputs (bfloat16, where not NaN: up to 1.5e36), as muon_ref.gram_newton_schulz does
+(muon_ref/gram.py: "8-step polar_express, bfloat16: one restart blows up"); tests/test_kernels.py pins it as the
+negative control.
 On CUDA: tests/gpu/test_kernels_gpu.py asserts the bounds above there (a priori: not measured on a GPU).
 """
 

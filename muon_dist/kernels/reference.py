@@ -29,8 +29,9 @@ polar_express; both eps modes, both normalisation orders; fp32 or same-dtype inp
 On a CPU with AVX512, mkldnn may take bf16 matmuls (mkldnn_bf16_device_check): not measured, so the loop. CUDA: not
 measured (no GPU in the session that wrote this rule), so the loop; tests/gpu/test_kernels_gpu.py measures it
 there and fails if the rule ever enables a case that is not bitwise (why it matters there: on an H100, Dion's
-compiled batched NS ran a 16 x 512 x 2048 stack in 0.78 ms, the loop in 7.94 ms: ../shared/reference/gpu.md). tests/test_kernels.py asserts the
-rule on CPU over Hypothesis shapes, with a case outside it that is not bitwise as negative control.
+compiled batched NS ran a 16 x 512 x 2048 stack in 0.78 ms, the loop in 7.94 ms: ../shared/reference/gpu.md).
+tests/test_kernels.py asserts the rule on CPU over Hypothesis shapes, with cases outside it that are not bitwise as
+negative controls.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def measure(device: torch.device, num_stacks: int) -> int:
 def _time_one_stack(device: torch.device) -> None:
     """Median wall time of the loop and the batched kernel on one bf16 stack (what batching buys on `device`)."""
     G = torch.randn(8, 64, 256, generator=torch.Generator().manual_seed(0)).to(device)
-    for name, kernel in (("loop (muon_ref.newton_schulz)", newton_schulz), ("newton_schulz_batched", newton_schulz_batched)):
+    kernels = (("loop (muon_ref.newton_schulz)", newton_schulz), ("newton_schulz_batched", newton_schulz_batched))
+    for name, kernel in kernels:
         times = []
         for _ in range(5):
             if device.type == "cuda":
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    capability = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    capability = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                  else torch.backends.cpu.get_cpu_capability())
     print(f"batched vs loop on {device.type} ({capability}), torch {torch.__version__}")
     violations = measure(device, args.stacks)
     _time_one_stack(device)

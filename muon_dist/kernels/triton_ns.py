@@ -39,10 +39,10 @@ each kind, sides <= 64, schedules keller, you5, polar_express, the interpreter's
 The margins are 2x and more. For scale: muon_ref's own step forms "addmm" and "dion", the same map rounded in
 another order, differ on the same inputs by up to 1.2e-4 (float32) and 0.4 (float16), both polar_express on rank
 one. Each of the 4 autotuned configs' tiles, on a 40 x 72 Gaussian that no BLOCK divides (seed 5): 6.6e-7 to
-7.2e-7 (float32), 7.3e-4 (float16) (tests/test_triton_kernel.py runs each config's autotuner in the interpreter). "addmm" is the
-tightest reference: torch's addmm agrees with the fused b A + c A A to one fp16 ulp (measured, CPU), while "keller"
-and "dion" round c A (or A A) and the sum separately (Gaussians: 8.1e-7 / 3.4e-3 vs "keller", 7.8e-7 / 4.2e-3 vs
-"dion", earlier measurement).
+7.2e-7 (float32), 7.3e-4 (float16) (tests/test_triton_kernel.py runs each config's autotuner in the interpreter).
+"addmm" is the tightest reference: torch's addmm agrees with the fused b A + c A A to one fp16 ulp (measured, CPU),
+while "keller" and "dion" round c A (or A A) and the sum separately (Gaussians: 8.1e-7 / 3.4e-3 vs "keller",
+7.8e-7 / 4.2e-3 vs "dion", earlier measurement).
 Signed singular values against the exact polar factor (muon_ref.signed_singular_values), same command: muon_ref's
 band to within the difference. Gaussians (n / m in [2, 8]): keller [0.6818, 1.134] (float32), [0.6814, 1.134]
 (float16); you5 [0.9778, 1.032] / [0.9776, 1.032]; polar_express [1, 1] / [0.9998, 1]. Every kind: at most 1.172
@@ -226,7 +226,8 @@ def explicit_tiles(block: int | None, block_k: int | None, num_warps: int | None
         return None
     for name, value in (("block", block), ("block_k", block_k)):
         if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
-            raise ValueError(f"{name} must be a power of two >= 16 (explicit tiles need block and block_k), got {value!r}")
+            raise ValueError(f"{name} must be a power of two >= 16 (explicit tiles need block and block_k), "
+                             f"got {value!r}")
     return dict(BLOCK=block, BLOCK_K=block_k, num_warps=4 if num_warps is None else num_warps,
                 num_stages=3 if num_stages is None else num_stages)
 
