@@ -88,14 +88,19 @@ LAYOUTS = {  # shape, layout keys: a stack the rule batches, one it does not, fu
     "fused experts": ((40, 12), {"num_experts": 4}),
     "split sizes": ((24, 16), {"split_sizes": (8, 16)}),
 }
+CONFIGS = {  # the default (torch.optim.Muon's) and one whose schedule's own preconditioner is switched off
+    "default": {},
+    "aol schedule, no preconditioner": {"schedule": "aol", "precondition": "none", "eps_mode": "add"},
+}
 
 
+@pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(monkeypatch, name, dtype):
+def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(monkeypatch, name, dtype, config):
     shape, keys = LAYOUTS[name]
     layout = matrix_layout(shape, **keys)
-    cfg = MuonConfig(ns_dtype=dtype)
+    cfg = MuonConfig(ns_dtype=dtype, **CONFIGS[config])
     calls, batched = [], reference.newton_schulz_batched
     monkeypatch.setattr(reference, "newton_schulz_batched", lambda G, **kw: calls.append(G.shape) or batched(G, **kw))
     D = gaussian(shape, 0)

@@ -77,17 +77,19 @@ def newton_schulz_batched(
     eps_mode: EpsMode = "clamp",
     safety: float | None = None,
     normalize_before_cast: bool = False,
+    precondition: str | None = None,
 ) -> Tensor:
     """muon_ref.newton_schulz(G, ..., step_form="addmm") on G [..., m, n] with one bmm / baddbmm per product for
     the whole stack (module docstring); bitwise equal to it only where batched_is_bitwise says so.
 
-    Arguments and defaults as muon_ref.newton_schulz (no step_form: "addmm"; no preconditioner: ValueError).
-    Returns a new contiguous tensor of G's shape in the compute dtype.
+    Arguments and defaults as muon_ref.newton_schulz without step_form ("addmm"); ValueError when the
+    preconditioner resolves to "aol" (not implemented here). Returns a new contiguous tensor of G's shape in the
+    compute dtype.
     """
     if G.ndim < 2 or not G.is_floating_point() or eps_mode not in EPS_MODES:
         raise ValueError(f"newton_schulz_batched needs a real floating [..., m, n] tensor and eps_mode in "
                          f"{EPS_MODES}, got shape {tuple(G.shape)}, dtype {G.dtype}, eps_mode {eps_mode!r}")
-    options = resolve_ns_options(schedule, steps, eps, safety)
+    options = resolve_ns_options(schedule, steps, eps, safety, precondition)
     if options.precondition is not None:
         raise ValueError(f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here")
     m, n = G.shape[-2:]
@@ -116,7 +118,7 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     if not batched_is_bitwise(direction.device, dtype, cfg.step_form, options.precondition, *layout.matrices_shape):
         return reference_orthogonalize(direction, layout, cfg)
     kwargs = cfg.ns_kwargs()
-    del kwargs["step_form"], kwargs["precondition"]  # "addmm" and none: the rule's conditions
+    del kwargs["step_form"]  # "addmm": a condition of the rule
     return newton_schulz_batched(direction.reshape(layout.matrices_shape), **kwargs).reshape(direction.shape)
 
 
