@@ -1,7 +1,9 @@
-"""The Triton Newton-Schulz kernel (muon_dist/kernels/triton_ns.py) against muon_ref.newton_schulz.
+"""The Triton Newton-Schulz kernel (muon_dist/kernels/triton_ns.py) against muon_ref.newton_schulz: its contract.
 
 Without CUDA the kernels run in Triton's interpreter (fp32 and fp16 only: its bf16 tl.dot is wrong), about
-1 s per call at these sizes; bf16 and larger shapes are checked on CUDA in tests/gpu/test_triton_gpu.py.
+1 s per call at these sizes, with the interpreter's one config; each autotuned config runs there through an
+autotuner of its own, and compiles to an sm_90 cubin (no GPU needed). bf16 and larger shapes are checked on CUDA
+in tests/gpu/test_triton_gpu.py and tests/gpu/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from muon_ref import newton_schulz
+from muon_dist.kernels.contracts import measure
+from muon_ref import MuonConfig, newton_schulz
 
 KERNEL_MODULE = "muon_dist.kernels.triton_ns"
 # muon_dist/kernels/triton_ns.py contract on Gaussian inputs: measured at most 1.4e-6 (fp32) and 7.3e-4 (fp16)
@@ -117,9 +120,6 @@ CONTRACT_RUNS = {  # (kind, schedule, dtype, seed): the worst measured seeds of 
 @pytest.fixture(scope="module")
 def contract_runs(tns, device) -> dict[tuple, dict[str, float]]:
     """muon_dist.kernels.contracts.measure of the "triton" backend on CONTRACT_RUNS (one interpreter run each)."""
-    from muon_dist.kernels.contracts import measure
-    from muon_ref import MuonConfig
-
     return {(kind, schedule, dtype, seed): measure("triton", MuonConfig(schedule=schedule, ns_dtype=dtype), kind,
                                                    range(seed, seed + 1), 64, torch.device(device))
             for kind, schedule, dtype, seed in CONTRACT_RUNS}
@@ -141,9 +141,6 @@ def test_the_backends_signed_singular_values_stay_in_the_measured_bands(contract
 def test_a_kernel_with_a_wrong_coefficient_leaves_the_band(tns, device, monkeypatch):
     # negative control of the band: `a` 5% low in every step drops the smallest signed singular value of this
     # Gaussian stack from 0.682 to 0.501 (measured), far below the keller band
-    from muon_dist.kernels.contracts import measure
-    from muon_ref import MuonConfig
-
     correct_update = tns.quintic_update
     monkeypatch.setattr(tns, "quintic_update", lambda B, X, a, **kw: correct_update(B, X, a * 0.95, **kw))
     r = measure("triton", MuonConfig(ns_dtype=torch.float16), "gaussian", range(1), 64, torch.device(device))

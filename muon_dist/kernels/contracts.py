@@ -34,8 +34,8 @@ from muon_ref import MuonConfig, matrix_layout, newton_schulz, signed_singular_v
 from . import BACKENDS, backend
 
 KINDS: tuple[str, ...] = ("gaussian", "square", "low_rank", "ill_conditioned", "rank_one")
-# a singular value below this fraction of the largest is G's null space (muon_ref.polar's rank rule, max(m, n) times
-# float64's eps, is about 1e-14 here; fp32 inputs have no values between 1e-10 and that except rounding noise)
+# a singular value below this fraction of the largest counts as G's null space (no target value). The float32
+# rounding of a rank-one input leaves singular values near 1e-8 of the largest: they count, and map near 0
 NULL_RTOL = 1e-10
 
 
