@@ -1,4 +1,10 @@
-"""Gram Newton-Schulz on a whole stack at once: muon_ref.gram_newton_schulz with batched torch ops.
+"""Gram Newton-Schulz on a whole stack at once: muon_ref.gram_newton_schulz with batched torch ops ("gram" backend).
+
+Reference equations, for G [..., m, n], a direction D of a param's layout, a config cfg and the same arguments:
+    gram_newton_schulz_batched(G, ...)  == muon_ref.gram_newton_schulz(G, ...)        bitwise or a tolerance (1.)
+    BACKEND.orthogonalize(D, layout, cfg) ~ muon_ref.orthogonalize(D, layout, cfg)    a measured tolerance (2.)
+The second is the backend against the oracle: another algorithm (Gram NS, a restart after step 2), equal to
+Newton-Schulz in exact arithmetic only (muon_ref/gram.py, NS11).
 
 For a stack X_0 of shape [E, m, n] with m <= n (muon_ref's transpose decision: one decision for the stack, since
 its matrices share a shape), each segment between restarts is
@@ -17,7 +23,7 @@ Everything but the batched products is muon_ref's public code: the options (reso
 segments (restart_segments) and the normalisation (normalise, which takes each matrix's own norm in one
 batched reduction).
 
-Contract against muon_ref.gram_newton_schulz with the same arguments, on this CPU (torch 2.13.0, one thread),
+Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on this CPU (torch 2.13.0, one thread),
 measured by `python -m muon_dist.kernels.gram_ns` (2,000 random stacks [1-4, 1-32, 1-32] per dtype, schedules
 polar_express_dao and you5, default restart) and asserted by tests/test_gram.py:
     bfloat16, min(m, n) >= 8: bitwise (1235/1235). ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the
@@ -32,6 +38,28 @@ Singular values: the bfloat16 output's signed singular values on Gaussian stacks
 [0.829, 1.196] (500 stacks; exact polar factor: all 1), as muon_ref.gram_newton_schulz's, whose band
 tests/test_gram.py asserts ([0.80, 1.22]).
 On a GPU the batched and the per-matrix GEMMs may sum in other orders again: not measured here.
+
+Contract 2, the "gram" backend against muon_ref.newton_schulz under the same config (the config's schedule, steps,
+eps, dtype, eps_mode, safety, normalisation; a restart after step 2; the config's step_form is ignored), for the
+5-step schedules keller, you5 and polar_express_dao: max |difference| <= 2e-4 (float32), 5e-2 (float16), 0.5
+(bfloat16); signed singular values against the exact polar factor in the bands below. A loose tolerance, because
+the Gram is rounded once per segment: its eigenvalues are known to about u ||X||_F^2 (u: the unit roundoff), which
+Gram NS then amplifies (muon_ref/gram.py). Measured on this CPU by `python -m muon_dist.kernels.contracts
+--backends gram --schedules keller you5 polar_express_dao --cases 40` (40 inputs of each kind, sides <= 64):
+    float32: Gaussian 1.6e-5, all kinds 1.4e-4 (polar_express_dao, rank one); bands muon_ref's to 1e-4
+    float16: Gaussian 6.1e-3, all kinds 4.1e-2 (polar_express_dao, square)
+    bfloat16: Gaussian 6.4e-2, all kinds 0.40 (polar_express_dao, square)
+    bfloat16 bands, Gaussians with n / m in [2, 8] (muon_ref.newton_schulz's in brackets): keller [0.6685, 1.134]
+        ([0.6771, 1.139]), you5 [0.9548, 1.031] ([0.9755, 1.034]), polar_express_dao [0.8384, 1.181] ([0.8403,
+        1.125]); harder inputs: largest 1.599 (keller, square; muon_ref 1.201), smallest -0.497 (polar_express_dao,
+        rank one; muon_ref -0.375)
+tests/test_kernels.py asserts these bounds on the first 8 of those inputs, with margins: 2e-4, 5e-2 and 0.5 on the
+differences; the bf16 bands widened by 4 bf16 ulps of 1 (2^-7 each).
+Not covered: longer schedules. polar_express (8 steps) with the one restart gives NaN in float16 and bfloat16 on the
+low-rank and ill-conditioned inputs (bfloat16, where not NaN: up to 1.5e36), as muon_ref.gram_newton_schulz does
+(muon_ref/gram.py: "8-step polar_express, bfloat16: one restart blows up"); tests/test_kernels.py pins it as the
+negative control.
+On CUDA: tests/gpu/test_kernels_gpu.py asserts the bounds above there (a priori: not measured on a GPU).
 """
 
 from __future__ import annotations

@@ -1,45 +1,79 @@
 """Newton-Schulz with Triton GEMMs: muon_ref.newton_schulz with its per-step matmuls replaced.
 
-For a stack of matrices X_0 of shape [batch, m, n] with m <= n (muon_ref's transpose decision), each step is
+Reference equation, for G [..., m, n] and the same arguments (muon_ref's default step_form "addmm"):
+    newton_schulz_triton(G, ...) == newton_schulz(G, ...)     up to the tolerance below
+For a stack X_0 of shape [batch, m, n] with m <= n (muon_ref's transpose decision), each step is
     A       = X X^T                  _symmetric_kernel(X, alpha=1, beta=0): lower triangle of tiles, mirrored
     B       = b A + c A A            _symmetric_kernel(A, alpha=c, beta=b, addend=A): A A = A A^T, A symmetric
     X_next  = a X + B X              _update_kernel
-Only tiles (i, j) with j <= i of A and B are computed; each is written twice (at (i, j) and, transposed, at
-(j, i)), the same rounded values, so A and B are exactly symmetric. Products accumulate in fp32 and are
-rounded once to the compute dtype after the epilogue (b A and a X are added in fp32). fp32 operands use
+one program per output tile and one grid axis per matrix of the stack (expert stacks run in one launch). Only
+tiles (i, j) with j <= i of A and B are computed; each is written twice (at (i, j) and, transposed, at (j, i)),
+the same rounded values, so A and B are exactly symmetric. Products accumulate in fp32 and are rounded once to
+the compute dtype after the epilogue (b A and a X are added in fp32; FMA contraction off). fp32 operands use
 input_precision="ieee" (no TF32), as torch's default fp32 matmul does.
+
+Tiles: on CUDA both kernels are autotuned (triton.autotune over CONFIGS, keyed on the matrix sizes and dtype: the
+first call at a new size compiles and times the 4 configs); in Triton's interpreter, which cannot time configs,
+the autotuner has the one INTERPRETER_CONFIG (32 / 16); explicit tiles (block, block_k, num_warps, num_stages)
+bypass the autotuner (benchmarks/gpu.py --triton-tiles). The bits therefore depend on the config the autotuner
+picks (by timing, per process, so two processes may differ): the contract is stated for every config, and each is
+checked (tests/test_triton_kernel.py in the interpreter, tests/gpu/test_triton_gpu.py on CUDA).
 
 Everything that is not a per-step matmul is muon_ref's own code: the schedule (get_schedule(...).steps_for),
 the eps and safety defaults (muon_ref.resolve_ns_options), the transpose decision and the normalisation
 (muon_ref.normalise, on the same views in the same dtype), so newton_schulz_triton(G, steps=0) equals
 newton_schulz(G, steps=0) bitwise.
 
-Contract against muon_ref.newton_schulz with the same arguments and its default step_form "addmm":
-    max |newton_schulz_triton(G) - newton_schulz(G)| <= 1e-5 (float32), 4e-3 (float16)
-a tolerance, not bits: the GEMMs sum in another order (tiles of BLOCK_K, fp32 accumulators), and five or more
-steps of polynomials with a ~ 3.4 amplify the different roundings. "addmm" is the tightest reference: torch's
-addmm agrees with the fused b A + c A A to one fp16 ulp (measured, CPU), while "keller" and "dion" round c A
-(or A A) and the sum separately. Measured in Triton's interpreter, max over the cases of tests/test_triton_kernel.py
-(shapes up to 64 x 96, batch 1-3, schedules keller, you5, polar_express, tiles 32 / 16):
-    float32: 7.5e-7 vs "addmm", 8.1e-7 vs "keller", 7.8e-7 vs "dion"   (other seeds: up to 1.8e-6)
-    float16: 9.8e-4 vs "addmm", 3.4e-3 vs "keller", 4.2e-3 vs "dion"   (9.8e-4: one ulp of fp16 in [0.5, 1))
-bfloat16 is not checked on CPU (the interpreter's bf16 tl.dot is wrong and its fp32 -> bf16 cast truncates):
-tests/gpu/test_triton_gpu.py checks it on CUDA against an a priori bound, not yet run on a GPU.
+Contract: a tolerance, not bits: the GEMMs sum in another order (tiles of BLOCK_K, fp32 accumulators), and the
+steps amplify the different roundings, most along small singular values, where f' reaches the product of the
+a_t (keller 4.8e2, polar_express 6.4e3). Against muon_ref.newton_schulz with the same arguments, max |difference|:
+    Gaussian inputs:    <= 1e-5 (float32), 4e-3 (float16)
+    every input kind measured (also square, rank 4 + noise, singular values 1..1e-6, rank one):
+                        <= 3e-4 (float32), 8e-2 (float16)
+Measured in Triton's interpreter on CPU by `python -m muon_dist.kernels.contracts --backends triton` (8 inputs of
+each kind, sides <= 64, schedules keller, you5, polar_express, the interpreter's 32 / 16 tiles; 7 minutes here):
+    float32: Gaussian 1.4e-6, square 2.4e-6; the others 1.1e-5 (keller, you5) and up to 1.1e-4 (polar_express,
+             rank one)
+    float16: Gaussian 7.3e-4, square 1.7e-3; the others up to 4.5e-3 (keller), 6.9e-3 (you5) and 3.9e-2
+             (polar_express, rank one)
+The margins are 2x and more. For scale: muon_ref's own step forms "addmm" and "dion", the same map rounded in
+another order, differ on the same inputs by up to 1.2e-4 (float32) and 0.4 (float16), both polar_express on rank
+one. Each of the 4 autotuned configs' tiles, on a 40 x 72 Gaussian that no BLOCK divides (seed 5): 6.6e-7 to
+7.2e-7 (float32), 7.3e-4 (float16) (tests/test_triton_kernel.py runs each config's autotuner in the interpreter).
+"addmm" is the tightest reference: torch's addmm agrees with the fused b A + c A A to one fp16 ulp (measured, CPU),
+while "keller" and "dion" round c A (or A A) and the sum separately (Gaussians: 8.1e-7 / 3.4e-3 vs "keller",
+7.8e-7 / 4.2e-3 vs "dion", earlier measurement).
+Signed singular values against the exact polar factor (muon_ref.signed_singular_values), same command: muon_ref's
+band to within the difference. Gaussians (n / m in [2, 8]): keller [0.6818, 1.134] (float32), [0.6814, 1.134]
+(float16); you5 [0.9778, 1.032] / [0.9776, 1.032]; polar_express [1, 1] / [0.9998, 1]. Every kind: at most 1.172
+(float16, keller, ill-conditioned; muon_ref 1.172), at least -0.2836 (float16, polar_express, rank one; muon_ref
+-0.2836): below 0, fp16 rounding on rank-one inputs, as muon_ref. tests/test_triton_kernel.py asserts these bounds
+(Gaussian cases, the worst measured rank-one inputs, the bands with 4 fp16 ulps of 1 of margin).
+On CUDA (bfloat16 and float32, the autotuned configs): not measured here (no GPU in the session that wrote this).
+tests/gpu/test_triton_gpu.py and tests/gpu/test_kernels_gpu.py assert, over Hypothesis shapes of Gaussian stacks
+and on the harder inputs: float32 the bounds above; bfloat16 3.2e-2, a priori (the float16 bound times 2^3 for
+bf16's 3 fewer mantissa bits), and muon_ref's CPU-measured bf16 bands widened by 4 bf16 ulps of 1. The interpreter
+cannot check bf16 (its bf16 tl.dot is wrong and its fp32 -> bf16 cast truncates:
+../shared/reference/testing_distributed.md).
 Not supported: the AOL preconditioner (schedules that set it raise ValueError) and float64.
 
 References: KellerJordan/Muon muon.py (the step); microsoft/dion dion/newton_schulz_triton.py (ns_line_1 and
-ns_line_2: X X^T and b A + c A A on one triangle of blocks, mirrored).
+ns_line_2: X X^T and b A + c A A on one triangle of blocks, mirrored; its autotune space).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
 
 from muon_ref import MuonConfig, normalise, resolve_ns_options
 from muon_ref.newton_schulz import EPS_MODES, EpsMode
@@ -76,7 +110,7 @@ def _symmetric_kernel(
 ):
     """out[z] = beta * add[z] + alpha * x[z] x[z]^T for x[z] of shape (R, K); add shares out's strides.
 
-    Grid (T (T + 1) / 2, batch), T = cdiv(R, BLOCK): one program per tile (i, j), j <= i. add must be
+    Grid (T (T + 1) / 2, batch), T = cdiv(R, BLOCK): one program per tile (i, j), j <= i (triangle_grid). add must be
     symmetric (it is A, written by this kernel), so its lower tile is all the epilogue needs.
     """
     i, j = _triangle_tile(tl.program_id(0))
@@ -114,19 +148,19 @@ def _update_kernel(
     b_ptr, x_ptr, out_ptr, R, C,
     sbb, sbr, sbc, sxb, sxr, sxc, sob, sor, soc,
     a,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[z] = a * x[z] + b[z] x[z] for b[z] of shape (R, R) and x[z] of shape (R, C).
 
-    Grid (cdiv(R, BLOCK_M), cdiv(C, BLOCK_N), batch).
+    Grid (cdiv(R, BLOCK), cdiv(C, BLOCK), batch): update_grid.
     """
     z = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ks = tl.arange(0, BLOCK_K)
     b_tile = b_ptr + z * sbb + rows[:, None] * sbr + ks[None, :] * sbc
     x_tile = x_ptr + z * sxb + ks[:, None] * sxr + cols[None, :] * sxc
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc = tl.full((BLOCK, BLOCK), 0.0, tl.float32)
     for k0 in range(0, R, BLOCK_K):
         lhs = tl.load(b_tile, mask=(rows[:, None] < R) & (ks[None, :] + k0 < R), other=0.0)
         rhs = tl.load(x_tile, mask=(ks[:, None] + k0 < R) & (cols[None, :] < C), other=0.0)
@@ -140,13 +174,95 @@ def _update_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+# Autotuned launch parameters, (BLOCK, BLOCK_K) with num_warps and num_stages, one list for both kernels (each is
+# tuned alone, per matrix size and dtype). Measured on an H100 with the earlier fixed tiles (../shared/reference/
+# gpu.md): 64/32, 4 warps, was the faster on 1024x4096 (0.57 vs 0.79 ms) and on the stacks 8x1024x1024 (1.55 vs 1.68)
+# and 16x512x2048 (1.80 vs 2.08); 128/64, 8 warps, on 4096x4096 and the 3584x18944 pair (0.90-1.0x torch's matmuls,
+# against 0.49-0.62x). The other two are from the space microsoft/dion dion/newton_schulz_triton.py autotunes
+# (BLOCK_K 64, 4 warps, 4 stages), whose kernel ran 4096x4096 in 2.46 ms against 3.37 for 128/64/8 (gpu.md): not
+# measured here. Four configs keep a new shape's first call short (each config is compiled and timed once). Shared
+# memory per block, num_stages x 2 tiles of BLOCK x BLOCK_K (compiled for sm_90 in tests/test_triton_kernel.py): in
+# bf16 24-128 KiB; in fp32 twice that, so the last needs 256 KiB, more than an H100 block has (227 KB), and the
+# autotuner skips it in fp32 (its launch raises OutOfResources, which triton.autotune times as infinite).
+CONFIGS: tuple[triton.Config, ...] = (
+    triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+)
+# the interpreter cannot time configs (the autotuner needs a GPU driver), so it gets one: several tiles per test
+# matrix, ragged edges, and few enough programs to stay near 1 s per call
+INTERPRETER_CONFIG = triton.Config({"BLOCK": 32, "BLOCK_K": 16}, num_warps=4, num_stages=3)
+# CUDA's largest y- and z-dimension of a grid (CUDA C++ Programming Guide, compute capabilities table): the batch axis
+MAX_BATCH = 65535
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The two kernels behind triton.autotune over `configs`, keyed on the matrix sizes (the autotuner adds the
+    tensors' dtypes to the key). Tuning times a config by launching it repeatedly on the call's own tensors: safe
+    here because no kernel reads what it writes (out is always a fresh tensor, distinct from x, add, b)."""
+
+    symmetric: Autotuner
+    update: Autotuner
+
+    @staticmethod
+    def over(configs: Sequence[triton.Config]) -> "Tuned":
+        return Tuned(triton.autotune(configs=list(configs), key=["R", "K", "HAS_ADDEND"])(_symmetric_kernel),
+                     triton.autotune(configs=list(configs), key=["R", "C"])(_update_kernel))
+
+
+TUNED = Tuned.over((INTERPRETER_CONFIG,) if INTERPRETED else CONFIGS)
+
+
+def explicit_tiles(block: int | None, block_k: int | None, num_warps: int | None,
+                   num_stages: int | None) -> dict[str, int] | None:
+    """The launch parameters for explicit tiles, or None (all four None) for the autotuned ones.
+
+    ValueError when only some are given without block and block_k, or when block or block_k is not a power of
+    two >= 16 (tl.dot's smallest operand side). num_warps and num_stages default to triton.Config's 4 and 3.
+    """
+    if block is None and block_k is None and num_warps is None and num_stages is None:
+        return None
+    for name, value in (("block", block), ("block_k", block_k)):
+        if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
+            raise ValueError(f"{name} must be a power of two >= 16 (explicit tiles need block and block_k), "
+                             f"got {value!r}")
+    return dict(BLOCK=block, BLOCK_K=block_k, num_warps=4 if num_warps is None else num_warps,
+                num_stages=3 if num_stages is None else num_stages)
+
+
+def triangle_grid(R: int, batch: int) -> Callable[[dict], tuple[int, int]]:
+    """_symmetric_kernel's grid for the launch parameters `meta`: T (T + 1) / 2 lower tiles, T = cdiv(R, BLOCK)."""
+    def grid(meta: dict) -> tuple[int, int]:
+        num_tiles = triton.cdiv(R, meta["BLOCK"])
+        return num_tiles * (num_tiles + 1) // 2, batch
+    return grid
+
+
+def update_grid(R: int, C: int, batch: int) -> Callable[[dict], tuple[int, int, int]]:
+    """_update_kernel's grid for the launch parameters `meta`: every BLOCK x BLOCK tile of the R x C output."""
+    return lambda meta: (triton.cdiv(R, meta["BLOCK"]), triton.cdiv(C, meta["BLOCK"]), batch)
+
+
+def _launch(kernel: JITFunction, tuned: Autotuner, grid: Callable[[dict], tuple[int, ...]], batch: int, args: tuple,
+            tiles: dict[str, int] | None, **constexprs: object) -> None:
+    """kernel at explicit tiles, or its autotuned version; the grid reads BLOCK from the chosen parameters."""
+    if batch > MAX_BATCH:
+        raise ValueError(f"a stack of {batch} matrices exceeds CUDA's grid (at most {MAX_BATCH} on the batch axis)")
+    if tiles is None:
+        tuned[grid](*args, **constexprs, enable_fp_fusion=FP_FUSION)
+    else:
+        kernel[grid](*args, **constexprs, **tiles, enable_fp_fusion=FP_FUSION)
+
+
 def symmetric_product(
     X: Tensor, *, alpha: float = 1.0, beta: float = 0.0, addend: Tensor | None = None,
-    block: int = 64, block_k: int = 32, num_warps: int = 4,
+    block: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:
     """beta * addend + alpha * X X^T for X of shape [batch, R, K], exactly symmetric, in X's dtype.
 
-    addend (shape [batch, R, R], contiguous, symmetric) is required iff beta != 0.
+    addend (shape [batch, R, R], contiguous, symmetric) is required iff beta != 0. Tiles: explicit_tiles.
     """
     batch, R, K = X.shape
     out = torch.empty(batch, R, R, dtype=X.dtype, device=X.device)
@@ -154,28 +270,23 @@ def symmetric_product(
         raise ValueError("symmetric_product: beta != 0 needs an addend")
     if addend is not None and (addend.shape != out.shape or not addend.is_contiguous()):
         raise ValueError(f"symmetric_product: addend must be contiguous of shape {tuple(out.shape)}")
-    num_tiles = triton.cdiv(R, block)
-    grid = (num_tiles * (num_tiles + 1) // 2, batch)
-    _symmetric_kernel[grid](
-        X, out if addend is None else addend, out, R, K, *X.stride(), *out.stride(), alpha, beta,
-        HAS_ADDEND=addend is not None, PRECISION=_precision(X.dtype), BLOCK=block, BLOCK_K=block_k,
-        num_warps=num_warps, enable_fp_fusion=FP_FUSION,
-    )
+    args = (X, out if addend is None else addend, out, R, K, *X.stride(), *out.stride(), alpha, beta)
+    _launch(_symmetric_kernel, TUNED.symmetric, triangle_grid(R, batch), batch, args,
+            explicit_tiles(block, block_k, num_warps, num_stages), HAS_ADDEND=addend is not None,
+            PRECISION=_precision(X.dtype))
     return out
 
 
 def quintic_update(
-    B: Tensor, X: Tensor, a: float, *, block: int = 64, block_k: int = 32, num_warps: int = 4
+    B: Tensor, X: Tensor, a: float, *,
+    block: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:
-    """a X + B X for B of shape [batch, R, R] and X of shape [batch, R, C], in X's dtype."""
+    """a X + B X for B of shape [batch, R, R] and X of shape [batch, R, C], in X's dtype. Tiles: explicit_tiles."""
     batch, R, C = X.shape
     out = torch.empty_like(X, memory_format=torch.contiguous_format)
-    grid = (triton.cdiv(R, block), triton.cdiv(C, block), batch)
-    _update_kernel[grid](
-        B, X, out, R, C, *B.stride(), *X.stride(), *out.stride(), a,
-        PRECISION=_precision(X.dtype), BLOCK_M=block, BLOCK_N=block, BLOCK_K=block_k, num_warps=num_warps,
-        enable_fp_fusion=FP_FUSION,
-    )
+    args = (B, X, out, R, C, *B.stride(), *X.stride(), *out.stride(), a)
+    _launch(_update_kernel, TUNED.update, update_grid(R, C, batch), batch, args,
+            explicit_tiles(block, block_k, num_warps, num_stages), PRECISION=_precision(X.dtype))
     return out
 
 
@@ -194,27 +305,30 @@ def newton_schulz_triton(
     eps_mode: EpsMode = "clamp",
     safety: float | None = None,
     normalize_before_cast: bool = False,
-    block: int = 64,
-    block_k: int = 32,
-    num_warps: int = 4,
+    block: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """Orthogonalise G of shape [..., m, n] like muon_ref.newton_schulz, with Triton GEMMs (module docstring).
 
-    Arguments as muon_ref.newton_schulz (no step_form: the step is fused; no precondition); block and
-    block_k are the tile sizes (powers of two >= 16). Returns a new tensor [..., m, n] in the compute dtype.
+    Arguments as muon_ref.newton_schulz (no step_form: the step is fused; no precondition). Tiles: none given,
+    the autotuned ones (on CUDA; INTERPRETER_CONFIG in the interpreter); else explicit_tiles (block and block_k
+    powers of two >= 16). Returns a new tensor [..., m, n] in the compute dtype.
     """
     sched = get_schedule(schedule)
     compute_dtype = G.dtype if dtype is None else dtype
     _check_arguments(G, compute_dtype, eps_mode, sched)
     options = resolve_ns_options(sched, steps, eps, safety)
     coefficients, eps, safety = options.coefficients, options.eps, options.safety
+    explicit_tiles(block, block_k, num_warps, num_stages)  # the caller's mistakes, before any work
     m, n = G.shape[-2:]
     stack = G.reshape(math.prod(G.shape[:-2]), m, n)
     if stack.size(0) == 0:
         return torch.empty(G.shape, dtype=compute_dtype, device=G.device)
     transpose = m > n  # muon_ref's decision, on the matrix's own shape
     X = _initial_iterates(stack, transpose, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
-    tiles = dict(block=block, block_k=block_k, num_warps=num_warps)
+    tiles = dict(block=block, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     with torch.cuda.device(X.device) if X.is_cuda else contextlib.nullcontext():
         for a, b, c in coefficients if X.numel() else ():
             A = symmetric_product(X, **tiles)
