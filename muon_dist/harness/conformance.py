@@ -10,10 +10,11 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
 
 Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.harness.launch.RankPool;
 one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
-the ranks sharing the node's GPUs with gloo carrying CUDA tensors) with a timeout (--timeout, default 300 s: first calls may torch.compile),
-and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/adapters/oracle.py.
-Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows), crash
-(the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
+the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case saves on one pool and resumes
+on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
+and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/harness/adapters/oracle.py.
+Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows; where ranks
+hold replicated params, whether they agree), crash (the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
 failure kind) and the departure diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure
 from the claim, 2 on a usage error.
 """
@@ -25,15 +26,16 @@ import functools
 import json
 import re
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
 
-from .adapters import Adapter, load_adapter
-from .adapters.cases import Case, default_cases, family_shapes, in_family, smaller
+from .adapters import HYPERPARAMETERS, Adapter, load_adapter
+from .adapters.cases import FAMILY_OPTIONS, Case, default_cases, family_shapes, in_family, smaller
 from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
-from .adapters.workers import candidate_steps
+from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
@@ -44,7 +46,7 @@ def run_here(adapter: Adapter, case: Case) -> Outcome:
     for tests that draw many cases (errors propagate instead of becoming a crash outcome)."""
     preset, overrides = claim_of(adapter)
     results = [candidate_steps(adapter, case, candidate_hyperparameters(adapter))]
-    return compare(case, results, reference_steps(case, preset, overrides))
+    return compare(case, [(1, results)], reference_steps(case, preset, overrides))
 
 
 class Runner:
@@ -56,18 +58,33 @@ class Runner:
         self.pools: dict[int, RankPool] = {}
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
-        pool = self.pools.setdefault(case.world_size, RankPool(case.world_size, case.device))
-        pool.submit(candidate_steps, self.adapter, case, candidate_hyperparameters(self.adapter))
-        try:
-            reference = reference_steps(case, self.preset, self.overrides)
-        except BaseException:
-            pool.kill()  # its answers to this call would be read by the next one
-            raise
-        try:
-            results = pool.collect(timeout or self.timeout)
-        except RankFailure as failure:
-            return _failed(case, failure)
-        return compare(case, results, reference)
+        """The case's outcome; a checkpoint case runs its save on world_size ranks, its resume on
+        resume_world_size ranks, through a fresh folder."""
+        hp = candidate_hyperparameters(self.adapter)
+        if case.family != "checkpoint":
+            return self._phases(case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout)
+        with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
+            return self._phases(case, [(case.world_size, candidate_save, (self.adapter, case, hp, path)),
+                                       (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path))],
+                                timeout)
+
+    def _phases(self, case: Case, phases: list[tuple[int, Any, tuple]], timeout: float | None) -> Outcome:
+        """Each phase on its pool in turn (the reference computed while the first runs); a crash or hang ends it."""
+        reference, segments = None, []
+        for world, fn, args in phases:
+            pool = self.pools.setdefault(world, RankPool(world, case.device))
+            pool.submit(fn, *args)
+            if reference is None:
+                try:
+                    reference = reference_steps(case, self.preset, self.overrides)
+                except BaseException:
+                    pool.kill()  # its answers to this call would be read by the next one
+                    raise
+            try:
+                segments.append((world, pool.collect(timeout or self.timeout)))
+            except RankFailure as failure:
+                return _failed(case, failure)
+        return compare(case, segments, reference)
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -131,6 +148,7 @@ def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
 
 
 def _smaller_worlds(case: Case) -> list[Case]:
+    """The case's family at each smaller world size (a checkpoint case keeps its resume world size)."""
     out = []
     for W in range(1, case.world_size):
         shapes = family_shapes(case.family, case.mode, W) if case.mode != "single" else None
@@ -147,6 +165,7 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
     runner = Runner(adapter, timeout)
     started = time.monotonic()
     chosen = adapter.families & frozenset(families) if families else adapter.families
+    chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     try:
         cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants)
@@ -169,6 +188,12 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
             "minimal_failing_cases": shrunk, "wall_s": round(time.monotonic() - started, 1)}
 
 
+def _runs_for(adapter: Adapter, family: str) -> bool:
+    """False for a family that sets a hyperparameter the adapter does not take (nesterov_off for an optimizer
+    without a nesterov argument: its claim fixes Nesterov)."""
+    return all(k in adapter.hyperparameters for k, _ in FAMILY_OPTIONS.get(family, ()) if k in HYPERPARAMETERS)
+
+
 def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
     """One failing case per failure kind and mode (and family, off a single device), for the shrinker."""
     firsts: dict[tuple, Outcome] = {}
@@ -182,7 +207,8 @@ def _line(o: Outcome) -> str:
     detail = o.error or ("" if o.status == "bitwise" else
                          f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
                          f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}")
-    return f"  {o.case.label():<58} {o.status:<8} {detail}"
+    notes = [n for n in (o.policy and f"None grads: {o.policy}", o.replicas and f"replicas: {o.replicas}") if n]
+    return f"  {o.case.label():<58} {o.status:<8} {detail}{'; ' if detail and notes else ''}{'; '.join(notes)}"
 
 
 def print_report(report: dict[str, Any], log=_print) -> None:
@@ -226,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
     g.add_argument("--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}')
     g.add_argument("--kwargs", type=json.loads, default={}, help="constructor keywords, JSON")
-    g.add_argument("--distributed", choices=["dtensor", "replicated"], default=None)
+    g.add_argument("--distributed", choices=["dtensor", "replicated", "unreduced"], default=None)
     return p
 
 
