@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from multiprocessing import connection
 from typing import Any, Callable
 
 
@@ -91,18 +92,22 @@ class RankPool:
             conn.send((fn, args))
 
     def collect(self, timeout: float = 60.0) -> list[Any]:
+        """Every rank's answer, waiting on all ranks at once: the first error leaves the others a short grace (they
+        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is."""
         deadline, results, errors = time.monotonic() + timeout, {}, {}
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                errors[rank] = f"no answer within {timeout} s (hung or dead)"
-                continue
-            try:
-                status, value = conn.recv()
-            except (EOFError, OSError):
-                status, value = "error", "the rank died (its pipe closed)"
-            (results if status == "ok" else errors)[rank] = value
-            if errors:  # the others may be stuck in a collective with the failed rank: a short grace only
-                deadline = min(deadline, time.monotonic() + 3.0)
+        waiting = dict(enumerate(self.conns))
+        while waiting and time.monotonic() < deadline:
+            for conn in connection.wait(list(waiting.values()), max(0.0, deadline - time.monotonic())):
+                rank = next(r for r, c in waiting.items() if c is conn)
+                del waiting[rank]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    status, value = "error", "the rank died (its pipe closed)"
+                (results if status == "ok" else errors)[rank] = value
+                if errors:
+                    deadline = min(deadline, time.monotonic() + 3.0)
+        errors.update({rank: f"no answer within {timeout} s (hung or dead)" for rank in waiting})
         if errors:
             self.kill()
             raise RankFailure(errors)
