@@ -4,7 +4,7 @@ rank (picklable arguments, small picklable results).
 Every gradient reaches the candidate through autograd (torch.autograd.backward on the param with the rank's
 gradient as the incoming gradient), one backward per micro-batch, after the grads were set to None: gradient hooks
 fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harness/adapters/cases.py says what each
-rank feeds). Per rank the result is {"first_step", "params" (after each step from first_step), "errors" (per step:
+rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result is {"first_step", "params" (after each step from first_step), "errors" (per step:
 None, or the exception a step raised where the family allows one), "momentum" (at the end), and for a resume
 "loaded" (the params right after the load)}.
 """
@@ -25,8 +25,11 @@ _HARNESS_GROUP: list[Any] = []
 
 def _harness_group() -> Any:
     """A gloo group of all ranks for the harness's own barrier, made once per rank process (a collective: every
-    rank calls it first thing in a case). The candidate's collectives run on the default group; a barrier there
-    could be matched with a collective that a peer left pending inside the candidate."""
+    rank calls it first thing in a case); None in a process without torch.distributed (conformance.run_here). The
+    candidate's collectives run on the default group; a barrier there could be matched with a collective that a
+    peer left pending inside the candidate."""
+    if not dist.is_initialized():
+        return None
     if not _HARNESS_GROUP:
         _HARNESS_GROUP.append(dist.new_group(backend="gloo"))
     return _HARNESS_GROUP[0]
@@ -50,7 +53,7 @@ def _feed(params: list[torch.Tensor], case: Case, step: int) -> None:
     """p.grad = None, then one backward per micro-batch with this rank's gradients (none where it has none)."""
     for p in params:
         p.grad = None
-    for micro in rank_gradients(case, step, dist.get_rank()):
+    for micro in rank_gradients(case, step, dist.get_rank() if dist.is_initialized() else 0):
         fed = [(p, _on_rank(g, case)) for p, g in zip(params, micro) if g is not None]
         if fed:
             torch.autograd.backward([p for p, _ in fed], [g for _, g in fed])
@@ -58,20 +61,21 @@ def _feed(params: list[torch.Tensor], case: Case, step: int) -> None:
 
 def _steps(adapter: Adapter, case: Case, opt: torch.optim.Optimizer, params: list[torch.Tensor],
            steps: range) -> dict[str, Any]:
-    """Run `steps`; the step of asym_none may raise (recorded, then every rank meets at the harness barrier before
-    the next step, so that a rank that raised cannot run ahead into collectives a peer is still inside)."""
+    """Run `steps`. After each, every rank meets at the harness barrier: a rank that finished its step cannot run
+    ahead into the next step's collectives while a peer is still inside this one (the peer then waits, and the
+    case is a hang, as in the field). The step of asym_none may raise: the error is recorded, not raised."""
     per_step, errors = [], []
     for step in steps:
         _feed(params, case, step)
         error = None
-        if case.family == "asym_none" and step == asym_step(case):
-            try:
-                opt.step()
-            except Exception as e:  # noqa: BLE001 - one conforming answer: the same error on every rank
-                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            dist.barrier(group=_harness_group())
-        else:
+        try:
             opt.step()
+        except Exception as e:  # noqa: BLE001 - asym_none: the same error on every rank is a conforming answer
+            if case.family != "asym_none" or step != asym_step(case):
+                raise
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if dist.is_initialized():
+            dist.barrier(group=_harness_group())
         per_step.append([local(p.detach()).cpu().clone() for p in params])
         errors.append(error)
     momenta = [adapter.momentum(opt, p) for p in params]
