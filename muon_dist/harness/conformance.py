@@ -7,6 +7,7 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --all --markdown                                    # the README table
     python -m muon_dist.harness.conformance --all --device cuda                                 # on a GPU node
     python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
+    python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
 
 Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.harness.launch.RankPool;
 one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
@@ -39,6 +40,7 @@ from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
+PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores); a hang costs this
 
 
 def run_here(adapter: Adapter, case: Case) -> Outcome:
@@ -237,11 +239,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
     p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
                    "(muon_dist.harness.adapters.origins; what make verify runs)")
+    p.add_argument("--planted", action="store_true", help="the planted-bug suite (muon_dist.harness.adapters."
+                   "planted): a small Muon per reachable class of field bug; prints caught K/N")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
+    p.add_argument("--timeout", type=float, help="seconds per case before it counts as a hang (default 300: first "
+                   f"calls may torch.compile; {PLANTED_TIMEOUT:g} for --planted, whose cases are tiny)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the candidate and the reference "
                    "run (cuda: the ranks share the node's GPUs, gloo carrying CUDA tensors)")
     p.add_argument("--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all")
@@ -256,11 +261,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
+    """Every planted bug through the check (its families, dtypes and world sizes, no shrinking), judged
+    (muon_dist.harness.adapters.planted.judge); one line per bug and the figure."""
+    from .adapters.planted import PLANTED, UNREACHABLE, judge
+
+    started, verdicts = time.monotonic(), []
+    for planted in PLANTED:
+        report = check(planted.adapter, planted.world_sizes, steps, timeout, 0.0, log=lambda *_: None)
+        verdicts.append(judge(planted, report))
+        v = verdicts[-1]
+        caught = ", ".join(f"{f} ({'/'.join(s)})" for f, s in v["by"].items()) or "nothing"
+        right = "right" if v["right"] else f"WRONG ({'; '.join(v['wrong'])})"
+        log(f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
+            f"({report['wall_s']} s)")
+        log(f"     {v['diagnosis']}")
+    for number, reason in UNREACHABLE.items():
+        log(f"#{number:<3} not reachable: {reason}")
+    caught, right = sum(v["caught"] for v in verdicts), sum(v["caught"] and v["right"] for v in verdicts)
+    wall = round(time.monotonic() - started, 1)
+    log(f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
+        f"{len(UNREACHABLE)} class not reachable ({wall} s)")
+    return {"planted": verdicts, "caught": caught, "right": right, "total": len(verdicts), "wall_s": wall}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    if args.planted:
+        if args.adapter or args.all or args.origins:
+            print("error: --planted runs the planted suite alone", file=sys.stderr)
+            return 2
+        suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(suite, f, indent=1, default=str)
+        return 0 if suite["right"] == suite["total"] else 1
     try:
         adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
                                  kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
@@ -281,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for adapter in adapters:
         _print(adapter.describe())
-        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout, args.shrink_budget,
+        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout or 300.0, args.shrink_budget,
                              args.families, args.dtypes, device=args.device))
         print_report(reports[-1])
     if args.markdown:
