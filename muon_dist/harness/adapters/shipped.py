@@ -90,9 +90,10 @@ class _MeanOfRanks(DistributedMuon):
 
 
 class TorchMuon(Adapter):
-    """torch.optim.Muon (installed torch): 2-D parameters only (its constructor refuses others)."""
+    """torch.optim.Muon (installed torch): 2-D parameters only (its constructor refuses others); nesterov_off shows
+    its in-place normalisation of a bf16 momentum buffer (field bug 11)."""
 
-    name, preset, families = "torch.optim.Muon", "torch", _2D
+    name, preset, families = "torch.optim.Muon", "torch", _2D | {"nesterov_off"}
 
     def version(self) -> str:
         return torch.__version__
