@@ -9,15 +9,15 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
     python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
 
-Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.harness.launch.RankPool;
-one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
-the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case saves on one pool and resumes
-on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
-and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/harness/adapters/oracle.py.
-Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows; where ranks
-hold replicated params, whether they agree), crash (the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
-failure kind) and the departure diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure
-from the claim, 2 on a usage error.
+Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks
+(muon_dist.harness.launch.RankPool; one rank for single-device cases; with --device cuda the candidate, its tensors
+and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case
+saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
+and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in
+muon_dist/harness/adapters/oracle.py. Per case: bitwise, differs (max |dP|, the first step that differs and whether
+the difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang. A failing
+case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure kind) and the departure
+diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure from the claim, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from dataclasses import replace
 from typing import Any
 
 from .adapters import HYPERPARAMETERS, Adapter, load_adapter
-from .adapters.cases import FAMILY_OPTIONS, Case, default_cases, family_shapes, in_family, smaller
+from .adapters.cases import CHECKPOINT_FAMILIES, FAMILY_OPTIONS, Case, default_cases, family_shapes, in_family, smaller
 from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
-PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores); a hang costs this
+PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores)
+IDLE_S = 3.0  # s without CPU time in any unanswered rank: a hang (CPU ranks; RankPool.idle_s)
 
 
 def run_here(adapter: Adapter, case: Case) -> Outcome:
@@ -63,7 +64,7 @@ class Runner:
         """The case's outcome; a checkpoint case runs its save on world_size ranks, its resume on
         resume_world_size ranks, through a fresh folder."""
         hp = candidate_hyperparameters(self.adapter)
-        if case.family != "checkpoint":
+        if case.family not in CHECKPOINT_FAMILIES:
             return self._phases(case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout)
         with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
             return self._phases(case, [(case.world_size, candidate_save, (self.adapter, case, hp, path)),
@@ -74,7 +75,8 @@ class Runner:
         """Each phase on its pool in turn (the reference computed while the first runs); a crash or hang ends it."""
         reference, segments = None, []
         for world, fn, args in phases:
-            pool = self.pools.setdefault(world, RankPool(world, case.device))
+            idle = IDLE_S if case.device == "cpu" else None
+            pool = self.pools.setdefault(world, RankPool(world, case.device, idle_s=idle))
             pool.submit(fn, *args)
             if reference is None:
                 try:
@@ -96,9 +98,10 @@ class Runner:
 def _failed(case: Case, failure: RankFailure) -> Outcome:
     """crash or hang. A crash names the first rank's own error, before ranks that only saw a peer die (gloo:
     "Connection reset by peer"; a rank that gloo aborted, e.g. on a collective of mismatched sizes, just dies)."""
-    raised = {r: _last_line(m) for r, m in failure.messages.items() if "no answer within" not in m}
+    raised = {r: _last_line(m) for r, m in failure.messages.items() if r not in failure.hung}
     if not raised:
-        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.messages)} within the timeout")
+        why = failure.messages[min(failure.hung)].split("no answer: ", 1)[-1]
+        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.hung)}: {why}")
     secondary = ("Connection reset by peer", "Connection closed by peer", "the rank died")
     own = {r: m for r, m in raised.items() if not any(s in m for s in secondary)}
     died = sorted(r for r, m in raised.items() if "the rank died" in m)

@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 
 class RankFailure(AssertionError):
-    """A rank raised, died or hung; `messages` holds each failing rank's traceback."""
+    """A rank raised, died or hung; `messages` holds each failing rank's traceback, `hung` the ranks that never
+    answered."""
 
-    def __init__(self, messages: dict[int, str]) -> None:
-        self.messages = messages
+    def __init__(self, messages: dict[int, str], hung: frozenset[int] = frozenset()) -> None:
+        self.messages, self.hung = messages, hung
         super().__init__("\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(messages.items())))
 
 
@@ -56,14 +57,64 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
 DEVICES = ("cpu", "cuda")
 
 
+class _Progress:
+    """Whether processes still work: stalled(pids) is True once they and their descendants together used less than
+    1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last idle_s seconds.
+    A rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (measured here: a
+    tick every 2 s); a working rank uses tens of ticks a second even on 2 loaded cores. Never True without idle_s
+    or without /proc."""
+
+    def __init__(self, idle_s: float | None) -> None:
+        self.idle_s, self.samples, self.pids, self.stalled_at = idle_s, [], [], None
+
+    def stalled(self, pids: list[int]) -> bool:
+        if self.idle_s is None or not os.path.isdir("/proc"):
+            return False
+        now = time.monotonic()
+        if pids != self.pids:  # a rank answered: its ticks leave the sum
+            self.pids, self.samples = list(pids), []
+        self.samples.append((now, _cpu_ticks(pids)))
+        old = [ticks for t, ticks in self.samples if t <= now - self.idle_s]
+        if old and self.samples[-1][1] - old[-1] < len(pids) * self.idle_s:
+            self.stalled_at = now
+        return self.stalled_at is not None
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    """utime + stime, in clock ticks, of the processes and all their descendants (found by their parent pids)."""
+    table = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., utime, stime
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    total, frontier, seen = 0, list(pids), set()
+    while frontier:
+        pid = frontier.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        total += table[pid][1]
+        frontier += [child for child, (parent, _) in table.items() if parent == pid]
+    return total
+
+
 class RankPool:
     """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
-    with `start_method` (default: fork on CPU, spawn with CUDA)."""
+    with `start_method` (default: fork on CPU, spawn with CUDA). idle_s: a call counts as hung before its timeout
+    once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
+    ranks, Linux /proc: they are blocked, in a collective that a peer never joins; not for CUDA, where a rank may
+    wait for its GPU)."""
 
-    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None) -> None:
+    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None,
+                 idle_s: float | None = None) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        self.world_size, self.device = world_size, device
+        if idle_s is not None and device != "cpu":
+            raise ValueError(f"idle_s needs CPU ranks (a CUDA rank waiting for its GPU uses no CPU), got {device!r}")
+        self.world_size, self.device, self.idle_s = world_size, device, idle_s
         self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -93,11 +144,14 @@ class RankPool:
 
     def collect(self, timeout: float = 60.0) -> list[Any]:
         """Every rank's answer, waiting on all ranks at once: the first error leaves the others a short grace (they
-        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is."""
+        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is;
+        with idle_s, ranks that stopped using CPU are reported hung after idle_s."""
         deadline, results, errors = time.monotonic() + timeout, {}, {}
         waiting = dict(enumerate(self.conns))
-        while waiting and time.monotonic() < deadline:
-            for conn in connection.wait(list(waiting.values()), max(0.0, deadline - time.monotonic())):
+        busy = _Progress(self.idle_s)
+        while waiting and time.monotonic() < deadline and not busy.stalled([self.procs[r].pid for r in waiting]):
+            slice_s = deadline - time.monotonic() if self.idle_s is None else min(0.5, deadline - time.monotonic())
+            for conn in connection.wait(list(waiting.values()), max(0.0, slice_s)):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 del waiting[rank]
                 try:
@@ -107,10 +161,12 @@ class RankPool:
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
                     deadline = min(deadline, time.monotonic() + 3.0)
-        errors.update({rank: f"no answer within {timeout} s (hung or dead)" for rank in waiting})
+        why = (f"no answer: none within {timeout} s (hung or dead)" if not busy.stalled_at else
+               f"no answer: no CPU used for {self.idle_s} s (blocked)")
+        errors.update({rank: why for rank in waiting})
         if errors:
             self.kill()
-            raise RankFailure(errors)
+            raise RankFailure(errors, frozenset(waiting))
         return [results[r] for r in range(self.world_size)]
 
     def kill(self) -> None:
