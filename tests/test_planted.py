@@ -17,10 +17,10 @@ from muon_dist.harness.adapters.planted import BASES, PLANTED, UNREACHABLE, Plan
 from muon_dist.harness.adapters.shipped import DdpReference, DistributedReference, Reference, ReplicatedReference
 
 FIELD_BUGS = range(1, 14)  # the rows of field_bugs.md
-NEW_FAMILIES = {None: ("accumulation", "nesterov_off"),
-                "dtensor": ("padded_scale", "asym_none", "accumulation", "checkpoint"),
-                "replicated": ("asym_none", "accumulation", "checkpoint"),
-                "unreduced": ("straddle", "accumulation", "checkpoint")}
+NEW_FAMILIES = {None: ("micro_batches", "nesterov_off"),
+                "dtensor": ("padded_scale", "asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
+                "replicated": ("asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
+                "unreduced": ("straddle", "accumulation", "checkpoint", "checkpoint_unstepped")}
 
 
 @pytest.fixture(scope="module")

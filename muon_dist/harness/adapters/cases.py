@@ -12,7 +12,8 @@ Families, each with the modes it applies to and the field bug it targets (/work/
     single: tall, wide, square, row (1 x n), primes, experts3d ([E, m, n]), conv4d (4-D, read as (out, in*kh*kw)
         by the reference: flatten=True); experts_fused ([E * m, n] with the param-group key num_experts = E, xtuner's
         layout: only for adapters that list it); nesterov_off (nesterov=False on both sides, for adapters that take
-        it; bug 11: torch.optim.Muon 2.13 normalises its bf16 momentum buffer in place).
+        it; bug 11: torch.optim.Muon 2.13 normalises its bf16 momentum buffer in place); micro_batches
+        (MICRO_BATCHES micro-batches through autograd, then one step; bug 7).
     dtensor, the Hypothesis suite's families: even (rows % W == 0, W params), uneven (rows % W != 0, no empty box;
         rows and cols chosen so that padding rows to a multiple of W would flip the transpose decision), empty
         (rows < W: some rank holds nothing; bug 1), remainder (more params than W and not a multiple), experts (3-D
@@ -23,11 +24,13 @@ Families, each with the modes it applies to and the field bug it targets (/work/
     unreduced: the replicated families with per-rank gradients, and straddle (every boundary of W equal partitions
         of the params' concatenation falls inside a param: ZeRO-1/2's flat partitions; bug 6). Only for W a power of
         two, so that the mean is exact whatever the order of sums and the place of the division by W.
-    every mode: accumulation (MICRO_BATCHES micro-batches through autograd, then one step; bug 7).
     dtensor, replicated: asym_none (at step asym_step, param i < W - 1 has no gradient on rank (i + 1) % W only; bug 2).
-    dtensor, replicated, unreduced: checkpoint (steps before save_step, a torch.distributed.checkpoint save at W, a
-        fresh candidate loaded at W' = case.resume_world_size, the remaining steps; the last param has no gradient
-        on any rank before the save; bug 8).
+    dtensor, replicated, unreduced: accumulation (micro_batches on W ranks; bug 7); checkpoint (save_step steps, a
+        torch.distributed.checkpoint save at W, a fresh candidate loaded at W' = case.resume_world_size, the
+        remaining steps; bug 8) and checkpoint_unstepped (the same, and the last param has no gradient on any rank
+        before the save, as an expert that got no tokens yet: lazily created state has no keys for it; Dion #18).
+(A family name belongs to one mode on one device and to the distributed modes, as experts3d and experts: an
+adapter's `families` then says in which modes it runs.)
 Gradients: seeded normal draws, the same on every rank (`gradients`), except where gradients are summed
 (micro-batches, the ranks of unreduced mode): small integers times 2**-3 (`exact_gradient`), whose sums are exact
 in bf16 and fp32, so that no order of summation can change a bit and the comparison stays bitwise.
@@ -42,14 +45,18 @@ import torch
 
 from ..fixtures import box_of, seeded
 
-SINGLE_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "experts3d", "conv4d", "accumulation",
+SINGLE_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "experts3d", "conv4d", "micro_batches",
                              "nesterov_off"})
 MATRIX_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes"})  # 2-D params only
 FUSED_FAMILIES = frozenset({"experts_fused"})
 DIST_FAMILIES = frozenset({"even", "uneven", "empty", "remainder", "experts", "padded_scale", "asym_none",
-                           "accumulation", "checkpoint"})
-REPLICATED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "asym_none", "accumulation", "checkpoint"})
-UNREDUCED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "straddle", "accumulation", "checkpoint"})
+                           "accumulation", "checkpoint", "checkpoint_unstepped"})
+REPLICATED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "asym_none", "accumulation", "checkpoint",
+                                 "checkpoint_unstepped"})
+UNREDUCED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "straddle", "accumulation", "checkpoint",
+                                "checkpoint_unstepped"})
+CHECKPOINT_FAMILIES = frozenset({"checkpoint", "checkpoint_unstepped"})
+ACCUMULATION_FAMILIES = frozenset({"micro_batches", "accumulation"})
 MODES = ("single", "dtensor", "replicated", "unreduced")
 MODE_FAMILIES = {"dtensor": DIST_FAMILIES, "replicated": REPLICATED_FAMILIES, "unreduced": UNREDUCED_FAMILIES}
 
@@ -59,7 +66,7 @@ MICRO_BATCHES = 4
 _SINGLE_SHAPES = {
     "tall": ((12, 6),), "wide": ((6, 12),), "square": ((8, 8),), "row": ((1, 10),), "primes": ((13, 7),),
     "experts3d": ((3, 6, 4),), "conv4d": ((4, 3, 2, 2),), "experts_fused": ((4 * 3, 5),),
-    "accumulation": ((6, 4),), "nesterov_off": ((6, 8),),  # wide: not torch.optim.Muon's bf16 tall-matrix ulp
+    "micro_batches": ((6, 4),), "nesterov_off": ((6, 8),),  # wide: not torch.optim.Muon's bf16 tall-matrix ulp
 }
 # options a family sets on both sides (param-group keys and hyperparameters of muon_ref; the adapter maps them to
 # its own; a family whose option is a hyperparameter the adapter does not take is not run for it)
@@ -72,7 +79,7 @@ class Case:
     """mode: one of MODES (module docstring). device: where the candidate and the reference run ("cuda": ranks share
     the node's GPUs, gloo carrying CUDA tensors). options: hyperparameters and muon_ref options that the case sets on
     both sides, over the check's defaults (an adapter's variant, a family's options). resume_world_size: the
-    checkpoint family's W' (the save is at world_size)."""
+    checkpoint families' W' (the save is at world_size)."""
 
     family: str
     mode: str
@@ -118,8 +125,8 @@ def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...]
         return ((W + 1, 4, 3),) * W
     if family == "mixed":  # a batch of W straddles the two shapes when W > 1
         return ((6, 4),) * (W + 1) + ((3, 5),) * max(W - 1, 1)
-    if family == "checkpoint":  # one uneven param; the last param first steps after the save
-        return ((2 * W + 1, 3),) + ((2 * W, 5),) * max(W - 1, 1)
+    if family in CHECKPOINT_FAMILIES:  # uneven boxes at W; tall at any W' even if padded; no remainder batch
+        return ((2 * W + 1, 2),) * max(W, 2)
     if W == 1:  # the families below need several ranks
         return None
     return {"uneven": ((2 * W - 1, 2 * W - 1),) * W,  # no empty box; padded to 2W rows it would be transposed
@@ -140,7 +147,7 @@ def in_family(case: Case) -> bool:
                 "primes": all(_prime(d) for d in shapes[0]), "experts3d": len(shapes[0]) == 3,
                 "conv4d": len(shapes[0]) == 4,
                 "experts_fused": len(shapes[0]) == 2 and shapes[0][0] % experts == 0,
-                "accumulation": True, "nesterov_off": True}[fam]
+                "micro_batches": True, "nesterov_off": True}[fam]
     if case.mode == "unreduced" and W & (W - 1):
         return False
     if fam == "even":
@@ -160,9 +167,9 @@ def in_family(case: Case) -> bool:
         return W > 1 and _every_partition_boundary_inside_a_param(shapes, W)
     if fam == "asym_none":
         return W > 1
-    if fam == "checkpoint":
+    if fam == "checkpoint_unstepped":
         return len(shapes) > 1
-    return fam == "accumulation" or (fam == "mixed" and len(set(shapes)) > 1)
+    return fam in ("accumulation", "checkpoint") or (fam == "mixed" and len(set(shapes)) > 1)
 
 
 def _every_partition_boundary_inside_a_param(shapes: tuple[tuple[int, ...], ...], W: int) -> bool:
@@ -196,7 +203,7 @@ def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple
     for i, W in enumerate(world_sizes):
         for f in sorted(families & MODE_FAMILIES[mode]):
             shapes = family_shapes(f, mode, W)
-            resume = world_sizes[(i + 1) % len(world_sizes)] if f == "checkpoint" else None
+            resume = world_sizes[(i + 1) % len(world_sizes)] if f in CHECKPOINT_FAMILIES else None
             if shapes is not None and (resume is None or family_shapes(f, mode, resume) is not None):
                 cases += made(f, mode, W, shapes, resume)
     return cases
@@ -228,40 +235,41 @@ def asym_step(case: Case) -> int:
 
 
 def save_step(case: Case) -> int:
-    """The number of steps before the checkpoint family's save (the rest run after the resume)."""
+    """The number of steps before the checkpoint families' save (the rest run after the resume)."""
     return (case.steps + 1) // 2
 
 
 def world_at(case: Case, step: int) -> int:
     """The number of ranks that run `step`: resume_world_size after the checkpoint family's save, else world_size."""
-    return case.resume_world_size if case.family == "checkpoint" and step >= save_step(case) else case.world_size
+    return case.resume_world_size if case.family in CHECKPOINT_FAMILIES and step >= save_step(case) else case.world_size
 
 
 def _missing(case: Case, step: int, rank: int) -> set[int]:
-    """The params without a gradient on `rank` at `step` (module docstring: asym_none, checkpoint)."""
+    """The params without a gradient on `rank` at `step` (module docstring: asym_none, checkpoint_unstepped)."""
     if case.family == "asym_none" and step == asym_step(case):
         return {i for i in range(min(len(case.shapes), case.world_size - 1)) if rank == (i + 1) % case.world_size}
-    if case.family == "checkpoint" and step < save_step(case):
+    if case.family == "checkpoint_unstepped" and step < save_step(case):
         return {len(case.shapes) - 1}
     return set()
 
 
 def _summed(case: Case) -> bool:
-    return case.mode == "unreduced" or case.family == "accumulation"
+    return case.mode == "unreduced" or case.family in ACCUMULATION_FAMILIES
 
 
 def rank_gradients(case: Case, step: int, rank: int) -> list[list[torch.Tensor | None]]:
     """What `rank` feeds at `step`: per micro-batch, per param, the full gradient (None: this rank has none).
 
-    One micro-batch, except MICRO_BATCHES for accumulation. The same full gradient on every rank, except in
-    unreduced mode, where each rank draws its own (the candidate reduces them: oracle_gradients).
+    One micro-batch, except MICRO_BATCHES for micro_batches and accumulation. The same full gradient on every rank,
+    except in unreduced mode, where each rank draws its own (the candidate reduces them: oracle_gradients).
     """
     missing = _missing(case, step, rank)
     if not _summed(case):
         return [[None if i in missing else g for i, g in enumerate(gradients(case, step))]]
     drawer = rank if case.mode == "unreduced" else 0
     return [[None if i in missing else exact_gradient(s, _seed(case, step, micro, drawer, i), case.dtype, case.device)
-             for i, s in enumerate(case.shapes)] for micro in range(MICRO_BATCHES if case.family == "accumulation" else 1)]
+             for i, s in enumerate(case.shapes)]
+            for micro in range(MICRO_BATCHES if case.family in ACCUMULATION_FAMILIES else 1)]
 
 
 def _seed(case: Case, step: int, micro: int, rank: int, index: int) -> int:
@@ -275,9 +283,9 @@ def oracle_gradients(case: Case, step: int, policy: str = "skip") -> list[torch.
     """The full gradient muon_ref steps on (None: the param does not step).
 
     Equations, per param i: the sum of its micro-batches, and in unreduced mode the mean over the world_at(step)
-    ranks' sums (exact: exact_gradient). A param without a gradient on some rank at this step has none here under policy "skip"
-    (the step skips it on every rank); under "raise" no param has one (the step raised on every rank before writing
-    anything, so nothing changed).
+    ranks' sums (exact: exact_gradient). A param without a gradient on some rank at this step has none here under
+    policy "skip" (the step skips it on every rank); under "raise" no param has one (the step raised on every rank
+    before writing anything, so nothing changed).
     """
     ranks = range(world_at(case, step)) if case.mode == "unreduced" else range(1)
     fed = [rank_gradients(case, step, r) for r in ranks]

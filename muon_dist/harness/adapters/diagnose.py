@@ -129,7 +129,8 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
             bitwise = sorted({o.case.family for o in outcomes if o.status == "bitwise"}
                              - {o.case.family for o in departing})
             kind = "bug" if bitwise else "departs everywhere"
-            parts.append(f"{kind}: no muon_ref convention explains it; departs on {by_family(outcomes, _status('differs'))}"
+            departs = by_family(outcomes, _status("differs"))
+            parts.append(f"{kind}: no muon_ref convention explains it; departs on {departs}"
                          + (f"; bitwise on {', '.join(bitwise)}" if bitwise else ""))
         if disagree:
             parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")

@@ -169,16 +169,18 @@ def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcom
                 bitwise &= same_bits(got, want)
                 state_diff = max(state_diff or 0.0, max_abs_diff(got, want))
     replicas = _disagreement(case, segments)
-    return Outcome(case, "bitwise" if bitwise and not replicas else "differs", tuple(diffs), state_diff,
-                   results=segments, replicas=replicas,
-                   policy=None if case.family != "asym_none" else _policy_label(policy, segments))
+    bitwise &= not replicas
+    answer = _policy_label(policy, segments, bitwise) if case.family == "asym_none" else None
+    return Outcome(case, "bitwise" if bitwise else "differs", tuple(diffs), state_diff, results=segments,
+                   replicas=replicas, policy=answer)
 
 
-def _policy_label(policy: str, segments: list[Segment]) -> str:
-    if policy == "skip":
-        return "skip"
-    error = next(e for _, results in segments for r in results for e in r["errors"] if e)
-    return f"raise {error.split(':')[0]}"
+def _policy_label(policy: str, segments: list[Segment], bitwise: bool) -> str:
+    """"raise <exception type>", "skip" (no rank raised, and the oracle that skips agrees), or "no error raised"."""
+    if policy == "raise":
+        error = next(e for _, results in segments for r in results for e in r["errors"] if e)
+        return f"raise {error.split(':')[0]}"
+    return "skip" if bitwise else "no error raised"
 
 
 def _disagreement(case: Case, segments: list[Segment]) -> str | None:

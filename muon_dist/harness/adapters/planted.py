@@ -33,7 +33,7 @@ from muon_ref.presets import preset_defaults
 
 from ..fixtures import chunk, local
 from . import Adapter
-from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
+from .cases import CHECKPOINT_FAMILIES, DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
 
 
 def _groups(params: list[Tensor]) -> list[dict[str, Any]]:
@@ -344,7 +344,7 @@ class ZeroMuon(torch.optim.Optimizer):
     on the whole matrix (a param straddling a boundary on each rank that holds part of it, on the same mean: the
     fix of DeepSpeed PR #8141) and keeps its partition of the new params, which are all-gathered into every rank.
     Momentum: the buffer of each param that overlaps this rank's partition (ZeRO partitions optimizer state), so
-    it claims no checkpoint family: torch.distributed.checkpoint.state_dict's set_optimizer_state_dict refuses a
+    it claims no checkpoint families: torch.distributed.checkpoint.state_dict's set_optimizer_state_dict refuses a
     rank without state for a param it holds (strict loading; ZeRO checkpoints through its own format)."""
 
     def __init__(self, params: Any, preset: str | None = "torch", **overrides: Any) -> None:
@@ -453,12 +453,12 @@ PLANTED: tuple[Planted, ...] = (
     Planted(5, "InternLM/xtuner PR 1716", PlantedAdapter(ShardShapeScale, "dtensor", DIST_FAMILIES), "bug",
             frozenset({"padded_scale"}), frozenset({"even", "uneven", "remainder", "experts"})),
     Planted(6, "deepspeedai/DeepSpeed #7807", PlantedAdapter(PartlyReducedStraddlers, "unreduced",
-                                                              UNREDUCED_FAMILIES - {"checkpoint"}), "replicas",
+                                                              UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES), "replicas",
             frozenset({"straddle"}), frozenset({"even", "experts"})),
     Planted(7, "deepspeedai/DeepSpeed #8443", PlantedAdapter(MuonPerMicroBatch, None, SINGLE_FAMILIES), "bug",
-            frozenset({"accumulation"}), SINGLE_FAMILIES - {"accumulation"}),
+            frozenset({"micro_batches"}), SINGLE_FAMILIES - {"micro_batches"}),
     Planted(8, "microsoft/dion #18", PlantedAdapter(LazyState, "dtensor", DIST_FAMILIES), "crash",
-            frozenset({"checkpoint"}), DIST_FAMILIES - {"checkpoint"}),
+            frozenset({"checkpoint_unstepped"}), DIST_FAMILIES - {"checkpoint_unstepped"}),
     Planted(9, "karpathy/nanochat #843", PlantedAdapter(GatherNeverLands, "replicated", REPLICATED_FAMILIES),
             "replicas", frozenset({"even", "remainder", "mixed"})),
     Planted(11, "torch.optim.Muon 2.13", PlantedAdapter(InPlaceNormalisedInput, None, _SHOWN | {"nesterov_off"},
@@ -477,7 +477,7 @@ UNREACHABLE: dict[int, str] = {
 BASES: tuple[PlantedAdapter, ...] = (
     PlantedAdapter(SmallMuon, None, SINGLE_FAMILIES), PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES),
     PlantedAdapter(RoundRobinMuon, "replicated", REPLICATED_FAMILIES),
-    PlantedAdapter(ZeroMuon, "unreduced", UNREDUCED_FAMILIES - {"checkpoint"}),
+    PlantedAdapter(ZeroMuon, "unreduced", UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES),
 )
 
 

@@ -4,9 +4,10 @@ rank (picklable arguments, small picklable results).
 Every gradient reaches the candidate through autograd (torch.autograd.backward on the param with the rank's
 gradient as the incoming gradient), one backward per micro-batch, after the grads were set to None: gradient hooks
 fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harness/adapters/cases.py says what each
-rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result is {"first_step", "params" (after each step from first_step), "errors" (per step:
-None, or the exception a step raised where the family allows one), "momentum" (at the end), and for a resume
-"loaded" (the params right after the load)}.
+rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result
+is {"first_step", "params" (after each step from first_step), "errors" (per step: None, or the exception a step
+raised where the family allows one), "momentum" (at the end), and for a resume "loaded" (the params right after the
+load)}.
 """
 
 from __future__ import annotations
