@@ -3,9 +3,9 @@ here with exactly that defect, behind an adapter; `python -m muon_dist.harness.c
 and says which the check caught, by which families, and whether its diagnosis is the right one.
 
 Four small correct Muons carry the defects, one per way a candidate sees its parameters; each is muon_ref's three
-elementwise-or-per-matrix stages (muon_ref.functional: momentum_direction, orthogonalize, apply_update) on whole
-tensors, so each is bitwise muon_ref.Muon, and each conforms on every family of its kind (its adapter below; the
-tests check it). A planted bug is one of them with one method changed:
+stages (muon_ref.functional: momentum_direction, orthogonalize, apply_update) on whole tensors, so each is bitwise
+muon_ref.Muon, and each conforms on every family of its mode (BASES; tests/test_planted.py checks each where the
+planted bugs built on it are caught). A planted bug is one of them with one method changed:
     SmallMuon        single device
     GatherMuon       DTensor Shard(0): every rank gathers each param whole (DTensor.full_tensor) and keeps its box
     RoundRobinMuon   replicated, DDP style: KellerJordan's batches of W params, one owner per param, all-gathered
@@ -42,6 +42,7 @@ def _groups(params: list[Tensor]) -> list[dict[str, Any]]:
 
 
 def _layout(p: Tensor, group: dict[str, Any]) -> MatrixLayout:
+    """The param's matrices as muon_ref reads them (the global shape: a DTensor's, not its box's)."""
     return matrix_layout(tuple(p.shape), flatten=group["flatten"])
 
 
@@ -52,9 +53,11 @@ def agreed_gradients(params: list[Tensor]) -> list[bool]:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     flags = torch.stack(every)
-    for i in torch.nonzero(flags.amin(0) != flags.amax(0)).flatten().tolist():
-        ranks = torch.nonzero(flags[:, i]).flatten().tolist()
-        raise ValueError(f"param {i} of shape {tuple(params[i].shape)} has a gradient on ranks {ranks} only")
+    differ = torch.nonzero(flags.amin(0) != flags.amax(0)).flatten().tolist()
+    if differ:
+        ranks = torch.nonzero(flags[:, differ[0]]).flatten().tolist()
+        raise ValueError(f"param {differ[0]} of shape {tuple(params[differ[0]].shape)} has a gradient on ranks "
+                         f"{ranks} only")
     return flags[0].bool().tolist()
 
 
@@ -72,12 +75,14 @@ class SmallMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
+        """Every param with a gradient steps; the others are skipped (as muon_ref.Muon does)."""
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self._step_param(p, group)
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        """The three stages on p (the class docstring's equations), written into p and its state."""
         cfg, layout = group_config(group), _layout(p, group)
         buf = self.state[p].get("momentum_buffer", torch.zeros_like(p))
         new_buf, direction = momentum_direction(p.grad, buf, cfg)
@@ -86,9 +91,11 @@ class SmallMuon(torch.optim.Optimizer):
         self.state[p]["momentum_buffer"] = new_buf
 
     def orthogonalized(self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
+        """O = orthogonalize(D): Newton-Schulz on each matrix of the layout; D is not written."""
         return orthogonalize(direction, layout, cfg)
 
     def applied(self, p: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
+        """P' = apply_update(P, O): decay, then the update scaled by lr and the layout's shape scale."""
         return apply_update(p, update, layout, cfg)
 
 
@@ -132,12 +139,14 @@ class MuonPerMicroBatch(SmallMuon):
 
     @torch.no_grad()
     def _on_gradient(self, p: Tensor, group: dict[str, Any], grad: Tensor) -> Tensor:
+        """The hook: momentum on this micro-batch's gradient, and its orthogonalised direction as the gradient."""
         cfg = group_config(group)
         buf = self.state[p].get("momentum_buffer", torch.zeros_like(p))
         self.state[p]["momentum_buffer"], direction = momentum_direction(grad, buf, cfg)
         return self.orthogonalized(direction, _layout(p, group), cfg).to(grad.dtype)  # a gradient has p's dtype
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        """P' = applied(P, what autograd accumulated of the hooks' updates)."""
         layout = _layout(p, group)
         p.copy_(self.applied(p, p.grad, layout, group_config(group)))
 
@@ -160,10 +169,12 @@ class GatherMuon(torch.optim.Optimizer):
                 self.initial_state(p)
 
     def initial_state(self, p: Tensor) -> None:
+        """A zero momentum buffer like p (a DTensor for a DTensor), at construction."""
         self.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
+        """The params that `stepping` selects, one after the other, every rank in the same order."""
         params = [p for group in self.param_groups for p in group["params"]]
         steps = iter(self.stepping(params))
         for group in self.param_groups:
@@ -172,9 +183,11 @@ class GatherMuon(torch.optim.Optimizer):
                     self._step_param(p, group)
 
     def stepping(self, params: list[Tensor]) -> list[bool]:
+        """Which params step: agreed_gradients (the same on every rank, or ValueError on every rank)."""
         return agreed_gradients(params)
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        """The three stages on the gathered whole tensors; this rank's box of the results into p and its buffer."""
         cfg, layout = group_config(group), _layout(p, group)
         state = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         G, M, P = (self.gathered(t) for t in (p.grad, state, p))
@@ -184,6 +197,7 @@ class GatherMuon(torch.optim.Optimizer):
         local(state).copy_(self._box(new_buf, p))
 
     def gathered(self, t: Tensor) -> Tensor:
+        """The whole tensor of a DTensor (DTensor.full_tensor: an all-gather, exact for any boxes), or t."""
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def scale_layout(self, p: Tensor, layout: MatrixLayout) -> MatrixLayout:
@@ -192,6 +206,7 @@ class GatherMuon(torch.optim.Optimizer):
 
     @staticmethod
     def _box(full: Tensor, p: Tensor) -> Tensor:
+        """This rank's box of a whole tensor placed like p: torch.chunk's chunk on the 1-D mesh (empty past the end)."""
         if not hasattr(p, "device_mesh"):
             return full
         mesh = p.device_mesh
@@ -279,6 +294,7 @@ class RoundRobinMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
+        """Momentum on every rank, then batch by batch: the owner's update, all-gathered, landed (class docstring)."""
         entries = [(p, g) for g in self.param_groups for p in g["params"]]
         entries = [e for e, on in zip(entries, agreed_gradients([p for p, _ in entries])) if on]
         directions = {}
@@ -305,9 +321,11 @@ class RoundRobinMuon(torch.optim.Optimizer):
         return -num_params % world_size
 
     def land(self, batch: list, gathered: Tensor) -> None:
-        """Every slot's new values into its param, on every rank."""
-        for (p, _), row in ((e, r) for e, r in zip(batch, gathered) if e is not None):
-            p.copy_(row[:p.numel()].view(p.shape))
+        """Every slot's new values (row r of the gather: rank r's) into its param, on every rank."""
+        for entry, row in zip(batch, gathered):
+            if entry is not None:
+                p, _ = entry
+                p.copy_(row[:p.numel()].view(p.shape))
 
 
 class RemainderPadding(RoundRobinMuon):
@@ -361,6 +379,7 @@ class ZeroMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
+        """Reduce-scatter the flat gradients, whole_gradient, step what overlaps this partition, all-gather params."""
         W, (lo, hi) = dist.get_world_size(), self.mine
         stepping = agreed_gradients([p for p, *_ in self.spans])
         flat = torch.cat([p.grad.flatten() if on else torch.zeros(p.numel(), dtype=p.dtype)
@@ -419,6 +438,7 @@ class PlantedAdapter(Adapter):
         return "planted"
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
+        """The optimizer on one group per param, under the claimed preset and the check's hyperparameters."""
         return self.optimizer(_groups(params), preset=self.preset, **hp)
 
 
