@@ -57,7 +57,6 @@ UNREDUCED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "stradd
                                 "checkpoint_unstepped"})
 CHECKPOINT_FAMILIES = frozenset({"checkpoint", "checkpoint_unstepped"})
 ACCUMULATION_FAMILIES = frozenset({"micro_batches", "accumulation"})
-MODES = ("single", "dtensor", "replicated", "unreduced")
 MODE_FAMILIES = {"dtensor": DIST_FAMILIES, "replicated": REPLICATED_FAMILIES, "unreduced": UNREDUCED_FAMILIES}
 
 # DeepSpeed #8443 compared 1 with 4 micro-batches (1.3e-1 relative difference under ZeRO-3)
@@ -76,10 +75,10 @@ FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {"experts_fused": ((
 
 @dataclass(frozen=True)
 class Case:
-    """mode: one of MODES (module docstring). device: where the candidate and the reference run ("cuda": ranks share
-    the node's GPUs, gloo carrying CUDA tensors). options: hyperparameters and muon_ref options that the case sets on
-    both sides, over the check's defaults (an adapter's variant, a family's options). resume_world_size: the
-    checkpoint families' W' (the save is at world_size)."""
+    """mode: "single", or a key of MODE_FAMILIES (module docstring). device: where the candidate and the reference
+    run ("cuda": ranks share the node's GPUs, gloo carrying CUDA tensors). options: hyperparameters and muon_ref
+    options that the case sets on both sides, over the check's defaults (an adapter's variant, a family's options).
+    resume_world_size: the checkpoint families' W' (the save is at world_size)."""
 
     family: str
     mode: str
