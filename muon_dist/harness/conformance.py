@@ -41,7 +41,7 @@ from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
 PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores)
-IDLE_S = 3.0  # s without CPU time in any unanswered rank: a hang (CPU ranks; RankPool.idle_s)
+IDLE_S = 2.0  # s without CPU time in any unanswered rank: a hang (CPU ranks; RankPool.idle_s)
 
 
 def run_here(adapter: Adapter, case: Case) -> Outcome:

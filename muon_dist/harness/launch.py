@@ -55,28 +55,29 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
 
 
 DEVICES = ("cpu", "cuda")
+GRACE_IDLE_S = 0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
 
 
 class _Progress:
-    """Whether processes still work: stalled(pids) is True once they and their descendants together used less than
-    1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last idle_s seconds.
-    A rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (measured here: a
-    tick every 2 s); a working rank uses tens of ticks a second even on 2 loaded cores. Never True without idle_s
-    or without /proc."""
+    """Whether processes still work: stalled(pids, window) is True once they and their descendants together used
+    less than 1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last `window`
+    seconds. A rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (measured
+    here: a tick every 2 s); a working rank uses tens of ticks a second even on 2 loaded cores. Never True without
+    idle_s (the pool's) or without /proc."""
 
     def __init__(self, idle_s: float | None) -> None:
-        self.idle_s, self.samples, self.pids, self.stalled_at = idle_s, [], [], None
+        self.idle_s, self.samples, self.pids, self.stalled_at, self.window = idle_s, [], [], None, None
 
-    def stalled(self, pids: list[int]) -> bool:
-        if self.idle_s is None or not os.path.isdir("/proc"):
+    def stalled(self, pids: list[int], window: float | None) -> bool:
+        if self.idle_s is None or window is None or not os.path.isdir("/proc"):
             return False
         now = time.monotonic()
         if pids != self.pids:  # a rank answered: its ticks leave the sum
             self.pids, self.samples = list(pids), []
         self.samples.append((now, _cpu_ticks(pids)))
-        old = [ticks for t, ticks in self.samples if t <= now - self.idle_s]
-        if old and self.samples[-1][1] - old[-1] < len(pids) * self.idle_s:
-            self.stalled_at = now
+        old = [ticks for t, ticks in self.samples if t <= now - window]
+        if old and self.samples[-1][1] - old[-1] < len(pids) * window:
+            self.stalled_at, self.window = now, window
         return self.stalled_at is not None
 
 
@@ -144,13 +145,17 @@ class RankPool:
 
     def collect(self, timeout: float = 60.0) -> list[Any]:
         """Every rank's answer, waiting on all ranks at once: the first error leaves the others a short grace (they
-        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is;
-        with idle_s, ranks that stopped using CPU are reported hung after idle_s."""
+        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is.
+        With idle_s, ranks that stopped using CPU are reported hung after idle_s, and after an error the grace ends
+        once the others have used no CPU for GRACE_IDLE_S (blocked: their own errors will not come)."""
         deadline, results, errors = time.monotonic() + timeout, {}, {}
         waiting = dict(enumerate(self.conns))
         busy = _Progress(self.idle_s)
-        while waiting and time.monotonic() < deadline and not busy.stalled([self.procs[r].pid for r in waiting]):
-            slice_s = deadline - time.monotonic() if self.idle_s is None else min(0.5, deadline - time.monotonic())
+        while waiting and time.monotonic() < deadline:
+            window = GRACE_IDLE_S if errors else self.idle_s
+            if busy.stalled([self.procs[r].pid for r in waiting], window):
+                break
+            slice_s = deadline - time.monotonic() if self.idle_s is None else min(0.1, deadline - time.monotonic())
             for conn in connection.wait(list(waiting.values()), max(0.0, slice_s)):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 del waiting[rank]
@@ -161,8 +166,8 @@ class RankPool:
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
                     deadline = min(deadline, time.monotonic() + 3.0)
-        why = (f"no answer: none within {timeout} s (hung or dead)" if not busy.stalled_at else
-               f"no answer: no CPU used for {self.idle_s} s (blocked)")
+        why = (f"no answer: none within {timeout} s (hung or dead)" if busy.stalled_at is None else
+               f"no answer: no CPU used for {busy.window} s (blocked)")
         errors.update({rank: why for rank in waiting})
         if errors:
             self.kill()
