@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 verify: $(STAMP)
 	$(PY) -m muon_dist.harness.conformance --origins --steps 5
 	$(PY) -m muon_dist.harness.verify
+	$(PY) -m muon_dist.harness.conformance --planted
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -83,3 +83,8 @@ def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
         "                         nesterov=nesterov)\n")
     argv = ["--adapter", f"{tmp_path}:my_muon:Muon", "--preset", "moonlight", "--families", "tall", "wide"]
     assert conformance.main(argv) == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_planted_suite_runs_alone_and_refuses_other_adapters() -> None:
+    assert conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"]) == 2

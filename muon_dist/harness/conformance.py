@@ -7,15 +7,17 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --all --markdown                                    # the README table
     python -m muon_dist.harness.conformance --all --device cuda                                 # on a GPU node
     python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
+    python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
 
-Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks (muon_dist.harness.launch.RankPool;
-one rank for single-device cases; with --device cuda the candidate, its tensors and the reference are on CUDA,
-the ranks sharing the node's GPUs with gloo carrying CUDA tensors) with a timeout (--timeout, default 300 s: first calls may torch.compile),
-and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in muon_dist/adapters/oracle.py.
-Per case: bitwise, differs (max |dP|, the first step that differs and whether the difference grows), crash
-(the error) or hang. A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the
-failure kind) and the departure diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure
-from the claim, 2 on a usage error.
+Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks
+(muon_dist.harness.launch.RankPool; one rank for single-device cases; with --device cuda the candidate, its tensors
+and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case
+saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
+and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in
+muon_dist/harness/adapters/oracle.py. Per case: bitwise, differs (max |dP|, the first step that differs and whether
+the difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang. A failing
+case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure kind) and the departure
+diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure from the claim, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ import functools
 import json
 import re
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
 
-from .adapters import Adapter, load_adapter
-from .adapters.cases import Case, default_cases, family_shapes, in_family, smaller
+from .adapters import HYPERPARAMETERS, Adapter, load_adapter
+from .adapters.cases import CHECKPOINT_FAMILIES, FAMILY_OPTIONS, Case, default_cases, family_shapes, in_family, smaller
 from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
-from .adapters.workers import candidate_steps
+from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
+PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores)
+IDLE_S = 2.0  # s without CPU time in any unanswered rank: a hang (CPU ranks; RankPool.idle_s)
 
 
 def run_here(adapter: Adapter, case: Case) -> Outcome:
@@ -44,7 +49,7 @@ def run_here(adapter: Adapter, case: Case) -> Outcome:
     for tests that draw many cases (errors propagate instead of becoming a crash outcome)."""
     preset, overrides = claim_of(adapter)
     results = [candidate_steps(adapter, case, candidate_hyperparameters(adapter))]
-    return compare(case, results, reference_steps(case, preset, overrides))
+    return compare(case, [(1, results)], reference_steps(case, preset, overrides))
 
 
 class Runner:
@@ -56,18 +61,34 @@ class Runner:
         self.pools: dict[int, RankPool] = {}
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
-        pool = self.pools.setdefault(case.world_size, RankPool(case.world_size, case.device))
-        pool.submit(candidate_steps, self.adapter, case, candidate_hyperparameters(self.adapter))
-        try:
-            reference = reference_steps(case, self.preset, self.overrides)
-        except BaseException:
-            pool.kill()  # its answers to this call would be read by the next one
-            raise
-        try:
-            results = pool.collect(timeout or self.timeout)
-        except RankFailure as failure:
-            return _failed(case, failure)
-        return compare(case, results, reference)
+        """The case's outcome; a checkpoint case runs its save on world_size ranks, its resume on
+        resume_world_size ranks, through a fresh folder."""
+        hp = candidate_hyperparameters(self.adapter)
+        if case.family not in CHECKPOINT_FAMILIES:
+            return self._phases(case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout)
+        with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
+            return self._phases(case, [(case.world_size, candidate_save, (self.adapter, case, hp, path)),
+                                       (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path))],
+                                timeout)
+
+    def _phases(self, case: Case, phases: list[tuple[int, Any, tuple]], timeout: float | None) -> Outcome:
+        """Each phase on its pool in turn (the reference computed while the first runs); a crash or hang ends it."""
+        reference, segments = None, []
+        for world, fn, args in phases:
+            idle = IDLE_S if case.device == "cpu" else None
+            pool = self.pools.setdefault(world, RankPool(world, case.device, idle_s=idle))
+            pool.submit(fn, *args)
+            if reference is None:
+                try:
+                    reference = reference_steps(case, self.preset, self.overrides)
+                except BaseException:
+                    pool.kill()  # its answers to this call would be read by the next one
+                    raise
+            try:
+                segments.append((world, pool.collect(timeout or self.timeout)))
+            except RankFailure as failure:
+                return _failed(case, failure)
+        return compare(case, segments, reference)
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -77,9 +98,10 @@ class Runner:
 def _failed(case: Case, failure: RankFailure) -> Outcome:
     """crash or hang. A crash names the first rank's own error, before ranks that only saw a peer die (gloo:
     "Connection reset by peer"; a rank that gloo aborted, e.g. on a collective of mismatched sizes, just dies)."""
-    raised = {r: _last_line(m) for r, m in failure.messages.items() if "no answer within" not in m}
+    raised = {r: _last_line(m) for r, m in failure.messages.items() if r not in failure.hung}
     if not raised:
-        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.messages)} within the timeout")
+        why = failure.messages[min(failure.hung)].split("no answer: ", 1)[-1]
+        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.hung)}: {why}")
     secondary = ("Connection reset by peer", "Connection closed by peer", "the rank died")
     own = {r: m for r, m in raised.items() if not any(s in m for s in secondary)}
     died = sorted(r for r, m in raised.items() if "the rank died" in m)
@@ -131,6 +153,7 @@ def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
 
 
 def _smaller_worlds(case: Case) -> list[Case]:
+    """The case's family at each smaller world size (a checkpoint case keeps its resume world size)."""
     out = []
     for W in range(1, case.world_size):
         shapes = family_shapes(case.family, case.mode, W) if case.mode != "single" else None
@@ -147,6 +170,7 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
     runner = Runner(adapter, timeout)
     started = time.monotonic()
     chosen = adapter.families & frozenset(families) if families else adapter.families
+    chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     try:
         cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants)
@@ -169,6 +193,12 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
             "minimal_failing_cases": shrunk, "wall_s": round(time.monotonic() - started, 1)}
 
 
+def _runs_for(adapter: Adapter, family: str) -> bool:
+    """False for a family that sets a hyperparameter the adapter does not take (nesterov_off for an optimizer
+    without a nesterov argument: its claim fixes Nesterov)."""
+    return all(k in adapter.hyperparameters for k, _ in FAMILY_OPTIONS.get(family, ()) if k in HYPERPARAMETERS)
+
+
 def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
     """One failing case per failure kind and mode (and family, off a single device), for the shrinker."""
     firsts: dict[tuple, Outcome] = {}
@@ -182,7 +212,8 @@ def _line(o: Outcome) -> str:
     detail = o.error or ("" if o.status == "bitwise" else
                          f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
                          f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}")
-    return f"  {o.case.label():<58} {o.status:<8} {detail}"
+    notes = [n for n in (o.policy and f"None grads: {o.policy}", o.replicas and f"replicas: {o.replicas}") if n]
+    return f"  {o.case.label():<58} {o.status:<8} {detail}{'; ' if detail and notes else ''}{'; '.join(notes)}"
 
 
 def print_report(report: dict[str, Any], log=_print) -> None:
@@ -211,11 +242,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
     p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
                    "(muon_dist.harness.adapters.origins; what make verify runs)")
+    p.add_argument("--planted", action="store_true", help="the planted-bug suite (muon_dist.harness.adapters."
+                   "planted): a small Muon per reachable class of field bug; prints caught K/N")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
+    p.add_argument("--timeout", type=float, help="seconds per case before it counts as a hang (default 300: first "
+                   f"calls may torch.compile; {PLANTED_TIMEOUT:g} for --planted, whose cases are tiny)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the candidate and the reference "
                    "run (cuda: the ranks share the node's GPUs, gloo carrying CUDA tensors)")
     p.add_argument("--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all")
@@ -226,8 +260,32 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
     g.add_argument("--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}')
     g.add_argument("--kwargs", type=json.loads, default={}, help="constructor keywords, JSON")
-    g.add_argument("--distributed", choices=["dtensor", "replicated"], default=None)
+    g.add_argument("--distributed", choices=["dtensor", "replicated", "unreduced"], default=None)
     return p
+
+
+def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
+    """Every planted bug through the check (its families, dtypes and world sizes, no shrinking), judged
+    (muon_dist.harness.adapters.planted.judge); one line per bug and the figure."""
+    from .adapters.planted import PLANTED, UNREACHABLE, judge
+
+    started, verdicts = time.monotonic(), []
+    for planted in PLANTED:
+        report = check(planted.adapter, planted.world_sizes, steps, timeout, 0.0, log=lambda *_: None)
+        verdicts.append(judge(planted, report))
+        v = verdicts[-1]
+        caught = ", ".join(f"{f} ({'/'.join(s)})" for f, s in v["by"].items()) or "nothing"
+        right = "right" if v["right"] else f"WRONG ({'; '.join(v['wrong'])})"
+        log(f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
+            f"({report['wall_s']} s)")
+        log(f"     {v['diagnosis']}")
+    for number, reason in UNREACHABLE.items():
+        log(f"#{number:<3} not reachable: {reason}")
+    caught, right = sum(v["caught"] for v in verdicts), sum(v["caught"] and v["right"] for v in verdicts)
+    wall = round(time.monotonic() - started, 1)
+    log(f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
+        f"{len(UNREACHABLE)} class not reachable ({wall} s)")
+    return {"planted": verdicts, "caught": caught, "right": right, "total": len(verdicts), "wall_s": wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.planted:
+        if args.adapter or args.all or args.origins:
+            print("error: --planted runs the planted suite alone", file=sys.stderr)
+            return 2
+        suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(suite, f, indent=1, default=str)
+        return 0 if suite["right"] == suite["total"] else 1
     try:
         adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
                                  kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
@@ -255,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for adapter in adapters:
         _print(adapter.describe())
-        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout, args.shrink_budget,
+        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout or 300.0, args.shrink_budget,
                              args.families, args.dtypes, device=args.device))
         print_report(reports[-1])
     if args.markdown:

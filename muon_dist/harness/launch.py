@@ -20,14 +20,16 @@ import shutil
 import tempfile
 import time
 import traceback
+from multiprocessing import connection
 from typing import Any, Callable
 
 
 class RankFailure(AssertionError):
-    """A rank raised, died or hung; `messages` holds each failing rank's traceback."""
+    """A rank raised, died or hung; `messages` holds each failing rank's traceback, `hung` the ranks that never
+    answered."""
 
-    def __init__(self, messages: dict[int, str]) -> None:
-        self.messages = messages
+    def __init__(self, messages: dict[int, str], hung: frozenset[int] = frozenset()) -> None:
+        self.messages, self.hung = messages, hung
         super().__init__("\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(messages.items())))
 
 
@@ -53,16 +55,67 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
 
 
 DEVICES = ("cpu", "cuda")
+GRACE_IDLE_S = 0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
+
+
+class _Progress:
+    """Whether processes still work: stalled(pids, window) is True once they and their descendants together used
+    less than 1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last `window`
+    seconds. A rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (measured
+    here: a tick every 2 s); a working rank uses tens of ticks a second even on 2 loaded cores. Never True without
+    idle_s (the pool's) or without /proc."""
+
+    def __init__(self, idle_s: float | None) -> None:
+        self.idle_s, self.samples, self.pids, self.stalled_at, self.window = idle_s, [], [], None, None
+
+    def stalled(self, pids: list[int], window: float | None) -> bool:
+        if self.idle_s is None or window is None or not os.path.isdir("/proc"):
+            return False
+        now = time.monotonic()
+        if pids != self.pids:  # a rank answered: its ticks leave the sum
+            self.pids, self.samples = list(pids), []
+        self.samples.append((now, _cpu_ticks(pids)))
+        old = [ticks for t, ticks in self.samples if t <= now - window]
+        if old and self.samples[-1][1] - old[-1] < len(pids) * window:
+            self.stalled_at, self.window = now, window
+        return self.stalled_at is not None
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    """utime + stime, in clock ticks, of the processes and all their descendants (found by their parent pids)."""
+    table = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., utime, stime
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    total, frontier, seen = 0, list(pids), set()
+    while frontier:
+        pid = frontier.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        total += table[pid][1]
+        frontier += [child for child, (parent, _) in table.items() if parent == pid]
+    return total
 
 
 class RankPool:
     """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
-    with `start_method` (default: fork on CPU, spawn with CUDA)."""
+    with `start_method` (default: fork on CPU, spawn with CUDA). idle_s: a call counts as hung before its timeout
+    once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
+    ranks, Linux /proc: they are blocked, in a collective that a peer never joins; not for CUDA, where a rank may
+    wait for its GPU)."""
 
-    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None) -> None:
+    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None,
+                 idle_s: float | None = None) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        self.world_size, self.device = world_size, device
+        if idle_s is not None and device != "cpu":
+            raise ValueError(f"idle_s needs CPU ranks (a CUDA rank waiting for its GPU uses no CPU), got {device!r}")
+        self.world_size, self.device, self.idle_s = world_size, device, idle_s
         self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -91,21 +144,34 @@ class RankPool:
             conn.send((fn, args))
 
     def collect(self, timeout: float = 60.0) -> list[Any]:
+        """Every rank's answer, waiting on all ranks at once: the first error leaves the others a short grace (they
+        may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is.
+        With idle_s, ranks that stopped using CPU are reported hung after idle_s, and after an error the grace ends
+        once the others have used no CPU for GRACE_IDLE_S (blocked: their own errors will not come)."""
         deadline, results, errors = time.monotonic() + timeout, {}, {}
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                errors[rank] = f"no answer within {timeout} s (hung or dead)"
-                continue
-            try:
-                status, value = conn.recv()
-            except (EOFError, OSError):
-                status, value = "error", "the rank died (its pipe closed)"
-            (results if status == "ok" else errors)[rank] = value
-            if errors:  # the others may be stuck in a collective with the failed rank: a short grace only
-                deadline = min(deadline, time.monotonic() + 3.0)
+        waiting = dict(enumerate(self.conns))
+        busy = _Progress(self.idle_s)
+        while waiting and time.monotonic() < deadline:
+            window = GRACE_IDLE_S if errors else self.idle_s
+            if busy.stalled([self.procs[r].pid for r in waiting], window):
+                break
+            slice_s = deadline - time.monotonic() if self.idle_s is None else min(0.1, deadline - time.monotonic())
+            for conn in connection.wait(list(waiting.values()), max(0.0, slice_s)):
+                rank = next(r for r, c in waiting.items() if c is conn)
+                del waiting[rank]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    status, value = "error", "the rank died (its pipe closed)"
+                (results if status == "ok" else errors)[rank] = value
+                if errors:
+                    deadline = min(deadline, time.monotonic() + 3.0)
+        why = (f"no answer: none within {timeout} s (hung or dead)" if busy.stalled_at is None else
+               f"no answer: no CPU used for {busy.window} s (blocked)")
+        errors.update({rank: why for rank in waiting})
         if errors:
             self.kill()
-            raise RankFailure(errors)
+            raise RankFailure(errors, frozenset(waiting))
         return [results[r] for r in range(self.world_size)]
 
     def kill(self) -> None:

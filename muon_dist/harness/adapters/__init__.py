@@ -5,12 +5,14 @@ states the claim the oracle checks:
     claim:   muon_ref.Muon(params, preset=adapter.preset, **adapter.overrides, **hyperparameters)
     contract (per case, per step s, per rank r): box_r(P_candidate_s) == box_r(P_reference_s) bit for bit,
              and the momentum buffer too where `momentum()` exposes it.
-`distributed` says how the candidate sees its parameters: None (plain tensors, one process), "dtensor"
-(DTensor Shard(0) on a 1-D gloo mesh, torch.chunk boxes as FSDP2 makes them) or "replicated" (the same plain
-tensor on every rank, DDP style). `families` names the case families it supports (muon_dist/adapters/cases.py);
-`hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match); `variants`
-the option sets it is also checked under (each a dict of hyperparameters and muon_ref options that `build`
-receives and maps to its own arguments, and that the claim takes over; `({},)`: the defaults only).
+`distributed` says how the candidate sees its parameters: None (plain tensors, one process), "dtensor" (DTensor
+Shard(0) on a 1-D gloo mesh, torch.chunk boxes as FSDP2 makes them), "replicated" (the same plain tensor and the
+same reduced gradient on every rank: DDP style, after DDP's all-reduce) or "unreduced" (the same plain tensor on
+every rank and each rank's own gradient: a candidate that owns the reduction, DDP or ZeRO-1/2 style, and must step
+on the mean over ranks). `families` names the case families it supports (muon_dist/adapters/cases.py);
+`hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match); `variants` the
+option sets it is also checked under (each a dict of hyperparameters and muon_ref options that `build` receives and
+maps to its own arguments, and that the claim takes over; `({},)`: the defaults only).
 
 Write one (then `python -m muon_dist.harness.conformance --adapter mymodule:MyAdapter`):
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES
+from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
 
 HYPERPARAMETERS = frozenset({"lr", "weight_decay", "momentum", "nesterov"})
 
@@ -45,7 +47,7 @@ class Adapter:
     name: str = "adapter"
     preset: str | None = "torch"
     overrides: dict[str, Any] = {}
-    distributed: str | None = None  # None | "dtensor" | "replicated"
+    distributed: str | None = None  # None | "dtensor" | "replicated" | "unreduced"
     families: frozenset[str] = SINGLE_FAMILIES
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     hyperparameters: frozenset[str] = HYPERPARAMETERS
@@ -101,7 +103,8 @@ class ImportPath(Adapter):
         self.hyperparameters = frozenset(k for k, v in self.hp_names.items() if v is not None)
         self.kwargs, self.distributed, self.state_key = dict(kwargs or {}), distributed, state_key
         default = {None: SINGLE_FAMILIES, "dtensor": SINGLE_FAMILIES | DIST_FAMILIES,
-                   "replicated": SINGLE_FAMILIES | REPLICATED_FAMILIES}[distributed]
+                   "replicated": SINGLE_FAMILIES | REPLICATED_FAMILIES,
+                   "unreduced": SINGLE_FAMILIES | UNREDUCED_FAMILIES}[distributed]
         self.families = families or default
         self.name = parts[-1]
 

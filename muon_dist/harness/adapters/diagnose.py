@@ -1,5 +1,8 @@
 """Diagnosis of a departure from the claim: a convention (some muon_ref configuration reproduces every case
-that ran, bit for bit) or a bug (none does; named by the case families that depart).
+that ran, bit for bit) or a bug (none does; named by the case families that depart). Replicas that disagree
+(oracle.py: replicated bits that differ across ranks) are a bug whatever the configuration (muon_ref gives every
+rank the same answer), named "replicas disagree on" their families; crashes and hangs are named by their families
+too. A conforming adapter's answer to gradients missing on some ranks only (asym_none) is named with it.
 
 Search, in order (the first configuration that matches every completed case wins):
     1. the claimed preset with one convention option changed (CONVENTION_OPTIONS), the claim's other
@@ -12,7 +15,7 @@ that were bitwise (a convention must keep those too).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -93,40 +96,51 @@ def find_convention(outcomes: list[Outcome], preset: str | None, overrides: dict
     return None
 
 
-def by_family(outcomes: list[Outcome], status: str) -> str:
-    """'uneven (2/4: W=2, W=4; bfloat16 only)' for the families with cases of this status."""
+def by_family(outcomes: list[Outcome], hit: Callable[[Outcome], bool]) -> str:
+    """'uneven (2/4: W=2, W=4; bfloat16 only)' for the families with cases that `hit` selects."""
     parts = []
     for family in dict.fromkeys(o.case.family for o in outcomes):
         mine = [o for o in outcomes if o.case.family == family]
-        hit = [o for o in mine if o.status == status]
-        if not hit:
+        hits = [o for o in mine if hit(o)]
+        if not hits:
             continue
-        dtypes = sorted({o.case.dtype for o in hit})
+        dtypes = sorted({o.case.dtype for o in hits})
         note = f"{dtypes[0]} only" if len(dtypes) == 1 and len({o.case.dtype for o in mine}) > 1 else ""
-        where = sorted({("1 device" if o.case.mode == "single" else f"W={o.case.world_size}") for o in hit})
-        parts.append(f"{family} ({len(hit)}/{len(mine)}: {', '.join(where)}{'; ' + note if note else ''})")
+        where = sorted({("1 device" if o.case.mode == "single" else f"W={o.case.world_size}") for o in hits})
+        parts.append(f"{family} ({len(hits)}/{len(mine)}: {', '.join(where)}{'; ' + note if note else ''})")
     return ", ".join(parts)
 
 
+def _status(status: str) -> Callable[[Outcome], bool]:
+    return lambda o: o.status == status
+
+
 def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str:
-    """One line: conforms, a convention, or a bug named by the families that depart (crashes, hangs after)."""
+    """One line: conforms, a convention, or a bug named by the families that depart (replicas that disagree,
+    crashes and hangs after)."""
     parts = []
     departing = [o for o in outcomes if o.status == "differs"]
     if departing:
-        convention = find_convention(outcomes, preset, overrides)
+        disagree = any(o.replicas for o in departing)
+        convention = None if disagree else find_convention(outcomes, preset, overrides)
         if convention:
             parts.append(f"convention: {convention}")
         else:
             bitwise = sorted({o.case.family for o in outcomes if o.status == "bitwise"}
                              - {o.case.family for o in departing})
             kind = "bug" if bitwise else "departs everywhere"
-            parts.append(f"{kind}: no muon_ref convention explains it; departs on {by_family(outcomes, 'differs')}"
+            departs = by_family(outcomes, _status("differs"))
+            parts.append(f"{kind}: no muon_ref convention explains it; departs on {departs}"
                          + (f"; bitwise on {', '.join(bitwise)}" if bitwise else ""))
+        if disagree:
+            parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")
     for status in ("crash", "hang"):
         if any(o.status == status for o in outcomes):
-            parts.append(f"{status}es on {by_family(outcomes, status)}" if status == "crash"
-                         else f"hangs on {by_family(outcomes, status)}")
-    return "; ".join(parts) or "conforms: every case bitwise equal to the claim"
+            parts.append(f"{status}es on {by_family(outcomes, _status(status))}" if status == "crash"
+                         else f"hangs on {by_family(outcomes, _status(status))}")
+    verdict = "; ".join(parts) or "conforms: every case bitwise equal to the claim"
+    answers = sorted({o.policy for o in outcomes if o.policy})
+    return verdict + (f" (gradients missing on some ranks only: {', '.join(answers)})" if answers else "")
 
 
 __all__ = ["CONVENTION_OPTIONS", "alternatives", "by_family", "diagnose", "find_convention"]

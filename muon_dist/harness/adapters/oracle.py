@@ -2,7 +2,18 @@
 
 Contract checked per case (Outcome.status == "bitwise"), for every step s, rank r and parameter i:
     bits(candidate_r,s[i]) == bits(box_r(reference_s[i]))      (bits: -0.0 and +0.0 differ; dtype must match)
-and for the final momentum buffers the candidate exposes: the same, against box_r(reference momentum).
+and for the final momentum buffers the candidate exposes: the same, against box_r(reference momentum). The
+reference steps on cases.oracle_gradients (the sum of the micro-batches, the mean over ranks in unreduced mode).
+Replica agreement, on every case whose ranks hold replicated data (modes replicated and unreduced: every param, and
+every momentum buffer the candidate exposes): after every step, every rank's bits equal rank 0's (Outcome.replicas
+says where they do not). In dtensor mode the boxes of the ranks are disjoint: there is nothing replicated to agree
+on, and the comparison with the oracle's boxes is the whole check.
+A checkpoint case has two segments, the save at W and the resume at W' (whose params right after the load must be
+the reference's after the last saved step); boxes are taken at each segment's world size.
+asym_none: a step may raise. Conforming answers: no rank raises and every rank equals the oracle that skips the
+params without a gradient on some rank (policy "skip"), or every rank raises the same exception type at that step
+and equals the oracle for which the step never happened (policy "raise": nothing was written). Any other pattern
+of errors is a crash, named by the ranks that raised and those that did not.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from muon_ref.presets import preset_defaults
 
 from ..fixtures import same_bits
 from . import Adapter
-from .cases import Case, gradients, initial_params, local_box
+from .cases import NONE_POLICIES, Case, asym_step, initial_params, local_box, oracle_gradients
 
 # Hyperparameters every case runs with (values unlike every preset's defaults, so that a dropped or renamed
 # argument shows): each goes to the candidate when its adapter accepts it, and always into the claim.
@@ -39,7 +50,9 @@ def claim_of(adapter: Adapter) -> tuple[str | None, dict[str, Any]]:
 @dataclass
 class Outcome:
     """status: "bitwise", "differs", "crash" or "hang". param_diffs: max |dP| after each step (over params and
-    ranks; inf where shapes differ or NaN appears). state_diff: max |dM| of the exposed momentum buffers."""
+    ranks; inf where shapes differ or NaN appears). state_diff: max |dM| of the exposed momentum buffers.
+    replicas: where replicated bits differ across ranks (None: they agree, or nothing is replicated). policy: how
+    an asym_none case answered ("skip", or "raise" with the exception type)."""
 
     case: Case
     status: str
@@ -47,6 +60,8 @@ class Outcome:
     state_diff: float | None = None
     error: str | None = None
     results: list | None = field(default=None, repr=False, compare=False)
+    replicas: str | None = None
+    policy: str | None = None
 
     @property
     def max_diff(self) -> float | None:
@@ -65,25 +80,37 @@ class Outcome:
 
     def summary(self) -> dict[str, Any]:
         return {"case": self.case.label(), "family": self.case.family, "dtype": self.case.dtype,
-                "mode": self.case.mode, "world_size": self.case.world_size, "shapes": self.case.shapes,
+                "mode": self.case.mode, "world_size": self.case.world_size,
+                "resume_world_size": self.case.resume_world_size, "shapes": self.case.shapes,
                 "steps": self.case.steps, "status": self.status, "max_diff": self.max_diff,
                 "param_diffs": list(self.param_diffs), "state_diff": self.state_diff,
-                "first_step": self.first_step, "grows": self.grows, "error": self.error}
+                "first_step": self.first_step, "grows": self.grows, "error": self.error,
+                "replicas": self.replicas, "policy": self.policy}
 
 
-def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> tuple[list, list]:
-    """muon_ref.Muon under (preset, overrides and the case's options) on the full tensors, on the case's device:
-    (params after each step, final momentum buffers), as CPU copies."""
+Reference = dict[str, tuple[list, list]]  # policy -> (params after each step, final momentum buffers)
+Segment = tuple[int, list[dict]]  # (world size, each rank's result: muon_dist/harness/adapters/workers.py)
+
+
+def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> Reference:
+    """muon_ref.Muon under (preset, overrides and the case's options) on the full tensors, on the case's device, for
+    each policy the case's family admits: (params after each step, final momentum buffers; zeros for a param that
+    never stepped), as CPU copies."""
+    return {policy: _reference_run(case, preset, overrides, policy)
+            for policy in (NONE_POLICIES if case.family == "asym_none" else NONE_POLICIES[:1])}
+
+
+def _reference_run(case: Case, preset: str | None, overrides: dict[str, Any], policy: str) -> tuple[list, list]:
     params = initial_params(case)
     groups = [{"params": [p], "flatten": p.ndim >= 4} for p in params]
     opt = muon_ref.Muon(groups, preset=preset, **{**overrides, **dict(case.options)})
     per_step = []
     for step in range(case.steps):
-        for p, g in zip(params, gradients(case, step)):
+        for p, g in zip(params, oracle_gradients(case, step, policy)):
             p.grad = g
         opt.step()
         per_step.append([p.detach().cpu().clone() for p in params])
-    return per_step, [opt.state[p]["momentum_buffer"].cpu() for p in params]
+    return per_step, [opt.state[p].get("momentum_buffer", torch.zeros_like(p)).cpu() for p in params]
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
@@ -95,24 +122,86 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
     return math.inf if math.isnan(d) else d
 
 
-def compare(case: Case, results: list[dict], reference: tuple[list, list]) -> Outcome:
-    """The outcome of a case whose ranks all answered: bitwise or differs, with the per-step differences."""
-    ref_steps, ref_momentum = reference
-    bitwise = True
-    diffs = [0.0] * case.steps
-    state_diff: float | None = None
+def _policy(case: Case, segments: list[Segment]) -> tuple[str, str | None]:
+    """(policy, None), or ("", the crash message) when the ranks' errors are not a conforming answer."""
+    raised = {}  # (segment, step) -> {rank: error}
+    for k, (_, results) in enumerate(segments):
+        for rank, r in enumerate(results):
+            for offset, error in enumerate(r["errors"]):
+                raised.setdefault((k, r["first_step"] + offset), {})[rank] = error
+    answers = {key: errs for key, errs in raised.items() if any(errs.values())}
+    if not answers:
+        return "skip", None
+    (k, step), errs = next(iter(answers.items()))
+    types = {e.split(":")[0] for e in errs.values() if e}
+    if len(answers) == 1 and step == asym_step(case) and all(errs.values()) and len(types) == 1:
+        return "raise", None
+    quiet = sorted(r for r, e in errs.items() if not e)
+    rank, error = next((r, e) for r, e in sorted(errs.items()) if e)
+    return "", (f"at step {step + 1} rank {rank} raised {error[:200]}"
+                + (f"; ranks {quiet} did not" if quiet else "; the ranks raised different errors"))
+
+
+def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcome:
+    """The outcome of a case whose ranks all answered (module docstring): bitwise or differs, with the per-step
+    differences and replica agreement, or a crash when the ranks answered asym_none's step inconsistently."""
+    policy, crash = _policy(case, segments)
+    if crash:
+        return Outcome(case, "crash", error=crash, results=segments)
+    ref_steps, ref_momentum = reference[policy]
+    bitwise, diffs, state_diff = True, [0.0] * case.steps, None
+    for world, results in segments:
+        for rank, r in enumerate(results):
+            first = r["first_step"]
+            checked = [(first + k, got) for k, got in enumerate(r["params"])]
+            if "loaded" in r and first > 0:
+                checked.append((first - 1, r["loaded"]))
+            for s, got_step in checked:
+                for got, want in zip(got_step, ref_steps[s]):
+                    want = local_box(want, case, rank, world)
+                    bitwise &= same_bits(got, want)
+                    diffs[s] = max(diffs[s], max_abs_diff(got, want))
+    world, results = segments[-1]
     for rank, r in enumerate(results):
-        for s, (got_step, want_step) in enumerate(zip(r["params"], ref_steps)):
-            for got, want in zip(got_step, want_step):
-                want = local_box(want, case, rank)
-                bitwise &= same_bits(got, want)
-                diffs[s] = max(diffs[s], max_abs_diff(got, want))
         for got, want in zip(r["momentum"], ref_momentum):
             if got is not None:
-                want = local_box(want, case, rank)
+                want = local_box(want, case, rank, world)
                 bitwise &= same_bits(got, want)
                 state_diff = max(state_diff or 0.0, max_abs_diff(got, want))
-    return Outcome(case, "bitwise" if bitwise else "differs", tuple(diffs), state_diff, results=results)
+    replicas = _disagreement(case, segments)
+    bitwise &= not replicas
+    answer = _policy_label(policy, segments, bitwise) if case.family == "asym_none" else None
+    return Outcome(case, "bitwise" if bitwise else "differs", tuple(diffs), state_diff, results=segments,
+                   replicas=replicas, policy=answer)
+
+
+def _policy_label(policy: str, segments: list[Segment], bitwise: bool) -> str:
+    """"raise <exception type>", "skip" (no rank raised, and the oracle that skips agrees), or "no error raised"."""
+    if policy == "raise":
+        error = next(e for _, results in segments for r in results for e in r["errors"] if e)
+        return f"raise {error.split(':')[0]}"
+    return "skip" if bitwise else "no error raised"
+
+
+def _disagreement(case: Case, segments: list[Segment]) -> str | None:
+    """Where replicated bits differ across ranks (modes replicated and unreduced), or None."""
+    if case.mode not in ("replicated", "unreduced"):
+        return None
+    for world, results in segments:
+        for k in range(len(results[0]["params"])):
+            step = results[0]["first_step"] + k
+            for i in range(len(case.shapes)):
+                differ = [rank for rank, r in enumerate(results[1:], 1)
+                          if not same_bits(r["params"][k][i], results[0]["params"][k][i])]
+                if differ:
+                    return f"param {i} after step {step + 1}: ranks {differ} differ from rank 0 (W={world})"
+    world, results = segments[-1]
+    for i in range(len(case.shapes)):
+        held = [(rank, r["momentum"][i]) for rank, r in enumerate(results) if r["momentum"][i] is not None]
+        differ = [rank for rank, m in held[1:] if not same_bits(m, held[0][1])]
+        if differ:
+            return f"momentum of param {i} at the end: ranks {differ} differ from rank {held[0][0]} (W={world})"
+    return None
 
 
 def matches(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> bool:

@@ -100,7 +100,7 @@ TORCH_ADJUST_LR = {"original": "original", "match_rms_adamw": "match_rms_adamw"}
 class TorchOrigin(TorchMuon):
     """torch.optim.Muon under its two lr adjustments, with and without Nesterov."""
 
-    dtypes = FP32
+    families, dtypes = MATRIX_FAMILIES, FP32
     variants = ({}, {"nesterov": False, "lr_scale": "match_rms_adamw"})
 
     def build(self, params: list[Tensor], lr_scale: str = "original", **hp: Any) -> torch.optim.Optimizer:

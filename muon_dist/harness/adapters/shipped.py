@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from muon_dist import DistributedMuon
+
 from . import Adapter, package_version
-from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES
+from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
 from .field import DionMuon, GramNewtonSchulzMuon, TorchtitanDistMuon, TorchtitanDistMuonOnCpu
 
 _2D = frozenset({"tall", "wide", "square", "row", "primes"})
@@ -45,15 +48,52 @@ class DistributedReference(Reference):
     families = SINGLE_FAMILIES | DIST_FAMILIES
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
-        from muon_dist import DistributedMuon
-
         return DistributedMuon(_groups(params), preset=self.preset, **self.overrides, **hp)
 
 
-class TorchMuon(Adapter):
-    """torch.optim.Muon (installed torch): 2-D parameters only (its constructor refuses others)."""
+class ReplicatedReference(Reference):
+    """muon_dist.DistributedMuon on plain tensors, the same on every rank (its replicated path): the control of the
+    replicated families."""
 
-    name, preset, families = "torch.optim.Muon", "torch", _2D
+    name = "muon_dist.DistributedMuon (replicated)"
+    distributed = "replicated"
+    families = REPLICATED_FAMILIES
+
+    def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
+        return DistributedMuon(_groups(params), preset=self.preset, **self.overrides, **hp)
+
+
+class DdpReference(ReplicatedReference):
+    """ReplicatedReference behind DDP's reduction: each rank's gradient is replaced by the mean over ranks before
+    DistributedMuon steps (torch DDP's default hook divides by W, then all-reduces; here the sum comes first: the
+    unreduced families' gradients make both exact). The control of the unreduced families."""
+
+    name = "muon_dist.DistributedMuon (behind a DDP mean)"
+    distributed = "unreduced"
+    families = UNREDUCED_FAMILIES
+
+    def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
+        return _MeanOfRanks(_groups(params), preset=self.preset, **self.overrides, **hp)
+
+
+class _MeanOfRanks(DistributedMuon):
+    """DistributedMuon whose step first replaces every gradient by the mean over ranks: all_reduce(SUM), then / W."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(dist.get_world_size())
+        return super().step(closure)
+
+
+class TorchMuon(Adapter):
+    """torch.optim.Muon (installed torch): 2-D parameters only (its constructor refuses others); nesterov_off shows
+    its in-place normalisation of a bf16 momentum buffer (field bug 11)."""
+
+    name, preset, families = "torch.optim.Muon", "torch", _2D | {"nesterov_off"}
 
     def version(self) -> str:
         return torch.__version__

@@ -1,15 +1,39 @@
 """The rank side of the conformance run: module-level functions that muon_dist.harness.launch.RankPool runs on every
-rank (picklable arguments, small picklable results)."""
+rank (picklable arguments, small picklable results).
+
+Every gradient reaches the candidate through autograd (torch.autograd.backward on the param with the rank's
+gradient as the incoming gradient), one backward per micro-batch, after the grads were set to None: gradient hooks
+fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harness/adapters/cases.py says what each
+rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result
+is {"first_step", "params" (after each step from first_step), "errors" (per step: None, or the exception a step
+raised where the family allows one), "momentum" (at the end), and for a resume "loaded" (the params right after the
+load)}.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..fixtures import distribute, local
 from . import Adapter
-from .cases import Case, gradients, initial_params, placement
+from .cases import Case, asym_step, initial_params, placement, rank_gradients, save_step
+
+_HARNESS_GROUP: list[Any] = []
+
+
+def _harness_group() -> Any:
+    """A gloo group of all ranks for the harness's own barrier, made once per rank process (a collective: every
+    rank calls it first thing in a case); None in a process without torch.distributed (conformance.run_here). The
+    candidate's collectives run on the default group; a barrier there could be matched with a collective that a
+    peer left pending inside the candidate."""
+    if not dist.is_initialized():
+        return None
+    if not _HARNESS_GROUP:
+        _HARNESS_GROUP.append(dist.new_group(backend="gloo"))
+    return _HARNESS_GROUP[0]
 
 
 def _on_rank(full: torch.Tensor, case: Case) -> torch.Tensor:
@@ -17,16 +41,86 @@ def _on_rank(full: torch.Tensor, case: Case) -> torch.Tensor:
     return distribute(full, placement(case), "fsdp", case.device)
 
 
+def _params(case: Case, zeros: bool = False) -> torch.nn.Module:
+    """The case's params (zeros: the same shapes, for a resume to load into) as a module, whose parameter names
+    torch.distributed.checkpoint.state_dict uses as the optimizer state's keys."""
+    module = torch.nn.Module()
+    module.params = torch.nn.ParameterList(
+        [torch.nn.Parameter(_on_rank(torch.zeros_like(p) if zeros else p, case)) for p in initial_params(case)])
+    return module
+
+
+def _feed(params: list[torch.Tensor], case: Case, step: int) -> None:
+    """p.grad = None, then one backward per micro-batch with this rank's gradients (none where it has none)."""
+    for p in params:
+        p.grad = None
+    for micro in rank_gradients(case, step, dist.get_rank() if dist.is_initialized() else 0):
+        fed = [(p, _on_rank(g, case)) for p, g in zip(params, micro) if g is not None]
+        if fed:
+            torch.autograd.backward([p for p, _ in fed], [g for _, g in fed])
+
+
+def _steps(adapter: Adapter, case: Case, opt: torch.optim.Optimizer, params: list[torch.Tensor],
+           steps: range) -> dict[str, Any]:
+    """Run `steps`. After each, every rank meets at the harness barrier: a rank that finished its step cannot run
+    ahead into the next step's collectives while a peer is still inside this one (the peer then waits, and the
+    case is a hang, as in the field). The step of asym_none may raise: the error is recorded, not raised."""
+    per_step, errors = [], []
+    for step in steps:
+        _feed(params, case, step)
+        error = None
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - asym_none: the same error on every rank is a conforming answer
+            if case.family != "asym_none" or step != asym_step(case):
+                raise
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if dist.is_initialized():
+            dist.barrier(group=_harness_group())
+        per_step.append([local(p.detach()).cpu().clone() for p in params])
+        errors.append(error)
+    momenta = [adapter.momentum(opt, p) for p in params]
+    return {"first_step": steps.start, "params": per_step, "errors": errors,
+            "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta]}
+
+
 def candidate_steps(adapter: Adapter, case: Case, hp: dict[str, Any]) -> dict[str, Any]:
     """case.steps steps of the candidate, built with the check's hyperparameters `hp` and the case's options; this
     rank's params after every step and its final momentum (CPU copies: results travel to the parent by a pipe)."""
-    params = [torch.nn.Parameter(_on_rank(p, case)) for p in initial_params(case)]
+    _harness_group()
+    params = list(_params(case).params)
     opt = adapter.build(params, **{**hp, **dict(case.options)})
-    per_step = []
-    for step in range(case.steps):
-        for p, g in zip(params, gradients(case, step)):
-            p.grad = _on_rank(g, case)
-        opt.step()
-        per_step.append([local(p.detach()).cpu().clone() for p in params])
-    momenta = [adapter.momentum(opt, p) for p in params]
-    return {"params": per_step, "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta]}
+    return _steps(adapter, case, opt, params, range(case.steps))
+
+
+def candidate_save(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) -> dict[str, Any]:
+    """The checkpoint family before the save: save_step(case) steps, then the params and the optimizer state through
+    torch.distributed.checkpoint at `path`, the optimizer's as torch.distributed.checkpoint.state_dict gives it
+    (get_optimizer_state_dict: keys are parameter names, DTensor state stays sharded)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    _harness_group()
+    module = _params(case)
+    opt = adapter.build(list(module.params), **{**hp, **dict(case.options)})
+    result = _steps(adapter, case, opt, list(module.params), range(save_step(case)))
+    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}, checkpoint_id=path)
+    return result
+
+
+def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) -> dict[str, Any]:
+    """The checkpoint family after the save, on case.resume_world_size ranks: a fresh candidate on zero params,
+    loaded from `path` (its own state dict as the template, set_optimizer_state_dict to install it), then the
+    remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    _harness_group()
+    module = _params(case, zeros=True)
+    opt = adapter.build(list(module.params), **{**hp, **dict(case.options)})
+    state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
+    dcp.load(state, checkpoint_id=path)
+    module.load_state_dict(state["model"])
+    set_optimizer_state_dict(module, opt, state["optim"])
+    loaded = [local(p.detach()).cpu().clone() for p in module.params]
+    return {**_steps(adapter, case, opt, list(module.params), range(save_step(case), case.steps)), "loaded": loaded}
