@@ -49,7 +49,7 @@ import torch
 import muon_ref
 from muon_ref.presets import PRESETS
 
-from .fixtures import box_of, distribute, local, same_bits, seeded
+from .fixtures import axis_codes, box_of, distribute, local, mesh_shape, same_bits, seeded
 from .shapes import ParamSpec, tiny_moe
 
 
@@ -58,7 +58,7 @@ class Run:
     """One distributed training run: world size, mesh kind, preset, mode (DistributedMuon options), dtype."""
 
     world_size: int
-    mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp"
+    mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp" | "tp"
     preset: str
     mode: str  # "auto" | "resume" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
     #            | "dispatch=global"
@@ -73,9 +73,23 @@ class Run:
         return {{"force": "force_path"}.get(key, key): value}
 
 
+# the tp mesh: each matrix as parallelize_module shards it (ColwiseParallel: rows; RowwiseParallel: columns), FSDP2
+# over it (a strided Shard(0) under Colwise); experts sharded by dp and replicated over tp
+COLWISE, ROWWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "router"), ("o_proj", "down_proj")
+HEADS = 3  # tiny_moe's query heads (muon_dist/harness/shapes.py): q and o orthogonalised per head on the tp mesh
+
+
+def _role(spec: ParamSpec) -> str:
+    return next((name for name in COLWISE + ROWWISE if name in spec.name), "experts")
+
+
 def muon_specs(mesh: str = "fsdp") -> list[ParamSpec]:
-    """The Muon params in param-group order: on the ep mesh the experts are fused and come last (their group)."""
+    """The Muon params in param-group order: on the ep mesh the experts are fused and come last (their group); on
+    the tp mesh the q and o projections come last (their per-head groups)."""
     specs = [s for s in tiny_moe() if s.is_muon]
+    if mesh == "tp":
+        return ([s for s in specs if _role(s) not in ("q_proj", "o_proj")] + [s for s in specs if _role(s) == "q_proj"]
+                + [s for s in specs if _role(s) == "o_proj"])
     if mesh != "ep":
         return specs
     fused = [ParamSpec(s.name, (s.shape[0] * s.shape[1], s.shape[2]), "experts", s.shape[0])
@@ -84,8 +98,18 @@ def muon_specs(mesh: str = "fsdp") -> list[ParamSpec]:
 
 
 def param_groups(mesh: str, params: list) -> list[dict]:
-    """One group of plain matrices; on the ep mesh, a second group of fused experts with num_experts."""
+    """One group of plain matrices; on the ep mesh, a second group of fused experts with num_experts; on the tp
+    mesh, a group of q projections per head (rows) and one of o projections per head (columns)."""
     specs = muon_specs(mesh)
+    if mesh == "tp":
+        keys = {"q_proj": {"num_heads": HEADS}, "o_proj": {"num_heads": HEADS, "split_dim": 1}}
+        groups: dict[str, dict] = {}
+        for p, s in zip(params, specs):
+            role = _role(s) if _role(s) in keys else "plain"
+            group = groups.setdefault(role, {"params": [], "param_names": [], **keys.get(role, {})})
+            group["params"].append(p)
+            group["param_names"].append(s.name)
+        return list(groups.values())
     experts = [s.num_experts for s in tiny_moe() if s.num_experts]
     split = len(specs) - (len(experts) if mesh == "ep" else 0)
     groups = [{"params": params[:split], "param_names": [s.name for s in specs[:split]]}]
@@ -104,8 +128,11 @@ def gradients(run: Run, step: int, device: str = "cpu") -> list[torch.Tensor]:
             for i, s in enumerate(muon_specs(run.mesh))]
 
 
-def placement(run: Run) -> tuple[str, str]:
-    """(placement, mesh kind) of every param of the run (muon_dist.harness.fixtures)."""
+def placement(run: Run, spec: ParamSpec) -> tuple[str, str]:
+    """(placement, mesh kind) of a param of the run (muon_dist.harness.fixtures)."""
+    if run.mesh == "tp":
+        role = _role(spec)
+        return ("S0:2,S0" if role in COLWISE else "S0,S1" if role in ROWWISE else "S0,R"), "tp2"
     return {"ddp": ("plain", "fsdp"), "ep": ("S0", "ep2")}.get(run.mesh, ("S0", run.mesh))
 
 
@@ -119,6 +146,7 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
     if world_size >= 4 and world_size % 2 == 0:
         out.append(Run(world_size, "hsdp", "torch", "auto", steps=steps))
         out.append(Run(world_size, "ep", "torch", "auto", steps=steps))
+        out.append(Run(world_size, "tp", "torch", "auto", steps=steps))
     if world_size > 1:
         out += [Run(world_size, "fsdp", "torch", m, steps=steps)
                 for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all", "dispatch=global")]
@@ -127,8 +155,8 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
 
 # ------------------------------------------------------------------------------------------------ ranks
 
-def _distribute(full: torch.Tensor, run: Run, device: str) -> torch.Tensor:
-    return distribute(full, *placement(run), device)
+def _distribute(full: torch.Tensor, run: Run, spec: ParamSpec, device: str) -> torch.Tensor:
+    return distribute(full, *placement(run, spec), device)
 
 
 def rank_run(run: Run, device: str = "cpu", checkpoint_dir: str | None = None) -> dict:
@@ -137,14 +165,15 @@ def rank_run(run: Run, device: str = "cpu", checkpoint_dir: str | None = None) -
     take the remaining steps."""
     from muon_dist import DistributedMuon
 
-    params = [_distribute(f, run, device) for f in initial(run, device)]
+    specs = muon_specs(run.mesh)
+    params = [_distribute(f, run, s, device) for f, s in zip(initial(run, device), specs)]
     opt = DistributedMuon(param_groups(run.mesh, params), preset=run.preset, **run.options())
     times = []
     for step in range(run.steps):
         if run.mode == "resume" and step == run.steps // 2:
             params, opt = _save_and_reload(run, params, opt, device, checkpoint_dir)
-        for p, g in zip(params, gradients(run, step, device)):
-            p.grad = _distribute(g, run, device)
+        for p, g, s in zip(params, gradients(run, step, device), specs):
+            p.grad = _distribute(g, run, s, device)
         start = time.perf_counter()
         opt.step()
         if device == "cuda":
@@ -164,7 +193,7 @@ def _save_and_reload(run: Run, params: list, opt, device: str, checkpoint_dir: s
     assert checkpoint_dir is not None, "mode 'resume' needs a checkpoint directory"
     dcp.save({"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
              checkpoint_id=checkpoint_dir)
-    fresh = [_distribute(torch.zeros_like(f), run, device) for f in initial(run, device)]
+    fresh = [_distribute(torch.zeros_like(f), run, s, device) for f, s in zip(initial(run, device), muon_specs(run.mesh))]
     new_opt = DistributedMuon(param_groups(run.mesh, fresh), preset=run.preset, **run.options())
     state = {"params": {f"p{i}": p for i, p in enumerate(fresh)}, "optim": new_opt.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint_dir)
@@ -193,7 +222,7 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
     for i, full in enumerate(want):
         worst, equal = 0.0, True
         for rank, r in enumerate(results):
-            got, box = r["shards"][i], box_of(full, *placement(run), rank, W)
+            got, box = r["shards"][i], box_of(full, *placement(run, muon_specs(run.mesh)[i]), rank, W)
             if got.numel() and got.shape == box.shape:
                 worst = max(worst, float((got.double() - box.double()).abs().max()))
             equal &= same_bits(got, box)
@@ -202,45 +231,39 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
     return rows
 
 
-def row_boxes(rows: int, mesh: str, world_size: int) -> list[tuple[int, int]]:
-    """(offset, length) along dim 0 of every member's box: torch.chunk over the group, or on the ep mesh a
-    chunk (over ep = 2) of a chunk (over fsdp = W / 2) in mesh order (proofs/paths.md#experts)."""
-    from muon_dist.geometry import chunk_bounds
-
-    if mesh != "ep":
-        group = world_size // 2 if mesh == "hsdp" else world_size
-        return [chunk_bounds(rows, group, r) for r in range(group)]
-    boxes = []
-    for i in range(2):
-        outer, length = chunk_bounds(rows, 2, i)
-        boxes += [(outer + o, n) for o, n in (chunk_bounds(length, world_size // 2, j) for j in range(world_size // 2))]
-    return boxes
-
-
-def holders(spec: ParamSpec, matrix: int, run: Run) -> int:
-    """How many members' boxes hold a piece of matrix `matrix` of the param (p above)."""
-    if spec.num_experts and not spec.fused_experts:  # [E, m, n] under Shard(0): expert e is never split
-        return 1
-    rows = spec.matrix_shape[0]
-    lo, hi = matrix * rows, (matrix + 1) * rows
-    return sum(1 for o, n in row_boxes(spec.shape[0], run.mesh, run.world_size) if n and o < hi and o + n > lo)
-
-
 def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
-    W = run.world_size // 2 if run.mesh == "hsdp" else run.world_size  # ep: the flattened ep x fsdp group
+    """Bytes a rank must send, on average over its shard group, for these params: for each matrix (an expert of a
+    stack, a block of a split or per-head param, else the whole param) of S elements whose largest piece on any
+    rank has p elements, someone must receive S - p direction elements and send the S - p update elements back:
+    (S - p) (b_direction + b_update) / W. Replicated: each rank must receive the other members' results,
+    (W - 1) / W S b_update. The pieces come from the fixtures' boxes (torch.chunk), apart from muon_dist."""
     b_dir = torch.tensor([], dtype=getattr(torch, run.dtype)).element_size()
     b_upd = 2  # the kernel's output dtype: bf16 in every preset
-    total = 0.0
+    specs, total = muon_specs(run.mesh), 0.0
+    groups = param_groups(run.mesh, list(range(len(specs))))
     for i in params:
-        spec = muon_specs(run.mesh)[i]
-        m, n = spec.matrix_shape
-        for e in range(spec.num_experts or 1):
+        spec = specs[i]
+        code, kind = placement(run, spec)
+        W = _group_size(code, kind, run.world_size)
+        keys = next(({k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups
+                     if i in g["params"]))
+        labels = torch.arange(math.prod(spec.shape)).reshape(spec.shape)
+        held = [set(box_of(labels, code, kind, r, run.world_size).flatten().tolist()) for r in range(run.world_size)]
+        for block in muon_ref.matrix_layout(spec.shape, **keys).blocks:
+            S = math.prod(block.shape)
             if path == "replicated":
-                total += (W - 1) / W * m * n * b_upd
+                total += (W - 1) / W * S * b_upd
             else:
-                p = holders(spec, e, run)
-                total += (p - 1) / p * m * n * (b_dir + b_upd) / W
+                inside = set(labels[block.index].flatten().tolist())
+                total += (S - max(len(inside & h) for h in held)) * (b_dir + b_upd) / W
     return total
+
+
+def _group_size(code: str, kind: str, world_size: int) -> int:
+    """Ranks of a shard group: the product of the sizes of the mesh axes that shard (all of them when none do)."""
+    shape, _ = mesh_shape(kind, world_size)
+    sizes = [n for n, c in zip(shape, axis_codes(code, kind, world_size)) if c != "R"]
+    return math.prod(sizes) if sizes and code != "plain" else world_size
 
 
 def summarise(run: Run, results: list[dict], rows: list[dict]) -> list[dict]:
@@ -292,7 +315,7 @@ def verify_world(world_size: int, steps: int, refs: dict, timeout: float, preset
                 violations.append(f"{run}: {str(failure)[-400:]}")
                 print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED", file=sys.stderr)
                 continue
-            key = (run.preset, run.dtype, run.steps, run.seed, run.mesh == "ep")
+            key = (run.preset, run.dtype, run.steps, run.seed, run.mesh if run.mesh in ("ep", "tp") else "")
             refs.setdefault(key, reference(run, device))
             per_param = compare(run, results, refs[key])
             violations += [f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}" for r in per_param

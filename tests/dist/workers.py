@@ -330,3 +330,25 @@ def subgroup_cache_probe() -> dict:
         comm_module.TorchComm._all_gather = real_all_gather
     sub = [h for h in handles if h is not dist.group.WORLD]
     return {"counts": counts, "paths": paths, "subgroup_calls": len(sub), "distinct_groups": len(set(map(id, sub)))}
+
+
+def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...]) -> tuple[bool, bool, bool]:
+    """A tensor distributed by torch (distribute_tensor, src_data_rank=None) with per-axis placements that may
+    include _StridedShard: (its local shard is the fixtures' box of the full tensor, read_layout's box has
+    DTensor's local shape, and its offset where the box is not empty)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from muon_dist import read_layout
+    from muon_dist.harness.fixtures import axis_codes, placement_of
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    mesh = device_mesh(kind)
+    placements = [placement_of(c) for c in axis_codes(placement, kind, W)]
+    t = distribute_tensor(full, mesh, placements, src_data_rank=None)  # torch's scatter asserts on uneven strided
+    geometry = read_layout(t, "w", {}, W, r).geometry
+    box = geometry.boxes[geometry.member(r)]
+    local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    return (torch.equal(t.to_local(), box_of(full, placement, kind, r, W)), box.shape == tuple(local_shape),
+            box.offsets == tuple(offset) or box.numel == 0)
