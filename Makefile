@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test test-fast test-thorough test-gpu bench bench-gpu setup clean
+.PHONY: verify test test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,17 @@ bench: $(STAMP)
 # one GPU: the step and kernel tables in one run; options in ARGS, e.g. make bench-gpu ARGS="--dion ../dion"
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks gpu $(ARGS)
+
+# mutation testing of the tests (README, "Mutation testing"): cosmic-ray, one mutant at a time, on a seeded sample of
+# each target's mutants (tests/mutation/TARGET.toml); the muon_dist and newton_schulz targets run by name
+MUTATION_TARGETS ?= ref_functional ref_config
+
+$(VENV)/.installed-mutation: $(STAMP)
+	$(PY) -m pip install -q -e ".[mutation]"
+	touch $@
+
+mutation: $(VENV)/.installed-mutation
+	nice -n 10 $(PY) tests/mutation/run.py $(MUTATION_TARGETS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
