@@ -11,8 +11,13 @@ hyperparameters steps with the new ones.
 Reference equations, on every rank after the same steps (muon_ref's missing buffers read as zeros):
     to_reference_state_dict(opt)                          == muon_ref.Muon(full params).state_dict()
     opt.load_state_dict(from_reference_state_dict(sd, opt)); to_reference_state_dict(opt) == sd
-Contract: bitwise; both directions only move bits (DTensor.full_tensor gathers, a Replicate -> Shard
-redistribution takes torch.chunk's local box without communication).
+Contract: bitwise; both directions only move bits. Both read the boxes of a DTensor from muon_dist's own layout
+(muon_dist/geometry.py, what the optimizer steps on), never from DTensor.full_tensor or redistribute: with FSDP2
+over tensor parallelism and uneven shards, torch 2.9.1's full_tensor of (_StridedShard, Shard) returns the rows in
+the wrong order (measured here; right in torch 2.13.0; the fix is pytorch/pytorch#163843).
+    to reference: each shard group all-gathers its members' boxes (padded to the largest, flattened; recorded in
+                  the optimizer's ledger as "checkpoint") and places each in the global tensor;
+    from reference: each rank copies its own box of the global tensor, no communication.
 """
 
 from __future__ import annotations
@@ -23,34 +28,50 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from muon_ref.optim import param_name
+
 from .optim import DistributedMuon
 
 
-def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
-    """The params in state-dict index order (torch.optim numbers them across groups in order)."""
-    return [p for group in opt.param_groups for p in group["params"]]
+def _params(opt: DistributedMuon) -> list[tuple[Tensor, dict[str, Any], str]]:
+    """(param, its group, its name) in state-dict index order (torch.optim numbers params across groups in order)."""
+    return [(p, group, param_name(group, i)) for group in opt.param_groups for i, p in enumerate(group["params"])]
 
 
-def _full(t: Tensor) -> Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+def _full(opt: DistributedMuon, t: Tensor, param: Tensor, group: dict[str, Any], name: str) -> Tensor:
+    """The global tensor of `t`, a tensor placed like `param`: a collective over param's shard group."""
+    if not hasattr(t, "device_mesh"):
+        return t.detach().clone()
+    geo = opt.layout(param, group, name).geometry
+    local = t.to_local().detach()
+    if not geo.sharded:
+        return local.clone()
+    width = max(geo.sizes)
+    mine = torch.zeros(width, dtype=local.dtype, device=local.device)
+    mine[:local.numel()] = local.reshape(-1)
+    group = opt.shard_group(geo, param.device_mesh)
+    pieces = opt.comm.all_gather(mine, group, "checkpoint").reshape(len(geo.boxes), width)
+    full = torch.empty(geo.global_shape, dtype=local.dtype, device=local.device)
+    for piece, box in zip(pieces, geo.boxes):
+        full[box.index] = piece[:box.numel].reshape(box.shape)
+    return full
 
 
-def _like_param(full: Tensor, param: Tensor) -> Tensor:
-    """This rank's part of `full`, placed like `param` (a copy of full for a plain param)."""
+def _like_param(opt: DistributedMuon, full: Tensor, param: Tensor, group: dict[str, Any], name: str) -> Tensor:
+    """This rank's box of `full`, placed like `param` (a copy of full for a plain param). Local."""
     if not hasattr(param, "device_mesh"):
         return full.detach().clone()
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = param.device_mesh
-    whole = DTensor.from_local(full.detach().clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, param.placements)
+    geo = opt.layout(param, group, name).geometry
+    box = geo.boxes[geo.member(opt.comm.rank)]
+    local = full.detach()[box.index].to(param.device).clone(memory_format=torch.contiguous_format)
+    return DistributedMuon._like_param(local, param)
 
 
 def to_reference_state_dict(opt: DistributedMuon) -> dict[str, Any]:
     """A muon_ref.Muon state dict (full tensors) of opt's state. Collective: call on every rank."""
-    state = opt.state_dict()
-    full = {index: {key: _full(value) for key, value in state["state"][index].items()}
-            for index in sorted(state["state"])}  # sorted: full_tensor is a collective, same order on every rank
+    state, params = opt.state_dict(), _params(opt)
+    full = {index: {key: _full(opt, value, *params[index]) for key, value in state["state"][index].items()}
+            for index in sorted(state["state"])}  # sorted: _full is a collective, same order on every rank
     return {"state": full, "param_groups": copy.deepcopy(state["param_groups"])}
 
 
@@ -62,11 +83,12 @@ def from_reference_state_dict(ref_state: dict[str, Any], opt: DistributedMuon) -
         raise ValueError(f"the reference state dict has {sum(len(g['params']) for g in ref_state['param_groups'])} "
                          f"params, the optimizer {len(params)}")
     state = {}
-    for index, param in enumerate(params):
+    for index, (param, group, name) in enumerate(params):
         saved = ref_state["state"].get(index, {})
         buf = saved.get("momentum_buffer")
         if buf is not None and tuple(buf.shape) != tuple(param.shape):
-            raise ValueError(f"param {index} of shape {tuple(param.shape)}: the reference momentum buffer has "
+            raise ValueError(f"{name} (param {index}) of shape {tuple(param.shape)}: the reference momentum buffer has "
                              f"shape {tuple(buf.shape)}")
-        state[index] = {"momentum_buffer": torch.zeros_like(param) if buf is None else _like_param(buf, param)}
+        state[index] = {"momentum_buffer": torch.zeros_like(param) if buf is None
+                        else _like_param(opt, buf, param, group, name)}
     return {"state": state, "param_groups": copy.deepcopy(ref_state["param_groups"])}

@@ -24,6 +24,7 @@ from muon_ref.presets import preset_defaults
 from .batch import Batch
 from .comm import Comm, Group, TorchComm
 from .kernels import backend
+from .geometry import Geometry
 from .layout import ParamLayout, read_layout
 from .plan import Entry, Options, Plan
 from .step import ParamInput, execute, prepare
@@ -118,7 +119,10 @@ class DistributedMuon(torch.optim.Optimizer):
                         check_gradient(grad, p, name)
                         if getattr(grad, "placements", None) != getattr(p, "placements", None):
                             raise ValueError(f"{name} of shape {tuple(p.shape)}: gradient placements "
-                                             f"{getattr(grad, 'placements', None)} differ from the param's")
+                                             f"{getattr(grad, 'placements', None)} differ from the param's "
+                                             f"{getattr(p, 'placements', None)} (torch 2.9's autograd stores a "
+                                             f"Replicate gradient when an uneven shard's gradient is passed to "
+                                             f"backward() on the leaf itself)")
                     except ValueError as e:
                         error = str(e)
                 entries.append(Entry(self.layout(p, group, name), gi, str(update_dtype or p.dtype),
@@ -128,23 +132,25 @@ class DistributedMuon(torch.optim.Optimizer):
                 params.append(p)
         return tuple(entries), inputs, params, error
 
+    def shard_group(self, geometry: Geometry, mesh: Any) -> Group:
+        """This rank's shard group of a param of `geometry` on DeviceMesh `mesh` (None for a plain tensor): the
+        mesh axis's own group when one axis shards, sub-groups made once per partition when several do (every rank
+        calls this in the same order), the default group otherwise; found once per (partition, mesh) and reused."""
+        key = (geometry.groups, geometry.axes, mesh)
+        if key not in self._groups:
+            ranks = geometry.group_of(self.comm.rank)
+            if mesh is None:
+                self._groups[key] = self.comm.group(ranks)
+            elif len(geometry.axes) <= 1:  # one sharding axis, or a replicated DTensor's 1-D mesh
+                self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0] if geometry.axes else 0))
+            else:
+                self._groups[key] = self.comm.subgroups(geometry.groups)[ranks]
+        return self._groups[key]
+
     def _group_for(self, params: list[Tensor]) -> Callable[[Batch], Group]:
-        """The process group of a batch: the DeviceMesh axis's own group when one axis shards, sub-groups made once
-        per partition when several do (every rank calls this in plan order), the default group otherwise; found
-        once per (partition, mesh) and reused."""
+        """The process group of a batch (shard_group of its first param; every rank calls this in plan order)."""
         def group_for(batch: Batch) -> Group:
-            geometry = batch.geometries[0]
-            mesh = getattr(params[batch.params[0]], "device_mesh", None)
-            key = (geometry.groups, geometry.axes, mesh)
-            if key not in self._groups:
-                ranks = geometry.group_of(self.comm.rank)
-                if mesh is None:
-                    self._groups[key] = self.comm.group(ranks)
-                elif len(geometry.axes) <= 1:  # one sharding axis, or a replicated DTensor's 1-D mesh
-                    self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0] if geometry.axes else 0))
-                else:
-                    self._groups[key] = self.comm.subgroups(geometry.groups)[ranks]
-            return self._groups[key]
+            return self.shard_group(batch.geometries[0], getattr(params[batch.params[0]], "device_mesh", None))
         return group_for
 
     @torch.no_grad()

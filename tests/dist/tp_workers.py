@@ -44,10 +44,36 @@ def groups(model: Block) -> list[dict]:
             {"params": [model.gate.weight, model.up.weight, model.down.weight], "param_names": ["gate", "up", "down"]}]
 
 
+def labelled(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose every weight holds its own flat indices (0, 1, 2, ... as float32: exact here)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape))
+    return twin
+
+
+def assemble(local: torch.Tensor, labels: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The global tensor from every rank's local shard and the flat indices that shard holds (from a labelled twin
+    sharded the same way): what FSDP2 and tensor parallelism actually placed where, read without DTensor's
+    full_tensor (wrong for uneven _StridedShard in torch 2.9.1) and without muon_dist's or the fixtures' boxes.
+    Collective. Every element must come from some rank, and replicas must agree bitwise."""
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, (local.detach().reshape(-1).clone(), labels.detach().reshape(-1).long()))
+    full = torch.empty(shape.numel(), dtype=local.dtype)
+    seen = torch.zeros(shape.numel(), dtype=torch.bool)
+    for values, where in pieces:
+        assert not (seen[where] & (full[where].view(torch.int32) != values.view(torch.int32))).any(), "replicas differ"
+        full[where], seen[where] = values, True
+    assert seen.all(), f"{int((~seen).sum())} elements held by no rank"
+    return full.reshape(shape)
+
+
 def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
     """parallelize_module (ColwiseParallel for qkv, gate, up; RowwiseParallel for o, down) over the mesh's tp axis,
     fully_shard over its dp axis, DistributedMuon on the result; muon_ref.Muon on a full copy, fed the full
-    gradients of the sharded model. Per step: the elements of each param that differ, and the placements."""
+    gradients of the sharded model. Full tensors are assembled from the local shards and a labelled twin model
+    (assemble). Per step: the elements of each param that differ, and the placements."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -55,11 +81,13 @@ def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = Block()
-    reference = copy.deepcopy(model)
+    reference, twin = copy.deepcopy(model), labelled(model)
     plan = {"qkv": ColwiseParallel(), "o": RowwiseParallel(), "gate": ColwiseParallel(), "up": ColwiseParallel(),
             "down": RowwiseParallel()}
-    parallelize_module(model, mesh["tp"], plan)
-    fully_shard(model, mesh=mesh["dp"])
+    for m in (model, twin):
+        parallelize_module(m, mesh["tp"], plan)
+        fully_shard(m, mesh=mesh["dp"])
+    labels = {name: p.to_local() for name, p in twin.named_parameters()}
     opt = DistributedMuon(groups(model), preset=preset)
     ref_opt = muon_ref.Muon(groups(reference), preset=preset)
     out = {"differs": [], "placements": {n: [str(p) for p in w.placements] for n, w in model.named_parameters()},
@@ -68,12 +96,13 @@ def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
     for step in range(steps):
         model(seeded((4, HIDDEN), 1000 * step + dp_rank)).square().mean().backward()
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-            r.grad = p.grad.full_tensor()
+            assert p.grad.placements == p.placements, (name, p.grad.placements)
+            r.grad = assemble(p.grad.to_local(), labels[name], p.shape)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        out["differs"].append({name: int((p.full_tensor() != r.detach()).sum())
+        out["differs"].append({name: int((assemble(p.to_local(), labels[name], p.shape) != r.detach()).sum())
                                for (name, p), r in zip(model.named_parameters(), reference.parameters())})
     out["paths"] = opt.last_report.paths
     out["rank"] = dist.get_rank()

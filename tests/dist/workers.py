@@ -332,10 +332,32 @@ def subgroup_cache_probe() -> dict:
     return {"counts": counts, "paths": paths, "subgroup_calls": len(sub), "distinct_groups": len(set(map(id, sub)))}
 
 
+def _made_by_fsdp2_over_tp(full: torch.Tensor, codes: tuple[str, ...], mesh) -> torch.Tensor:
+    """`full` as FSDP2 over tensor parallelism places it, for codes with a _StridedShard (the only producer of one
+    in the field): an nn.Linear holding `full`, ColwiseParallel (dim 0) or RowwiseParallel (dim 1) over the last
+    axis, then fully_shard over the axes before it (HSDP when one of them replicates), sharding the same dim."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dim = int(codes[-1][1])
+    assert codes[-1] == f"S{dim}" and codes[-2].startswith(f"S{dim}:"), codes
+    linear = nn.Linear(full.shape[1], full.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(full)
+    names = mesh.mesh_dim_names
+    parallelize_module(linear, mesh[names[-1]], ColwiseParallel() if dim == 0 else RowwiseParallel())
+    fsdp_mesh = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
+    fully_shard(linear, mesh=fsdp_mesh, shard_placement_fn=lambda p: Shard(dim))
+    return linear.weight
+
+
 def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...]) -> tuple[bool, bool, bool]:
-    """A tensor distributed by torch (distribute_tensor, src_data_rank=None) with per-axis placements that may
-    include _StridedShard: (its local shard is the fixtures' box of the full tensor, read_layout's box has
-    DTensor's local shape, and its offset where the box is not empty)."""
+    """A tensor placed by torch with per-axis placements that may include _StridedShard: by FSDP2 over tensor
+    parallelism when they do (torch 2.9.1's distribute_tensor splits an uneven _StridedShard otherwise than FSDP2
+    places it: measured), else by distribute_tensor (src_data_rank=None). (Its local shard is the fixtures' box of
+    the full tensor, read_layout's box has its local shape, and its offset is torch's where the box is not empty.)"""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -345,8 +367,13 @@ def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...])
     W, r = dist.get_world_size(), dist.get_rank()
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     mesh = device_mesh(kind)
-    placements = [placement_of(c) for c in axis_codes(placement, kind, W)]
-    t = distribute_tensor(full, mesh, placements, src_data_rank=None)  # torch's scatter asserts on uneven strided
+    codes = axis_codes(placement, kind, W)
+    placements = [placement_of(c) for c in codes]
+    if any(":" in c for c in codes):
+        t = _made_by_fsdp2_over_tp(full, codes, mesh)
+        assert list(t.placements) == placements, (t.placements, placements)
+    else:
+        t = distribute_tensor(full, mesh, placements, src_data_rank=None)
     geometry = read_layout(t, "w", {}, W, r).geometry
     box = geometry.boxes[geometry.member(r)]
     local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
