@@ -281,6 +281,11 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     """
     if layout.separate:
         return map_blocks(lambda b, d: (newton_schulz(d, **cfg.ns_kwargs()),), layout, direction)[0]
+    if direction.ndim == 2 and layout.matrices_shape == (1, *direction.shape):
+        # one matrix: the kernel on it directly, without the stack's 3-D round trip. contiguous() copies a tall
+        # matrix's transposed result exactly as stacking it did, so the update's layout (and the bits of a bf16
+        # update in the elementwise stage) are the stack's (README, "Noticed in the field": the known deviation)
+        return newton_schulz(direction, **cfg.ns_kwargs()).contiguous()
     matrices = direction.reshape(layout.matrices_shape)
     return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
 
