@@ -1,4 +1,5 @@
-"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev | ci | thorough; ci is the default) and shared fixtures."""
+"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev | ci | thorough, and mutation for tests/mutation; ci is the default)
+and shared fixtures."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=10, **_COMMON)
 settings.register_profile("ci", max_examples=40, derandomize=True, database=None, print_blob=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, print_blob=True, **_COMMON)
+# tests/mutation/run.py: ci's examples, not shrunk (a mutant is killed by any failing example; shrinking one only
+# makes its report shorter, and it can take longer than the whole test)
+settings.register_profile("mutation", parent=settings.get_profile("ci"), phases=(Phase.explicit, Phase.generate))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Two cores: intra-op threads only add scheduling noise to these small matrices.

@@ -10,11 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_dist import Entry, Options, plan
+from muon_dist.balance import lpt, ns_flops
+from muon_dist.paths import PATHS
 
 from tests.conftest import examples
 
-from .batches import layout_1d
+from .batches import layout_1d, layout_ep
 from .checks import timeout_for
+from .test_experts import placed_models, textbook_path
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
 
@@ -69,3 +72,49 @@ def test_the_plan_checks_its_own_invariants() -> None:
     p = plan(tuple(entry(0, 2, (5, 3), "S0") for _ in range(2)), Options())
     with pytest.raises(AssertionError):
         dataclasses.replace(p, batches=p.batches[:0])
+
+
+mixed = st.lists(st.tuples(st.sampled_from([(5, 3), (4, 4), (1, 7)]), st.sampled_from(["S0", "S1", "R"]),
+                           st.integers(0, 1), st.booleans(), st.sampled_from(["torch.bfloat16", "torch.float32"])),
+                 min_size=1, max_size=20)
+
+
+@settings(max_examples=examples(1.0))
+@given(W=st.integers(1, 6), spec=mixed, remainder=st.sampled_from(["agrs", "padded_all_to_all"]))
+def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_pair_with_lpt_owners(
+        W: int, spec: list, remainder: str) -> None:
+    """plan.py's docstring: every batch of a GLOBAL_DISPATCH path merged into one global_all_to_all batch per
+    (shard groups, direction dtype, update dtype), after the other batches, params in param-group order, owners by
+    LPT on each param's Newton-Schulz FLOPs; the other batches stay as they are."""
+    entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
+                    for shape, placement, group, active, update in spec)
+    batched = plan(entries, Options(remainder))
+    merged = plan(entries, Options(remainder, dispatch="global"))
+    kept = [b for b in batched.batches if not PATHS[b.path].GLOBAL_DISPATCH]
+    assert list(merged.batches[:len(kept)]) == kept
+    runs: dict[tuple, list[int]] = {}
+    for b in batched.batches:
+        if PATHS[b.path].GLOBAL_DISPATCH:
+            runs.setdefault((b.geometries[0].groups, b.direction_dtype, b.update_dtype), []).extend(b.params)
+    assert len(merged.batches) == len(kept) + len(runs)
+    for b, ((groups, direction, update), params) in zip(merged.batches[len(kept):], runs.items()):
+        costs = [ns_flops(*entries[i].layout.global_shape) for i in sorted(params)]
+        assert (b.path, b.params, b.owners) == ("global_all_to_all", tuple(sorted(params)), tuple(lpt(costs, W)))
+        assert (b.geometries[0].groups, b.direction_dtype, b.update_dtype) == (groups, direction, update)
+        assert b.geometries == tuple(entries[i].layout.geometry for i in b.params)
+
+
+@settings(max_examples=examples(1.0))
+@given(drawn=placed_models(), count=st.integers(1, 3))
+def test_expert_stacks_take_the_path_their_boxes_call_for(drawn: tuple, count: int) -> None:
+    """Where the field's three cases apply (test_experts.textbook_path): local, subgroup_all_gather, else the
+    all-to-all family (all_to_all for a full batch, the remainder path otherwise)."""
+    model, (ep, fsdp) = drawn
+    E, m, n, fused = model["E"], model["m"], model["n"], model["fused"]
+    layout = layout_ep((E * m, n) if fused else (E, m, n), ep, fsdp, "torch.float32", E if fused else None)
+    want = textbook_path(E, m, fused, ep, fsdp)
+    paths = plan(tuple(Entry(layout, 0, "torch.float32", True) for _ in range(count)), Options()).path_of()
+    if want is not None:
+        assert paths == (want,) * count, (layout, paths)
+    else:
+        assert set(paths) <= {"all_to_all", "agrs", "local", "subgroup_all_gather"}, paths

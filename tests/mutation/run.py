@@ -32,8 +32,9 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORK = ROOT / ".mutation"
-# muon_ref/newton_schulz.py and the muon_dist targets are configured beside these; run them by name
-DEFAULT_TARGETS = ("ref_functional", "ref_config")
+# every target: muon_ref's core, then muon_dist's (README, "Mutation testing": the whole run takes under an hour here)
+DEFAULT_TARGETS = ("ref_functional", "ref_config", "ref_newton_schulz", "dist_paths", "dist_plan", "dist_step",
+                   "dist_elementwise", "dist_layout", "dist_comm")
 
 
 def copy_tree(dest: Path) -> None:
@@ -58,6 +59,16 @@ def present_config(target: str, tree: Path) -> tuple[Path, list[str]]:
 
 def cosmic_ray(*args: str, tree: Path, env: dict[str, str]) -> None:
     subprocess.run(list(args), cwd=tree, env=env, check=True)
+
+
+def check_imports_copy(tree: Path, env: dict[str, str]) -> None:
+    """The packages that the tests import, in the environment of their command, are the copy's (where the mutants
+    are written), never the checkout's that an editable install points at."""
+    found = subprocess.run([sys.executable, "-c", "import muon_dist, muon_ref; print(muon_dist.__file__); "
+                            "print(muon_ref.__file__)"], cwd=tree, env=env, check=True, capture_output=True, text=True)
+    for path in found.stdout.split():
+        if not Path(path).resolve().is_relative_to(tree.resolve()):
+            raise SystemExit(f"the tests would import {path}, not the copy under {tree}: mutants would not reach them")
 
 
 def summarize(session: Path) -> tuple[list[str], list[str]]:
@@ -91,12 +102,13 @@ def summarize(session: Path) -> tuple[list[str], list[str]]:
 
 
 def run_target(target: str, env: dict[str, str]) -> list[str]:
-    start = time.monotonic()
+    start, load = time.monotonic(), f"{os.getloadavg()[0]:.1f}"
     tree = WORK / "tree"
     copy_tree(tree)
     config, missing = present_config(target, tree)
     if missing:
         print(f"[{target}] not present yet, left out: {', '.join(missing)}", flush=True)
+    check_imports_copy(tree, env)
     session = WORK / f"{target}.sqlite"
     session.unlink(missing_ok=True)
     cosmic_ray("cosmic-ray", "init", str(config), str(session), tree=tree, env=env)
@@ -106,7 +118,8 @@ def run_target(target: str, env: dict[str, str]) -> list[str]:
     cosmic_ray("cosmic-ray", "exec", str(config), str(session), tree=tree, env=env)
     lines, survivors = summarize(session)
     (WORK / f"{target}.survivors.txt").write_text("\n".join(survivors))
-    wall = f"[{target}] wall time {time.monotonic() - start:.0f} s; survivors in .mutation/{target}.survivors.txt"
+    wall = (f"[{target}] wall time {time.monotonic() - start:.0f} s, load average {load} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end; survivors in .mutation/{target}.survivors.txt")
     return [f"[{target}] {line}" for line in lines] + [wall]
 
 
@@ -117,9 +130,11 @@ def main(targets: list[str]) -> int:
         raise SystemExit(f"unknown mutation targets {unknown}; known: {known}")
     WORK.mkdir(exist_ok=True)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               HYPOTHESIS_PROFILE="ci", PYTHONPATH=str(WORK / "tree"))
+               HYPOTHESIS_PROFILE="mutation", PYTHONPATH=str(WORK / "tree"))
+    start = time.monotonic()
     for target in targets:
         print("\n".join(run_target(target, env)), flush=True)
+    print(f"all targets: wall time {time.monotonic() - start:.0f} s", flush=True)
     return 0
 
 

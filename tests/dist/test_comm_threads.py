@@ -1,0 +1,164 @@
+"""muon_dist/comm.py on ranks as threads (ThreadComm): each collective is its equation, and the ledger records
+what a direct implementation moves (module docstring), per caller-given name.
+
+    all_to_all(x, out_splits, in_splits)[piece j] == member j's piece for me      sent: x minus my own piece
+    all_gather(x)[j * n:(j + 1) * n] == member j's x                               (W - 1) n each way
+    reduce_scatter_sum(x) == chunk me of (sum over members of x)                    (W - 1) n / W each way
+    check_agreement(digest) == every rank's digest, in rank order                   (W - 1) 32 each way
+in any group of the world's ranks (group order is member order), with a group of one answering locally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muon_dist import ThreadComm, ThreadWorld
+from muon_dist.comm import Group, run_threads
+
+from muon_dist.harness.fixtures import same_bits
+from tests.conftest import examples
+
+
+def on_threads(W: int, rank_main) -> list[object]:
+    world, results = ThreadWorld(W, timeout_s=10), [None] * W
+
+    def main(rank: int) -> None:
+        results[rank] = rank_main(ThreadComm(world, rank))
+
+    run_threads(W, main)
+    return results
+
+
+def payload(rank: int, to: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """What `rank` sends `to`: values that name both (distinct for every pair)."""
+    return (torch.arange(length) + 1000 * rank + 100 * to).to(dtype)
+
+
+@st.composite
+def groups(draw) -> tuple[int, tuple[int, ...]]:
+    """A world of W ranks and a group of some of them, in any order (group order is member order)."""
+    W = draw(st.integers(1, 5))
+    ranks = draw(st.permutations(range(W)))
+    return W, tuple(ranks[:draw(st.integers(1, W))])
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=examples(0.5))
+@given(drawn=groups(), lengths=st.lists(st.integers(0, 4), min_size=25, max_size=25),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_all_to_all_delivers_piece_j_from_member_j_and_records_what_left_and_arrived(drawn, lengths, dtype) -> None:
+    W, ranks = drawn
+    n = len(ranks)
+    size = {(i, j): lengths[5 * i + j] for i in range(n) for j in range(n)}  # member i sends member j
+
+    def rank_main(comm: ThreadComm):
+        if comm.rank not in ranks:
+            return None
+        me = ranks.index(comm.rank)
+        x = torch.cat([payload(me, j, size[me, j], dtype) for j in range(n)])
+        out = comm.all_to_all(x, [size[j, me] for j in range(n)], [size[me, j] for j in range(n)], Group(ranks), "p")
+        return me, out, dict(comm.ledger), comm.calls
+
+    for result in filter(None, on_threads(W, rank_main)):
+        me, out, ledger, calls = result
+        assert same_bits(out, torch.cat([payload(j, me, size[j, me], dtype) for j in range(n)]))
+        item = torch.empty(0, dtype=dtype).element_size()
+        sent = item * sum(size[me, j] for j in range(n) if j != me)
+        received = item * sum(size[j, me] for j in range(n) if j != me)
+        assert ledger == {"p": [sent, received]} and calls == [("p", "all_to_all", sent, received)]
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=examples(0.5))
+@given(drawn=groups(), numel=st.integers(0, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_all_gather_concatenates_every_members_tensor_in_group_order(drawn, numel, dtype) -> None:
+    W, ranks = drawn
+
+    def rank_main(comm: ThreadComm):
+        if comm.rank not in ranks:
+            return None
+        x = payload(ranks.index(comm.rank), 0, numel, dtype).reshape(numel, 1)
+        return comm.all_gather(x, Group(ranks), "g"), dict(comm.ledger)
+
+    moved = (len(ranks) - 1) * numel * torch.empty(0, dtype=dtype).element_size()
+    want = torch.cat([payload(j, 0, numel, dtype) for j in range(len(ranks))])
+    for out, ledger in filter(None, on_threads(W, rank_main)):
+        assert same_bits(out, want) and ledger == {"g": [moved, moved]}
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=examples(0.5))
+@given(drawn=groups(), per_member=st.integers(1, 4))
+def test_reduce_scatter_sum_gives_member_j_chunk_j_of_the_sum(drawn, per_member) -> None:
+    W, ranks = drawn
+    n = len(ranks)
+    inputs = [torch.arange(n * per_member, dtype=torch.float32) * (j + 1) - 0.5 * j for j in range(n)]
+
+    def rank_main(comm: ThreadComm):
+        if comm.rank not in ranks:
+            return None
+        me = ranks.index(comm.rank)
+        return me, comm.reduce_scatter_sum(inputs[me].reshape(n, per_member), Group(ranks), "r"), dict(comm.ledger)
+
+    total = sum(inputs)
+    moved = (n - 1) * per_member * 4
+    for me, out, ledger in filter(None, on_threads(W, rank_main)):
+        assert same_bits(out, total[me * per_member:(me + 1) * per_member])
+        assert ledger == {"r": [moved, moved]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("W", [1, 3])
+def test_check_agreement_returns_every_ranks_digest_in_rank_order(W: int) -> None:
+    def rank_main(comm: ThreadComm):
+        got = comm.check_agreement(hashlib.sha256(bytes([comm.rank])).digest(), "d")
+        return got, dict(comm.ledger)
+
+    want = [hashlib.sha256(bytes([r])).digest() for r in range(W)]
+    moved = (W - 1) * 32
+    assert on_threads(W, rank_main) == [(want, {"d": [moved, moved]})] * W
+
+
+@pytest.mark.timeout(60)
+def test_the_ledger_sums_per_name_and_reset_clears_it() -> None:
+    def rank_main(comm: ThreadComm):
+        g = comm.world_group()
+        comm.all_gather(torch.ones(3), g, "a")
+        comm.all_gather(torch.ones(2), g, "a")
+        comm.all_gather(torch.ones(1, dtype=torch.bfloat16), g, "b")
+        before = dict(comm.ledger), list(comm.calls)
+        comm.reset()
+        return before, dict(comm.ledger), comm.calls
+
+    (ledger, calls), after, after_calls = on_threads(2, rank_main)[0]
+    assert ledger == {"a": [20, 20], "b": [2, 2]} and after == {} and after_calls == []
+    assert calls == [("a", "all_gather", 12, 12), ("a", "all_gather", 8, 8), ("b", "all_gather", 2, 2)]
+
+
+def test_groups_are_their_ranks_in_order_and_subgroups_one_group_per_part() -> None:
+    comm = ThreadComm(ThreadWorld(4), 2)
+    assert comm.world_group() == Group((0, 1, 2, 3)) and comm.world_group().size == 4
+    assert comm.group((2, 0)).ranks == (2, 0) and comm.group((2, 0)).size == 2
+    parts = ((0, 2), (1, 3))
+    assert comm.subgroups(parts) == {(0, 2): Group((0, 2)), (1, 3): Group((1, 3))}
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_that_a_member_never_joins_times_out_naming_who_arrived() -> None:
+    world = ThreadWorld(2, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"arrived \[0\]"):
+        ThreadComm(world, 0).all_gather(torch.ones(1), Group((0, 1)), "x")
+
+
+def test_run_threads_reraises_a_ranks_exception_in_the_caller() -> None:
+    def rank_main(rank: int) -> None:
+        if rank == 1:
+            raise KeyError("rank 1 failed")
+
+    with pytest.raises(KeyError, match="rank 1 failed"):
+        run_threads(3, rank_main)

@@ -1,0 +1,126 @@
+"""read_layout (muon_dist/layout.py) on real DTensors without ranks: torch's fake process group lets one process be
+each rank of a world in turn, with DTensors of that rank's local shape (no data moves, only shapes matter here).
+
+For every rank, placements (Shard, Replicate, _StridedShard) and mesh of up to 3 axes: the layout's box is
+DTensor's own local shape and global offset (compute_local_shape_and_global_offset; the offset where the box is
+not empty), and the layout holds the global shape, dtype, mesh ranks, placement codes and axis names; its refusals
+name the param. tests/dist/test_layout.py checks the same boxes on gloo ranks against distribute_tensor's shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings
+
+from muon_dist import read_layout
+from muon_dist.harness.fixtures import placement_of
+from tests.conftest import examples
+from tests.test_geometry import layouts
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.contextmanager
+def rank_of(world_size: int, rank: int, mesh_shape: tuple[int, ...]) -> Iterator:
+    """This process as `rank` of a fake world of `world_size`, with a DeviceMesh of `mesh_shape` (named axes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor(mesh, codes: tuple[str, ...], shape: tuple[int, ...], local_shape=None, dtype=torch.float32):
+    """A DTensor of `shape` placed by `codes`, holding a local shard of torch's local shape (or `local_shape`)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = [placement_of(c) for c in codes]
+    local_shape = local_shape or compute_local_shape_and_global_offset(shape, mesh, placements)[0]
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(torch.zeros(local_shape, dtype=dtype), mesh, placements, shape=torch.Size(shape),
+                              stride=stride, run_check=False)
+
+
+@settings(max_examples=examples(0.5))
+@example(drawn=((11, 7), (4, 2), ("S0:2", "S0")))  # FSDP2 over ColwiseParallel: rank 6 holds an empty box
+@example(drawn=((13, 9), (2, 2, 2), ("S0", "S1", "S0")))
+@given(drawn=layouts())
+def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, mesh_shape, codes = drawn
+    if all(c == "R" for c in codes) and len(mesh_shape) > 1:
+        codes = ("S0",) + codes[1:]  # a replicated DTensor must live on a 1-D mesh (tested below)
+    W = math.prod(mesh_shape)
+    for rank in range(W):
+        with rank_of(W, rank, mesh_shape) as mesh:
+            p = dtensor(mesh, codes, shape, dtype=torch.bfloat16)
+            layout = read_layout(p, "w", {}, W, rank)
+            want_shape, want_offset = compute_local_shape_and_global_offset(shape, mesh, p.placements)
+        geometry = layout.geometry
+        box = geometry.boxes[geometry.member(rank)]
+        assert box.shape == tuple(want_shape) and (box.offsets == tuple(want_offset) or box.numel == 0), (rank, box)
+        codes_read = tuple(c.split(":")[0] if c.endswith(":1") else c for c in codes)  # split factor 1: a Shard
+        assert (layout.name, layout.global_shape, layout.dtype, layout.placements) == ("w", shape, "torch.bfloat16",
+                                                                                        codes_read)
+        assert torch.tensor(layout.mesh_ranks).tolist() == torch.arange(W).reshape(mesh_shape).tolist()
+        assert layout.mesh_dim_names == tuple(f"a{i}" for i in range(len(mesh_shape)))
+
+
+def test_the_layout_keys_are_read_into_the_layout() -> None:
+    with rank_of(2, 1, (2,)) as mesh:
+        keys = dict(split_sizes=[2, 3], split_dim=0, flatten=0, num_experts=None, num_heads=None)
+        layout = read_layout(dtensor(mesh, ("S1",), (5, 4)), "qkv", keys, 2, 1)
+        heads = read_layout(dtensor(mesh, ("S0",), (4, 6)), "o", {"num_heads": 3, "split_dim": 1}, 2, 1)
+    assert (layout.split_sizes, layout.flatten, layout.num_heads, layout.split_dim) == ((2, 3), False, None, 0)
+    assert [b.shape for b in layout.matrices.blocks] == [(2, 4), (3, 4)]
+    assert (heads.num_heads, heads.split_dim, heads.split_sizes) == (3, 1, None)
+    assert [b.shape for b in heads.matrices.blocks] == [(4, 2)] * 3
+
+
+def test_a_negative_shard_dim_is_read_as_its_positive_dim() -> None:
+    from torch.distributed.tensor import Shard
+
+    with rank_of(2, 0, (2,)) as mesh:
+        p = dtensor(mesh, ("S1",), (3, 5))
+        p = type(p).from_local(p.to_local(), mesh, [Shard(-1)], shape=p.shape, stride=p.stride(), run_check=False)
+        assert read_layout(p, "w", {}, 2, 0).placements == ("S1",)
+
+
+def test_a_plain_tensor_is_replicated_over_the_default_group() -> None:
+    layout = read_layout(torch.zeros(3, 4, dtype=torch.float64), "w", {"num_experts": 3}, 4, 2)
+    assert (layout.global_shape, layout.dtype, layout.mesh_ranks, layout.placements, layout.mesh_dim_names,
+            layout.num_experts) == ((3, 4), "torch.float64", (0, 1, 2, 3), ("R",), None, 3)
+
+
+def test_a_partial_placement_is_refused_naming_the_param() -> None:
+    from torch.distributed.tensor import DTensor, Partial
+
+    with rank_of(2, 0, (2,)) as mesh:
+        p = DTensor.from_local(torch.zeros(3, 4), mesh, [Partial()], run_check=False)
+        with pytest.raises(ValueError, match=r"w of shape \(3, 4\): placement .* is not supported"):
+            read_layout(p, "w", {}, 2, 0)
+
+
+def test_a_replicated_dtensor_on_a_mesh_of_two_axes_is_refused() -> None:
+    with rank_of(4, 0, (2, 2)) as mesh:
+        with pytest.raises(ValueError, match=r"w of shape \(3, 4\): a replicated DTensor must live on a 1-D mesh"):
+            read_layout(dtensor(mesh, ("R", "R"), (3, 4)), "w", {}, 4, 0)
+        assert read_layout(dtensor(mesh, ("R", "S0"), (3, 4)), "w", {}, 4, 0).placements == ("R", "S0")
+
+
+def test_a_local_shard_that_is_not_the_box_of_its_placements_is_refused_naming_both_shapes() -> None:
+    with rank_of(2, 1, (2,)) as mesh:
+        p = dtensor(mesh, ("S0",), (5, 4), local_shape=(3, 4))  # torch.chunk gives rank 1 rows 3-4
+        with pytest.raises(ValueError, match=r"w of shape \(5, 4\): local shard \(3, 4\) is not the box \(2, 4\)"):
+            read_layout(p, "w", {}, 2, 1)

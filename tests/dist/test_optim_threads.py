@@ -1,0 +1,166 @@
+"""DistributedMuon (muon_dist/optim.py) on ranks as threads (ThreadComm) with plain tensors, replicated on every
+rank: the optimizer's own duties, each checked against muon_ref.Muon given the same params and gradients.
+
+    its params and momentum buffers equal muon_ref.Muon's bitwise, step after step (and across a change of the
+        group's hyperparameters, which the next step reads);
+    state: exactly the params of its groups, each with "momentum_buffer" (zeros from construction on; a param
+        removed from its group loses its state at the next step);
+    last_report: (name, path) per param in param-group order (None: no gradient), and this rank's bytes by path
+        as the plan's formulas give them (muon_dist.expected_bytes), beside the step's checks;
+    step(closure) returns the closure's loss; a caller's mistake raises ValueError on every rank.
+DTensor params need a process group: tests/dist/test_equivalence.py runs them on gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import muon_ref
+from muon_dist import DistributedMuon, ThreadComm, ThreadWorld, expected_bytes
+from muon_dist.comm import run_threads
+from muon_dist.step import CHECKS
+from muon_ref.presets import PRESETS
+
+from muon_dist.harness.fixtures import same_bits, seeded
+from tests.conftest import examples
+
+from .checks import timeout_for
+
+ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
+
+
+def groups_of(params: list[torch.Tensor], sizes: list[int], keys: list[dict]) -> list[dict]:
+    out, start = [], 0
+    for size, extra in zip(sizes, keys):
+        out.append({"params": params[start:start + size], "param_names": [f"w{start + i}" for i in range(size)],
+                    **extra})
+        start += size
+    return out
+
+
+def on_threads(W: int, rank_main) -> list[object]:
+    """rank_main(comm) on every rank of a world of W threads: each rank's result or the exception it raised."""
+    world, results = ThreadWorld(W, timeout_s=10), [None] * W
+
+    def guarded(rank: int) -> None:
+        try:
+            results[rank] = rank_main(ThreadComm(world, rank))
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            results[rank] = e
+
+    run_threads(W, guarded)
+    return results
+
+
+@pytest.mark.timeout(timeout_for(60))
+@settings(max_examples=examples(0.5))
+@given(W=st.integers(1, 4), shapes=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=6),
+       split=st.integers(0, 6), preset=st.sampled_from(sorted(PRESETS)),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), no_grad=st.sets(st.integers(0, 5), max_size=2),
+       remainder=st.sampled_from(["agrs", "padded_all_to_all"]), dispatch=st.sampled_from(["batched", "global"]),
+       atomic=st.booleans())
+def test_distributed_muon_on_replicated_params_equals_muon_ref_step_after_step(
+        W, shapes, split, preset, dtype, no_grad, remainder, dispatch, atomic) -> None:
+    sizes = [min(split, len(shapes)), len(shapes) - min(split, len(shapes))]
+    keys = [{}, {"lr": 0.05, "weight_decay": 0.0}]
+    fulls = [seeded(s, i, dtype) for i, s in enumerate(shapes)]
+    grads = [[seeded(s, 100 * step + i + 1, dtype) for i, s in enumerate(shapes)] for step in range(3)]
+
+    def steps(opt, params: list[torch.Tensor], report=None) -> None:
+        for step in range(3):
+            if step == 2:  # the group's new hyperparameters hold from the next step on
+                opt.param_groups[0]["lr"] *= 3
+            for i, p in enumerate(params):
+                p.grad = None if step == 1 and i in no_grad else grads[step][i].clone()
+            opt.step()
+            if report is not None:
+                report(step)
+
+    ref_params = [f.clone() for f in fulls]
+    ref = muon_ref.Muon(groups_of(ref_params, sizes, keys), preset=preset)
+    steps(ref, ref_params)
+
+    def rank_main(comm: ThreadComm) -> dict:
+        params = [f.clone() for f in fulls]
+        opt = DistributedMuon(groups_of(params, sizes, keys), preset=preset, comm=comm, remainder=remainder,
+                              dispatch=dispatch, atomic=atomic)
+        assert opt.last_report is None and opt.last_plan is None
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in params)
+        reports = []
+        steps(opt, params, lambda step: reports.append((opt.last_report, expected_bytes(opt.last_plan, comm.rank,
+                                                                                        ITEMSIZES))))
+        return {"params": params, "buffers": [opt.state[p]["momentum_buffer"] for p in params], "reports": reports,
+                "state_keys": [sorted(opt.state[p]) for p in params], "num_states": len(opt.state)}
+
+    for result in on_threads(W, rank_main):
+        assert not isinstance(result, BaseException), result
+        for got, want in zip(result["params"], ref_params):
+            assert same_bits(got, want)
+        for got, p in zip(result["buffers"], ref_params):
+            assert same_bits(got, ref.state[p]["momentum_buffer"])
+        assert result["state_keys"] == [["momentum_buffer"]] * len(shapes) and result["num_states"] == len(shapes)
+        for step, (report, planned) in enumerate(result["reports"]):
+            stepped = [not (step == 1 and i in no_grad) for i in range(len(shapes))]
+            assert report.paths == tuple((f"w{i}", "replicated" if s else None) for i, s in enumerate(stepped))
+            assert {k: v for k, v in report.bytes_by_path.items() if k not in CHECKS} == planned
+            assert set(report.bytes_by_path) - set(planned) <= set(CHECKS) and "plan_digest" in report.bytes_by_path
+
+
+@pytest.mark.timeout(60)
+def test_a_param_removed_from_its_group_loses_its_state_at_the_next_step_and_an_added_one_starts_from_zeros() -> None:
+    def rank_main(comm: ThreadComm) -> tuple:
+        a, b, c = seeded((4, 3), 0), seeded((3, 5), 1), seeded((2, 2), 4)
+        opt = DistributedMuon([a, b], comm=comm)
+        a.grad, b.grad = seeded((4, 3), 2), seeded((3, 5), 3)
+        opt.step()
+        opt.param_groups[0]["params"] = [b]
+        opt.step()
+        opt.add_param_group({"params": [c]})
+        return [p is b or p is c for p in opt.state], torch.equal(opt.state[c]["momentum_buffer"], torch.zeros(2, 2))
+
+    assert on_threads(2, rank_main) == [([True, True], True)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_step_returns_the_loss_of_its_closure_computed_with_gradients_enabled() -> None:
+    def rank_main(comm: ThreadComm) -> tuple:
+        w = seeded((3, 3), 0).requires_grad_()
+        opt = DistributedMuon([w], comm=comm)
+
+        def closure() -> float:
+            opt.zero_grad()
+            loss = (w * w).sum()
+            loss.backward()
+            return loss.item()
+        return opt.step(closure), w.grad is not None
+
+    want = float((seeded((3, 3), 0) ** 2).sum())
+    assert on_threads(2, rank_main) == [(want, True)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_params_that_differ_across_ranks_raise_value_error_on_every_rank() -> None:
+    def rank_main(comm: ThreadComm) -> None:
+        w = seeded((3, 4) if comm.rank == 0 else (4, 3), 0)
+        opt = DistributedMuon([w], comm=comm)
+        w.grad = torch.ones_like(w)
+        opt.step()
+
+    errors = on_threads(2, rank_main)
+    assert all(isinstance(e, ValueError) and "ranks [1] disagree with rank 0" in str(e) for e in errors), errors
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_gradient_on_one_rank_raises_there_and_stops_every_other_rank() -> None:
+    def rank_main(comm: ThreadComm) -> None:
+        w = seeded((3, 4), 0)
+        opt = DistributedMuon([{"params": [w], "param_names": ["w"]}], comm=comm)
+        w.grad = torch.ones(3, 4).to_sparse() if comm.rank == 1 else torch.ones(3, 4)
+        opt.step()
+
+    errors = on_threads(2, rank_main)
+    assert isinstance(errors[1], ValueError) and "w of shape (3, 4): sparse gradients" in str(errors[1]), errors
+    assert isinstance(errors[0], ValueError) and "ranks [1] disagree with rank 0" in str(errors[0]), errors

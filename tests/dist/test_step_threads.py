@@ -1,0 +1,247 @@
+"""The whole step (muon_dist/step.py: agree, non-finite check, momentum, paths, failure check, write) on ranks as
+threads of one process (ThreadComm), against muon_ref.Muon on the full tensors.
+
+Equation (muon_dist/step.py): on every rank r, for every param that steps,
+    new_param == box_r(muon_ref's P'),   new_buf == box_r(muon_ref's M')
+bit for bit, over 1-D, HSDP and (ep, fsdp) meshes, every placement code, the layout keys (3-D stacks, fused
+experts, split_sizes, num_heads on either dim), the plan's options and write groups; and each rank's ledger is
+the plan's bytes (muon_dist.expected_bytes) beside the step's checks. tests/dist/test_equivalence.py
+checks the same equation through DistributedMuon on gloo ranks; here an example costs milliseconds, not seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import muon_ref
+from muon_dist import Entry, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes
+from muon_dist.comm import run_threads
+from muon_dist.kernels import Backend, backend
+from muon_dist.step import CHECKS, ParamInput, execute, prepare
+from muon_ref.optim import group_config
+from muon_ref.presets import PRESETS, preset_defaults
+
+from muon_dist.harness.fixtures import same_bits, seeded
+from tests.conftest import examples
+
+from .checks import timeout_for
+
+KINDS = ("matrix", "stack", "experts", "split", "heads")
+ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Group:
+    """A param group: its layout keys and its params' shapes and placement codes (one per mesh axis)."""
+
+    keys: tuple[tuple[str, object], ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    world_size: int
+    mesh: tuple  # global ranks, nested as the mesh
+    groups: tuple[Group, ...]
+    dtype: str
+    preset: str
+    options: Options
+    atomic: bool
+    no_grad: tuple[int, ...] = ()  # params (in param-group order) without a gradient in step 1
+    nonfinite: tuple[int, int] | None = None  # (param, flat index) of a NaN in step 0's gradient
+    policy: str = "raise"
+
+    def layouts(self) -> list[tuple[int, ParamLayout]]:
+        """(group index, layout) of every param, in param-group order."""
+        out = []
+        for gi, group in enumerate(self.groups):
+            keys = dict(group.keys)
+            for shape, codes in zip(group.shapes, group.placements):
+                out.append((gi, ParamLayout(f"p{len(out)}", shape, f"torch.{self.dtype}", self.mesh, codes,
+                                            num_experts=keys.get("num_experts"), split_sizes=keys.get("split_sizes"),
+                                            num_heads=keys.get("num_heads"), split_dim=keys.get("split_dim", 0))))
+        return out
+
+
+@st.composite
+def groups(draw, W: int, axes: str) -> Group:
+    """A group of one kind (KINDS) with up to W + 1 params of one shape, some of another shape."""
+    kind = draw(st.sampled_from(KINDS))
+    small = st.integers(1, 2 * W + 2)
+    keys: dict[str, object] = {}
+    if kind == "matrix":
+        shape = (draw(small), draw(small))
+    elif kind == "stack":
+        shape = (draw(st.integers(1, 2 * W)), draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    elif kind == "experts":
+        keys["num_experts"] = draw(st.integers(1, 4))
+        shape = (keys["num_experts"] * draw(st.integers(1, 4)), draw(st.integers(1, 5)))
+    elif kind == "split":
+        keys["split_sizes"] = tuple(draw(st.lists(st.integers(1, W + 1), min_size=1, max_size=3)))
+        shape = (sum(keys["split_sizes"]), draw(small))
+    else:
+        keys["num_heads"], keys["split_dim"] = draw(st.integers(1, 3)), draw(st.integers(0, 1))
+        shape = [draw(small), draw(small)]
+        shape[keys["split_dim"]] *= keys["num_heads"]
+        shape = tuple(shape)
+    count = draw(st.integers(1, W + 1))
+    shapes = [shape] * count
+    if kind == "matrix" and draw(st.booleans()):  # another layout in the same group
+        shapes.insert(draw(st.integers(0, count)), (draw(small), draw(small)))
+    ndim = len(shape)
+    if axes == "1d":
+        code = st.sampled_from(["R"] + [f"S{d}" for d in range(ndim)]).map(lambda c: (c,))
+    elif axes == "hsdp":
+        code = st.sampled_from([f"S{d}" for d in range(ndim)]).map(lambda c: ("R", c))
+    else:  # (ep, fsdp): both axes cut the same dim, left to right
+        code = st.sampled_from([f"S{d}" for d in range(ndim)]).map(lambda c: (c, c))
+    return Group(tuple(sorted(keys.items())), tuple(shapes), tuple(draw(code) for _ in shapes))
+
+
+@st.composite
+def cases(draw) -> Case:
+    W = draw(st.integers(1, 6))
+    axes = draw(st.sampled_from(["1d", "hsdp", "ep"] if W % 2 == 0 else ["1d"]))
+    if axes == "1d":
+        mesh: tuple = tuple(range(W))
+    else:
+        mesh = tuple(tuple(range(i * W // 2, (i + 1) * W // 2)) for i in range(2))
+    drawn = tuple(draw(groups(W, axes)) for _ in range(draw(st.integers(1, 3))))
+    dispatch = draw(st.sampled_from(["batched", "global"]))
+    force = draw(st.sampled_from([None, "agrs", "padded_all_to_all"])) if dispatch == "batched" else None
+    options = Options(draw(st.sampled_from(["agrs", "padded_all_to_all"])), force, dispatch)
+    num_params = sum(len(g.shapes) for g in drawn)
+    no_grad = tuple(draw(st.sets(st.integers(0, num_params - 1), max_size=2)))
+    return Case(W, mesh, drawn, draw(st.sampled_from(["float32", "bfloat16"])), draw(st.sampled_from(sorted(PRESETS))),
+                options, draw(st.booleans()), no_grad)
+
+
+def param_groups(case: Case, params: list[torch.Tensor]) -> list[dict]:
+    out, start = [], 0
+    for group in case.groups:
+        out.append({"params": params[start:start + len(group.shapes)], **dict(group.keys)})
+        start += len(group.shapes)
+    return out
+
+
+def gradients(case: Case, step: int) -> list[torch.Tensor | None]:
+    grads = []
+    for i, (_, layout) in enumerate(case.layouts()):
+        g = seeded(layout.global_shape, 1000 * step + i + 1, case.dtype)
+        if step == 0 and case.nonfinite is not None and case.nonfinite[0] == i:
+            g.view(-1)[case.nonfinite[1] % g.numel()] = float("nan")
+        grads.append(None if step == 1 and i in case.no_grad else g)
+    return grads
+
+
+def initial_params(case: Case) -> list[torch.Tensor]:
+    return [seeded(layout.global_shape, 7919 + i, case.dtype) for i, (_, layout) in enumerate(case.layouts())]
+
+
+def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """muon_ref.Muon on the full tensors: (params, momentum buffers) after `steps` steps."""
+    params = initial_params(case)
+    opt = muon_ref.Muon(param_groups(case, params), preset=case.preset, nonfinite=case.policy)
+    for step in range(steps):
+        for p, g in zip(params, gradients(case, step)):
+            p.grad = g
+        opt.step()
+    return params, [opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params]
+
+
+def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    geometry = layout.geometry
+    return t[geometry.boxes[geometry.member(rank)].index].contiguous()
+
+
+def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[object]:
+    """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
+    raised."""
+    layouts = case.layouts()
+    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    world, results = ThreadWorld(case.world_size, timeout_s=10), [None] * case.world_size
+
+    def rank_main(rank: int) -> None:
+        comm = ThreadComm(world, rank)
+        params = [box(p, lay, rank) for p, (_, lay) in zip(initial_params(case), layouts)]
+        bufs = [torch.zeros_like(p) for p in params]
+        try:
+            for step in range(steps):
+                grads = [None if g is None else box(g, lay, rank) for g, (_, lay) in zip(gradients(case, step), layouts)]
+                entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
+                                for (gi, lay), g in zip(layouts, grads))
+                inputs = [ParamInput(p, g, b) for p, g, b in zip(params, grads, bufs)]
+                per_param = [configs[gi] for gi, _ in layouts]
+                comm.reset()
+                step_plan, skipped = prepare(comm, entries, inputs, per_param, case.options)
+                for i, new, buf in execute(comm, step_plan, inputs, per_param, kernels or backend("torch"),
+                                           lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+                                           case.atomic, skipped):
+                    params[i], bufs[i] = new, buf
+                moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
+                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)  # bytes as planned
+            results[rank] = (params, bufs)
+        except Exception as e:  # noqa: BLE001 - every rank's error is compared by the test
+            results[rank] = e
+
+    run_threads(case.world_size, rank_main)
+    return results
+
+
+def assert_boxes_of_reference(case: Case, results: list[object], steps: int) -> None:
+    want_params, want_bufs = reference(case, steps)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), (rank, result)
+        params, bufs = result
+        for i, (_, lay) in enumerate(case.layouts()):
+            assert same_bits(params[i], box(want_params[i], lay, rank)), (rank, i, lay)
+            assert same_bits(bufs[i], box(want_bufs[i], lay, rank)), (rank, i, lay)
+
+
+MATRIX = Group((), ((5, 3),) * 3 + ((3, 9),), (("S0",),) * 3 + (("S1",),))
+
+
+@pytest.mark.timeout(timeout_for(120))
+@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,)))  # an empty box
+@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+                   "bfloat16", "xtuner", Options(), False))  # local experts on (ep, fsdp)
+@example(case=Case(4, (0, 1, 2, 3), (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),), "float32", "torch",
+                   Options(), False))  # subgroup all-gather: each expert on two ranks
+@example(case=Case(3, (0, 1, 2), (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
+                   "bfloat16", "dion", Options(), True))  # blocks straddling shards
+@example(case=Case(4, ((0, 1), (2, 3)), (MATRIX, Group((), ((4, 4),), (("R", "S1"),))), "float32", "keller",
+                   Options(dispatch="global"), False))  # HSDP, global dispatch
+@settings(max_examples=examples(1.0))
+@given(case=cases())
+def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(case: Case) -> None:
+    assert_boxes_of_reference(case, on_threads(case, steps=2), steps=2)
+
+
+@pytest.mark.timeout(timeout_for(60))
+@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False), where=4 * 12,
+         policy="skip")  # param 0's element 12: in rank 2's box only
+@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),), "float32", "torch", Options(),
+                   False), where=0, policy="skip")  # head 0 skipped, head 1 steps
+@settings(max_examples=examples(0.5))
+@given(case=cases(), where=st.integers(0, 10**6), policy=st.sampled_from(["raise", "skip"]))
+def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_muon_ref_does(
+        case: Case, where: int, policy: str) -> None:
+    num_params = len(case.layouts())
+    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    results = on_threads(case, steps=1)
+    if policy == "skip":
+        assert_boxes_of_reference(case, results, steps=1)
+        return
+    name = case.layouts()[case.nonfinite[0]][1].name
+    with pytest.raises(ValueError, match="non-finite"):
+        reference(case, steps=1)
+    for result in results:
+        assert isinstance(result, ValueError) and f"{name} of shape" in str(result), result
+
