@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -120,8 +119,9 @@ def expert_path(layout: ParamLayout) -> str | None:
     shared = [c for c in geometry.components if len(c) > 1]
     if not shared:
         return "local"
-    one_block = all(len(geometry.blocks_of(c)) == 1 and sum(geometry.sizes[j] for j in c)
-                    == math.prod(geometry.blocks[geometry.blocks_of(c)[0]].shape) for c in shared)
+    # A component that touches one block holds exactly that block: the boxes and the blocks both tile the tensor,
+    # and every holder of a block's piece is in the block's component (Geometry.components).
+    one_block = all(len(geometry.blocks_of(c)) == 1 for c in shared)
     return "subgroup_all_gather" if one_block else None
 
 

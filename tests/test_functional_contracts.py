@@ -13,7 +13,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from muon_dist.harness import origins
-from muon_ref import PRESETS, Block, Muon, MuonConfig, matrix_layout, muon_step
+from muon_ref import PRESETS, Block, MatrixLayout, Muon, MuonConfig, matrix_layout, muon_step
 from muon_ref.config import ScaleApply
 from muon_ref.functional import check_gradient, decay
 from tests.conftest import examples
@@ -113,3 +113,12 @@ def test_a_gradient_of_another_shape_is_refused_naming_the_parameter_and_both_sh
     message = rf"w of shape {re.escape(str(param_shape))} has a gradient of shape {re.escape(str(grad_shape))}"
     with pytest.raises(ValueError, match=message):
         check_gradient(torch.zeros(grad_shape), torch.zeros(param_shape), "w")
+
+
+def test_a_shared_layout_refuses_equal_blocks_out_of_order():
+    """The batch view reads block i as flat range i of the param: equal slabs of dim 0, in order (MatrixLayout's
+    invariant). Two equal (2, 3) slabs tiling (4, 3), listed bottom first: equal shapes alone are not enough."""
+    blocks = (Block((2, 0), (2, 3), 2, 3), Block((0, 0), (2, 3), 2, 3))
+    assert MatrixLayout(2, 2, 3, blocks[::-1]).shape == (4, 3)  # in order: a valid layout
+    with pytest.raises(AssertionError):
+        MatrixLayout(2, 2, 3, blocks)

@@ -164,3 +164,47 @@ def test_a_bad_gradient_on_one_rank_raises_there_and_stops_every_other_rank() ->
     errors = on_threads(2, rank_main)
     assert isinstance(errors[1], ValueError) and "w of shape (3, 4): sparse gradients" in str(errors[1]), errors
     assert isinstance(errors[0], ValueError) and "ranks [1] disagree with rank 0" in str(errors[0]), errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", [{"split_dim": 1}, {"num_heads": 3}, {"num_heads": None, "split_dim": 0}])
+def test_a_layout_key_changed_between_steps_is_read_at_the_next_step(change: dict) -> None:
+    """The layout is cached per param while what it was read from stays the same (DistributedMuon.layout): a group's
+    num_heads or split_dim changed after a step gives the next step the new heads, as muon_ref.Muon reads them."""
+    shape, first = (6, 6), {"num_heads": 2, "split_dim": 0}
+    grads = [seeded(shape, 10 + step) for step in range(2)]
+
+    def two_steps(opt, w: torch.Tensor) -> torch.Tensor:
+        for step in range(2):
+            if step == 1:
+                opt.param_groups[0].update(change)
+            w.grad = grads[step].clone()
+            opt.step()
+        return w
+
+    want = two_steps(muon_ref.Muon([{"params": [w := seeded(shape, 0)], **first}]), w)
+    control = seeded(shape, 0)
+    ref = muon_ref.Muon([{"params": [control], **first}])
+    for step in range(2):
+        control.grad = grads[step].clone()
+        ref.step()
+    assert not same_bits(control, want)  # the change matters: without it the second step gives other bits
+
+    def rank_main(comm: ThreadComm) -> torch.Tensor:
+        w = seeded(shape, 0)
+        return two_steps(DistributedMuon([{"params": [w], **first}], comm=comm), w)
+
+    for got in on_threads(2, rank_main):
+        assert not isinstance(got, BaseException), got
+        assert same_bits(got, want)
+
+
+@pytest.mark.timeout(60)
+def test_an_added_param_group_is_checked_when_it_is_added_naming_its_param() -> None:
+    """add_param_group checks the group it adds (its config and each param's layout), not the first group."""
+    def rank_main(comm: ThreadComm) -> None:
+        opt = DistributedMuon([seeded((4, 4), 0)], comm=comm)
+        opt.add_param_group({"params": [seeded((6, 4), 1)], "num_heads": 4})
+
+    errors = on_threads(2, rank_main)
+    assert all(isinstance(e, ValueError) and "of shape (6, 4)" in str(e) for e in errors), errors

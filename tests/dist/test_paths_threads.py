@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 import muon_ref
 from muon_dist.comm import run_threads as run_on_threads
 from muon_dist import Group, ThreadComm, ThreadWorld
+from muon_dist.geometry import Box, whole
 from muon_dist.paths import PATHS, agrs
+from muon_dist.paths.shards import join
 
 from muon_dist.harness.fixtures import bits
 from tests.conftest import examples
@@ -122,3 +124,14 @@ def test_gloo_reduce_scatter_keeps_the_sign_of_zero_in_agrs(dtype: str) -> None:
     from .workers import agrs_on_gloo
 
     assert get_pool(3).run(agrs_on_gloo, dtype, timeout=30) == [True] * 3
+
+
+def test_join_refuses_pieces_whose_boxes_do_not_tile_the_frame() -> None:
+    """shards.join builds the frame in uninitialised memory, so boxes that leave part of it uncovered would hand
+    garbage to the kernel: it asserts that the boxes fill the frame (proofs/paths.md#shard1)."""
+    frame = whole((4, 3))
+    top, bottom = Box((0, 0), (2, 3)), Box((2, 0), (2, 3))
+    pieces = [torch.arange(6.0), torch.arange(6.0, 12.0)]
+    assert torch.equal(bits(join(pieces, [top, bottom], frame)), bits(torch.arange(12.0).reshape(4, 3)))
+    with pytest.raises(AssertionError):
+        join(pieces[:1], [top], frame)  # the bottom half never written

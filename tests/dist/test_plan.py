@@ -105,16 +105,33 @@ def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_
 
 
 @settings(max_examples=examples(1.0))
-@given(drawn=placed_models(), count=st.integers(1, 3))
-def test_expert_stacks_take_the_path_their_boxes_call_for(drawn: tuple, count: int) -> None:
+@given(drawn=placed_models(), count=st.integers(1, 3), dispatch=st.sampled_from(["batched", "global"]))
+def test_expert_stacks_take_the_path_their_boxes_call_for(drawn: tuple, count: int, dispatch: str) -> None:
     """Where the field's three cases apply (test_experts.textbook_path): local, subgroup_all_gather, else the
-    all-to-all family (all_to_all for a full batch, the remainder path otherwise)."""
+    all-to-all family (all_to_all for a full batch, the remainder path otherwise; global_all_to_all under global
+    dispatch, which merges that family alone: local and subgroup_all_gather batches stay as they are)."""
     model, (ep, fsdp) = drawn
     E, m, n, fused = model["E"], model["m"], model["n"], model["fused"]
     layout = layout_ep((E * m, n) if fused else (E, m, n), ep, fsdp, "torch.float32", E if fused else None)
     want = textbook_path(E, m, fused, ep, fsdp)
-    paths = plan(tuple(Entry(layout, 0, "torch.float32", True) for _ in range(count)), Options()).path_of()
+    options = Options(dispatch=dispatch)
+    paths = plan(tuple(Entry(layout, 0, "torch.float32", True) for _ in range(count)), options).path_of()
+    family = {"global_all_to_all"} if dispatch == "global" else {"all_to_all", "agrs"}
     if want is not None:
         assert paths == (want,) * count, (layout, paths)
     else:
-        assert set(paths) <= {"all_to_all", "agrs", "local", "subgroup_all_gather"}, paths
+        assert set(paths) <= family | {"local", "subgroup_all_gather"}, paths
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_options_take_as_remainder_or_forced_path_only_the_paths_that_take_any_batch_size(name: str) -> None:
+    """agrs and padded_all_to_all take a batch of any size up to W; every other path (all_to_all: full batches only;
+    global_all_to_all: the merged batch that global dispatch builds; the expert, blocks and replicated paths: chosen
+    by the layout) is refused by name in both fields."""
+    if name in ("agrs", "padded_all_to_all"):
+        assert (Options(name).remainder, Options(force_path=name).force_path) == (name, name)
+        return
+    with pytest.raises(ValueError, match=f"remainder must be one of .*, got '{name}'"):
+        Options(name)
+    with pytest.raises(ValueError, match=f"force_path must be None or one of .*, got '{name}'"):
+        Options(force_path=name)
