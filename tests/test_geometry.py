@@ -4,13 +4,14 @@ with a message naming it. tests/dist/test_layout.py checks the same boxes agains
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muon_dist.geometry import boxes_of, chunk_bounds, geometry, whole
+from muon_dist.geometry import boxes_of, chunk_bounds, geometry, parse_placement, whole
 from muon_ref import matrix_layout
 
 
@@ -58,3 +59,18 @@ def test_a_strided_placement_it_cannot_derive_is_refused_naming_the_placements()
 def test_an_unsharded_param_is_one_group_of_whole_replicas() -> None:
     g = geometry((5, 3), ((0, 1), (2, 3)), ("R", "R"), matrix_layout((5, 3)).blocks)
     assert g.groups == ((0, 1, 2, 3),) and g.boxes == (whole((5, 3)),) * 4 and not g.sharded
+
+
+@pytest.mark.parametrize("code, parsed", [("R", ("R", None, 1)), ("S0", ("S", 0, 1)), ("S1", ("S", 1, 1)),
+                                           ("S0:4", ("S", 0, 4))])
+def test_placement_codes_parse_to_kind_dim_and_split_factor(code: str, parsed: tuple) -> None:
+    """parse_placement's docstring: a Replicate has no dim and factor 1, as a plain Shard has."""
+    assert parse_placement(code) == parsed
+
+
+def test_a_geometry_whose_groups_and_boxes_disagree_cannot_be_built() -> None:
+    """Every shard group has one member per box (Geometry's invariant): a group short of a member is refused."""
+    g = geometry((5, 3), (0, 1, 2, 3), ("S0",), matrix_layout((5, 3)).blocks)
+    assert g.groups == ((0, 1, 2, 3),) and len(g.boxes) == 4
+    with pytest.raises(AssertionError):
+        dataclasses.replace(g, groups=((0, 1, 2),))

@@ -162,3 +162,41 @@ def test_run_threads_reraises_a_ranks_exception_in_the_caller() -> None:
 
     with pytest.raises(KeyError, match="rank 1 failed"):
         run_threads(3, rank_main)
+
+
+class NoBackend(ThreadComm):
+    """A ThreadComm whose backend collectives fail: what it answers, it answered without them."""
+
+    def _exchange(self, x, group):
+        raise AssertionError(f"backend call on group {group.ranks}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_of_one_answers_every_collective_with_its_input_and_no_backend_call(dtype) -> None:
+    """Comm's docstrings: a group of one returns the input flattened (a rank alone in a mesh axis: no round trip to
+    the device or the network), and records zero bytes."""
+    comm, alone = NoBackend(ThreadWorld(3), 1), Group((1,))
+    x = torch.arange(6, dtype=dtype).reshape(2, 3)
+    assert same_bits(comm.all_to_all(x, [6], [6], alone, "p"), x.reshape(-1))
+    assert same_bits(comm.all_gather(x, alone, "p"), x.reshape(-1))
+    assert same_bits(comm.reduce_scatter_sum(x, alone, "p"), x.reshape(-1))
+    assert comm.ledger == {"p": [0, 0]} and [c[1] for c in comm.calls] == ["all_to_all", "all_gather", "reduce_scatter"]
+    with pytest.raises(AssertionError, match="backend call"):  # the control: a group of two does call it
+        comm.all_gather(x, Group((0, 1)), "p")
+
+
+@pytest.mark.timeout(60)
+def test_the_worlds_mailboxes_are_emptied_once_every_member_has_read() -> None:
+    """ThreadWorld keeps a call's contributions only until each member has read them: a long test on threads does
+    not hold every tensor it ever exchanged."""
+    world = ThreadWorld(3, timeout_s=10)
+
+    def main(rank: int) -> None:
+        comm = ThreadComm(world, rank)
+        for _ in range(4):
+            comm.all_gather(torch.ones(5), comm.world_group(), "g")
+        if rank != 1:  # a group that is not the world
+            comm.reduce_scatter_sum(torch.ones(6), comm.group((0, 2)), "r")
+
+    run_threads(3, main)
+    assert world.slots == {} and dict(world.reads) == {}

@@ -88,13 +88,15 @@ def test_the_layout_keys_are_read_into_the_layout() -> None:
     assert [b.shape for b in heads.matrices.blocks] == [(4, 2)] * 3
 
 
-def test_a_negative_shard_dim_is_read_as_its_positive_dim() -> None:
+@pytest.mark.parametrize("shape, dim", [((3, 5), -1), ((3, 5), -2), ((2, 3, 4), -1), ((2, 3, 4), -2), ((2, 3, 4), 2)])
+def test_a_shard_dim_is_read_as_its_dim_in_zero_to_ndim(shape: tuple[int, ...], dim: int) -> None:
     from torch.distributed.tensor import Shard
 
+    positive = dim % len(shape)
     with rank_of(2, 0, (2,)) as mesh:
-        p = dtensor(mesh, ("S1",), (3, 5))
-        p = type(p).from_local(p.to_local(), mesh, [Shard(-1)], shape=p.shape, stride=p.stride(), run_check=False)
-        assert read_layout(p, "w", {}, 2, 0).placements == ("S1",)
+        p = dtensor(mesh, (f"S{positive}",), shape)
+        p = type(p).from_local(p.to_local(), mesh, [Shard(dim)], shape=p.shape, stride=p.stride(), run_check=False)
+        assert read_layout(p, "w", {}, 2, 0).placements == (f"S{positive}",)
 
 
 def test_a_plain_tensor_is_replicated_over_the_default_group() -> None:
