@@ -135,3 +135,15 @@ def test_options_take_as_remainder_or_forced_path_only_the_paths_that_take_any_b
         Options(name)
     with pytest.raises(ValueError, match=f"force_path must be None or one of .*, got '{name}'"):
         Options(force_path=name)
+
+
+def test_options_read_their_names_by_value_as_a_command_line_gives_them() -> None:
+    """argparse and config files give new str objects, never the interned literals: they select what the literals
+    select, refusals included."""
+    built = {name: "".join(list(name)) for name in ("global", "agrs", "padded_all_to_all")}
+    assert all(b == n and b is not n for n, b in built.items())
+    with pytest.raises(ValueError, match="force_path must be None"):
+        Options(dispatch=built["global"], force_path=built["agrs"])
+    entries = tuple(entry(0, 4, (5, 3), "S0") for _ in range(6))
+    assert plan(entries, Options(dispatch=built["global"])).path_of() == ("global_all_to_all",) * 6
+    assert plan(entries, Options(built["padded_all_to_all"])).path_of() == ("all_to_all",) * 4 + ("padded_all_to_all",) * 2
