@@ -39,7 +39,8 @@ MARGIN = {torch.bfloat16: 4 * 2.0**-7, torch.float32: 1e-3}
 
 
 def runnable_backend(name: str):
-    """The backend, or a skip naming why it cannot run here (its optional package missing, or no stated bound)."""
+    """The backend, or a skip naming why it cannot run here (its optional package missing). A backend with a
+    tolerance must have its bounds stated above: one without them fails, never skips."""
     from muon_dist.kernels import backend
 
     try:
@@ -47,7 +48,8 @@ def runnable_backend(name: str):
     except ImportError as e:
         pytest.skip(f"backend {name!r} cannot be imported here: {e}")
     if not found.bitwise and name not in DIFFERENCE:
-        pytest.skip(f"backend {name!r} has no contract stated in this test")
+        pytest.fail(f"backend {name!r} has a tolerance but no contract stated in this test: add its DIFFERENCE and "
+                    f"bands (muon_dist/kernels/contracts.py measures them)")
     return found
 
 
