@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from .newton_schulz import EpsMode, _check_matrices, _initial_iterate, _map_matrices, resolve_ns_options
+from .newton_schulz import EpsMode, _check_matrices, _map_matrices, initial_iterate, resolve_ns_options
 from .schedules import Coefficients, Schedule
 
 # Dao-AILab/gram-newton-schulz 0.1.6 gram_newton_schulz.py: GramNewtonSchulz's default reset iterations
@@ -102,7 +102,7 @@ def gram_newton_schulz_matrix(
     """Gram NS on one 2-D matrix, all options explicit (segments: restart_segments). Returns the compute dtype."""
     transpose = G.size(0) > G.size(1)  # newton_schulz's decision, on this matrix's own shape
     X = G.mT if transpose else G
-    X = _initial_iterate(X, G.dtype if dtype is None else dtype, eps, eps_mode, safety, normalize_before_cast)
+    X = initial_iterate(X, G.dtype if dtype is None else dtype, eps, eps_mode, safety, normalize_before_cast)
     for start, end in segments:
         X = gram_segment(X, coefficients[start:end])
     return X.mT if transpose else X

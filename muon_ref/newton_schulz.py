@@ -117,16 +117,18 @@ def newton_schulz_matrix(
             X = _aol_first_step(X, *coefficients[0], step_form=step_form, eps=eps)
             coefficients = coefficients[1:]
     else:
-        X = _initial_iterate(X, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
+        X = initial_iterate(X, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
     for a, b, c in coefficients:
         X = _step(X, a, b, c, step_form)
     return X.mT if transpose else X
 
 
-def _initial_iterate(
+def initial_iterate(
     X: Tensor, compute_dtype: torch.dtype, eps: float, eps_mode: EpsMode, safety: float, normalize_before_cast: bool
 ) -> Tensor:
-    """X_0: normalised then cast (normalize_before_cast), or cast then normalised (the default)."""
+    """X_0: normalised then cast (normalize_before_cast), or cast then normalised (the default), each trailing matrix
+    by its own norm (normalise). Contract: the kernel's own ops, so a fast kernel that calls this on the same view
+    gets muon_ref's X_0 bitwise (on a stack, as normalise's docstring says of stacks)."""
     if normalize_before_cast:
         return normalise(X, eps, eps_mode, safety).to(compute_dtype)
     return normalise(X.to(compute_dtype), eps, eps_mode, safety)

@@ -71,8 +71,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from muon_ref import DAO_RESTARTS, MuonConfig, Schedule, normalise, resolve_ns_options, restart_segments
-from muon_ref.newton_schulz import EPS_MODES, EpsMode
+from muon_ref import DAO_RESTARTS, MuonConfig, Schedule, resolve_ns_options, restart_segments
+from muon_ref.newton_schulz import EPS_MODES, EpsMode, initial_iterate
 from muon_ref.schedules import Coefficients
 
 from . import Backend, over_stacks, own_step_kwargs
@@ -124,10 +124,7 @@ def gram_newton_schulz_batched(
     stack = G.reshape(math.prod(G.shape[:-2]), m, n)  # -1 is ambiguous when a dim is 0
     transpose = m > n
     X = stack.mT if transpose else stack
-    if normalize_before_cast:
-        X = normalise(X, options.eps, eps_mode, options.safety).to(compute_dtype)
-    else:
-        X = normalise(X.to(compute_dtype), options.eps, eps_mode, options.safety)
+    X = initial_iterate(X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast)
     for start, end in segments:
         X = gram_segment_batched(X, options.coefficients[start:end])
     return (X.mT if transpose else X).reshape(G.shape)

@@ -44,9 +44,9 @@ import time
 import torch
 from torch import Tensor
 
-from muon_ref import MatrixLayout, MuonConfig, newton_schulz, normalise, orthogonalize as reference_orthogonalize
+from muon_ref import MatrixLayout, MuonConfig, newton_schulz, orthogonalize as reference_orthogonalize
 from muon_ref import resolve_ns_options
-from muon_ref.newton_schulz import EPS_MODES, EpsMode
+from muon_ref.newton_schulz import EPS_MODES, EpsMode, initial_iterate
 from muon_ref.schedules import Schedule
 
 from . import Backend
@@ -97,10 +97,7 @@ def newton_schulz_batched(
     transpose = m > n  # muon_ref's decision, on the matrices' own (shared) shape
     X = stack.mT if transpose else stack
     compute_dtype = G.dtype if dtype is None else dtype
-    if normalize_before_cast:
-        X = normalise(X, options.eps, eps_mode, options.safety).to(compute_dtype)
-    else:
-        X = normalise(X.to(compute_dtype), options.eps, eps_mode, options.safety)
+    X = initial_iterate(X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast)
     for a, b, c in options.coefficients:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)

@@ -75,8 +75,8 @@ from torch import Tensor
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
-from muon_ref import MuonConfig, normalise, resolve_ns_options
-from muon_ref.newton_schulz import EPS_MODES, EpsMode
+from muon_ref import MuonConfig, resolve_ns_options
+from muon_ref.newton_schulz import EPS_MODES, EpsMode, initial_iterate
 from muon_ref.schedules import Schedule, get_schedule
 
 from . import Backend, over_stacks, own_step_kwargs
@@ -364,9 +364,7 @@ def _initial_iterates(
     differed in the last bit for 221 of 300 random matrices up to 300 x 300).
     """
     views = [M.mT if transpose else M for M in stack]
-    if normalize_before_cast:
-        return torch.stack([normalise(V, eps, eps_mode, safety).to(compute_dtype) for V in views])
-    return torch.stack([normalise(V.to(compute_dtype), eps, eps_mode, safety) for V in views])
+    return torch.stack([initial_iterate(V, compute_dtype, eps, eps_mode, safety, normalize_before_cast) for V in views])
 
 
 def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
