@@ -7,6 +7,11 @@ muon_ref.gram_newton_schulz is tests/test_gram.py; the same contracts on CUDA ar
 from __future__ import annotations
 
 import importlib.util
+import os
+from contextlib import contextmanager
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from tests.test_gram import gaussian, same_bits
 
 CPU = torch.device("cpu")
 LOW_PRECISION = [torch.bfloat16, torch.float16]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # the registry
@@ -41,48 +47,145 @@ def test_every_backend_module_states_its_reference_equation_and_contract(name):
     assert "Reference equation" in docstring and "Contract" in docstring
 
 
-# "torch": the batched path's rule (muon_dist/kernels/reference.py docstring)
+# "torch": the batch is chosen at runtime (muon_dist/kernels/reference.py docstring: static rule, oneDNN, probe)
+
+
+@contextmanager
+def onednn(enabled: bool | None):
+    """oneDNN enabled / disabled for matmuls in this process (None: as it is)."""
+    before = torch.backends.mkldnn.enabled
+    if enabled is not None:
+        torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 @settings(max_examples=examples(0.5))
 @given(num_matrices=st.integers(2, 4), short=st.integers(8, 24), long=st.integers(8, 40), tall=st.booleans(),
        dtype=st.sampled_from(LOW_PRECISION), same_input_dtype=st.booleans(),
        schedule=st.sampled_from(["keller", "you5", "polar_express"]), eps_mode=st.sampled_from(["add", "clamp"]),
-       before=st.booleans(), seed=st.integers(0, 2**16))
-def test_inside_the_rule_the_batched_kernel_gives_the_loops_bits(num_matrices, short, long, tall, dtype,
-                                                                  same_input_dtype, schedule, eps_mode, before, seed):
+       before=st.booleans(), seed=st.integers(0, 2**16), onednn_enabled=st.sampled_from([None, False]))
+def test_where_the_batch_is_chosen_it_gives_the_loops_bits_on_inputs_the_probe_never_saw(
+        num_matrices, short, long, tall, dtype, same_input_dtype, schedule, eps_mode, before, seed, onednn_enabled):
     shape = (num_matrices, long, short) if tall else (num_matrices, short, long)
-    assert reference.batched_is_bitwise(CPU, dtype, "addmm", None, *shape)
-    G = gaussian(shape, seed, dtype if same_input_dtype else torch.float32)
-    options = dict(dtype=dtype, eps_mode=eps_mode, normalize_before_cast=before)
-    assert same_bits(reference.newton_schulz_batched(G, schedule, **options), newton_schulz(G, schedule, **options))
+    G = gaussian(shape, seed + 1, dtype if same_input_dtype else torch.float32)  # the probe draws seed 0
+    options = dict(schedule=schedule, dtype=dtype, eps_mode=eps_mode, normalize_before_cast=before)
+    with onednn(onednn_enabled):
+        chosen = reference.batched_is_bitwise(G.shape, G.dtype, CPU, **options)
+        # chosen where the rule and the probe say so
+        assert chosen == (not reference.onednn_takes(dtype) and reference.probe(G.shape, G.dtype, CPU, options))
+        if chosen:
+            assert same_bits(reference.newton_schulz_batched(G, **options), newton_schulz(G, **options))
 
 
-@pytest.mark.parametrize("shape, dtype, seed", [
-    ((2, 9, 13), torch.float32, 0),  # measured: 7.2e-7 apart (MKL's batched sgemm sums in another order)
-    ((4, 6, 12), torch.bfloat16, 2),  # measured: 7.8e-3 apart (min(m, n) = 6: ATen's small-product loop kernel)
-])
-def test_outside_the_rule_the_batched_kernel_is_not_bitwise(shape, dtype, seed):
-    assert not reference.batched_is_bitwise(CPU, dtype, "addmm", None, *shape)
-    G = gaussian(shape, seed)
-    assert not same_bits(reference.newton_schulz_batched(G, dtype=dtype), newton_schulz(G, dtype=dtype))
+def test_with_onednn_off_atens_own_kernel_runs_and_the_batch_is_chosen():
+    # rule part 2 by construction: with oneDNN disabled ATen's bmm runs one addmm_ per matrix on every CPU (its
+    # source, cited in the module docstring), so the probe must find the batch bitwise; not vacuous on any CPU
+    with onednn(False):
+        assert not reference.onednn_takes(torch.bfloat16)
+        assert reference.batched_is_bitwise((3, 16, 24), torch.float32, CPU, dtype=torch.bfloat16)
 
 
-def test_the_rule_batches_only_what_was_measured(monkeypatch):
-    inside = (CPU, torch.bfloat16, "addmm", None, 2, 8, 8)
-    assert reference.batched_is_bitwise(*inside)
-    for position, other in [(0, torch.device("cuda")), (1, torch.float32), (2, "keller"), (3, "aol"), (4, 1), (5, 7)]:
-        changed = list(inside)
-        changed[position] = other
-        assert not reference.batched_is_bitwise(*changed), changed
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not reference.batched_is_bitwise(*inside)
+@pytest.mark.parametrize("changed", [
+    {"shape": (1, 8, 8)}, {"shape": (2, 7, 64)}, {"dtype": torch.float32}, {"dtype": torch.float64},
+    {"step_form": "gemm"}, {"schedule": "aol"}, {"device": "meta"},
+], ids=str)
+def test_outside_the_static_rule_nothing_is_probed_or_batched(monkeypatch, changed):
+    def no_probe(*args):
+        raise AssertionError("probed a stack outside the rule")
+
+    monkeypatch.setattr(reference, "probe", no_probe)
+    args = {"shape": (2, 8, 8), "dtype": torch.bfloat16, "device": CPU, **changed}
+    shape, device = args.pop("shape"), args.pop("device")
+    with onednn(False):
+        assert not reference.batched_is_bitwise(shape, torch.float32, torch.device(device), **args)
+
+
+def test_where_onednn_takes_the_dtype_nothing_is_probed_or_batched(monkeypatch):
+    monkeypatch.setattr(reference, "onednn_takes", lambda dtype: True)
+    monkeypatch.setattr(reference, "probe", lambda *a: pytest.fail("probed a stack oneDNN takes"))
+    assert not reference.batched_is_bitwise((3, 16, 24), torch.float32, CPU, dtype=torch.bfloat16)
+
+
+def test_the_probe_is_made_once_per_key_and_the_key_holds_what_decides_the_kernel(monkeypatch):
+    reference.forget_probes()
+    verdicts, real = [], reference.probe
+    monkeypatch.setattr(reference, "probe", lambda *a: verdicts.append(a[:3]) or real(*a))
+    monkeypatch.setattr(reference, "onednn_takes", lambda dtype: False)
+    for _ in range(3):
+        reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)
+    assert len(verdicts) == 1
+    reference.batched_is_bitwise((2, 8, 16), torch.bfloat16, CPU, dtype=torch.bfloat16)  # another input dtype
+    reference.batched_is_bitwise((3, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)  # another shape
+    reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16, eps_mode="add")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)  # another thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert len(verdicts) == 5 and len(reference.probed()) == 5
+    reference.forget_probes()
+
+
+def test_negative_control_a_batched_kernel_that_is_not_bitwise_is_refused_and_the_loop_runs(monkeypatch):
+    # a planted batched kernel that rounds otherwise (its result scaled by 1 + 2^-7, about one bf16 ulp): the probe
+    # must refuse it, and the backend keep muon_ref's bits
+    real = reference.newton_schulz_batched
+
+    def planted(G, **kw):
+        X = real(G, **kw)
+        return (X.double() * (1 + 2.0**-7)).to(X.dtype)
+
+    reference.forget_probes()
+    monkeypatch.setattr(reference, "newton_schulz_batched", planted)
+    shape, cfg = (3, 16, 24), MuonConfig(ns_dtype=torch.bfloat16)
+    D = gaussian(shape, 0)
+    with onednn(False):
+        assert not reference.batched_is_bitwise(shape, torch.float32, CPU, **cfg.ns_kwargs())
+        assert same_bits(backend("torch").orthogonalize(D, matrix_layout(shape), cfg),
+                         orthogonalize(D, matrix_layout(shape), cfg))
+    reference.forget_probes()
+
+
+SIMULATED = (
+    "import torch, muon_dist.kernels.reference as r\n"
+    "from muon_ref import MuonConfig, matrix_layout, newton_schulz, orthogonalize\n"
+    "torch.backends.mkldnn.enabled = {onednn}\n"
+    "shape, cfg = (3, 16, 24), MuonConfig(ns_dtype=torch.bfloat16)\n"
+    "chosen = r.batched_is_bitwise(shape, torch.float32, torch.device('cpu'), **cfg.ns_kwargs())\n"
+    "for seed in range(1, 6):\n"
+    "    D = torch.randn(shape, generator=torch.Generator().manual_seed(seed))\n"
+    "    assert torch.equal(r.orthogonalize(D, matrix_layout(shape), cfg), orthogonalize(D, matrix_layout(shape), "
+    "cfg))\n"
+    "    assert not chosen or torch.equal(r.newton_schulz_batched(D), newton_schulz(D))\n"
+    "print(torch.backends.cpu.get_cpu_capability(), chosen)\n"
+)
+
+
+@pytest.mark.parametrize("onednn_enabled", [True, False])
+def test_on_every_simulated_cpu_capability_the_backend_keeps_the_loops_bits(onednn_enabled):
+    # ATen picks its vector kernels by ATEN_CPU_CAPABILITY at start-up (a capability the CPU lacks falls back to
+    # the best it has; "default", no vector ISA, exists everywhere): a fresh process per capability
+    seen = {}
+    for capability in ("default", "avx2", "avx512"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(ROOT)}
+        script = SIMULATED.format(onednn=onednn_enabled)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        name, chosen = done.stdout.split()[-2:]
+        seen[name] = chosen
+    assert "DEFAULT" in seen, seen
+    if not onednn_enabled:  # ATen's own kernel on every capability: the batch is chosen (rule part 2)
+        assert set(seen.values()) == {"True"}, seen
 
 
 # "torch": the backend equals muon_ref.orthogonalize bitwise, batched or not
 
 
-LAYOUTS = {  # shape, layout keys: a stack the rule batches, one it does not, fused experts, a separate layout
+LAYOUTS = {  # shape, layout keys: a stack the rule may batch, one it does not, fused experts, a separate layout
     "3-D stack": ((3, 16, 24), {}),
     "3-D stack, small": ((3, 6, 24), {}),
     "fused experts": ((40, 12), {"num_experts": 4}),
@@ -94,20 +197,31 @@ CONFIGS = {  # the default (torch.optim.Muon's) and one whose schedule's own pre
 }
 
 
+@pytest.mark.parametrize("onednn_enabled", [None, False], ids=["onednn as is", "onednn off"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(monkeypatch, name, dtype, config):
+def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(monkeypatch, name, dtype, config, onednn_enabled):
     shape, keys = LAYOUTS[name]
     layout = matrix_layout(shape, **keys)
     cfg = MuonConfig(ns_dtype=dtype, **CONFIGS[config])
-    calls, batched = [], reference.newton_schulz_batched
+    reference.forget_probes()
+    calls, batched, probes, real_probe = [], reference.newton_schulz_batched, [], reference.probe
     monkeypatch.setattr(reference, "newton_schulz_batched", lambda G, **kw: calls.append(G.shape) or batched(G, **kw))
+    monkeypatch.setattr(reference, "probe", lambda *a: probes.append(a[0]) or real_probe(*a))
     D = gaussian(shape, 0)
-    assert same_bits(backend("torch").orthogonalize(D, layout, cfg), orthogonalize(D, layout, cfg))
-    # the batched path ran exactly where the rule applies (bf16, min(m, n) >= 8, a stack): the test is not vacuous
-    batched_here = dtype == torch.bfloat16 and name in ("3-D stack", "fused experts")
-    assert calls == ([layout.matrices_shape] if batched_here else [])
+    with onednn(onednn_enabled):
+        assert same_bits(backend("torch").orthogonalize(D, layout, cfg), orthogonalize(D, layout, cfg))
+        # the probe ran exactly on the stacks inside the rule (bf16, min(m, n) >= 8, a stack, ATen's own kernel),
+        # and the batch ran exactly where the probe said yes (after the probe's own batched run)
+        in_rule = (dtype == torch.bfloat16 and name in ("3-D stack", "fused experts")
+                   and not reference.onednn_takes(dtype))
+    assert probes == ([layout.matrices_shape] if in_rule else [])
+    chosen = in_rule and list(reference.probed().values()) == [True]
+    assert calls == ([layout.matrices_shape] * (in_rule + chosen) if in_rule else [])
+    if onednn_enabled is False:
+        assert in_rule == (dtype == torch.bfloat16 and name in ("3-D stack", "fused experts"))
+    reference.forget_probes()
 
 
 def test_the_batched_kernel_refuses_the_aol_preconditioner():
@@ -115,9 +229,9 @@ def test_the_batched_kernel_refuses_the_aol_preconditioner():
         reference.newton_schulz_batched(torch.ones(2, 8, 8), "aol")
 
 
-def test_the_rule_measurement_command_finds_no_violation(capsys):
+def test_the_measurement_command_finds_no_probe_verdict_that_another_input_breaks(capsys):
     assert reference.measure(CPU, num_stacks=6) == 0
-    assert "the rule batches" in capsys.readouterr().out
+    assert "the probe batches" in capsys.readouterr().out
 
 
 # "gram": contract 2 of muon_dist/kernels/gram_ns.py, against muon_ref.newton_schulz under the same config

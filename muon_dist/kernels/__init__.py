@@ -6,7 +6,7 @@ contract is bitwise (muon_ref's own kernel) or a measured tolerance, stated in i
 BACKENDS maps a name to the module that defines it (`BACKEND = Backend(...)`); modules are imported when first
 used, so an optional dependency (triton) is needed only by its backend. Add one with register(name, module).
 
-    torch    muon_dist.kernels.reference   muon_ref's newton_schulz (a stack batched where measured bitwise): bitwise
+    torch    muon_dist.kernels.reference   muon_ref's newton_schulz (a stack batched where a runtime check shows it bitwise): bitwise
     triton   muon_dist.kernels.triton_ns   Triton GEMMs, autotuned tiles, one triangle of the symmetric products:
                                            a tolerance
     gram     muon_dist.kernels.gram_ns     Gram Newton-Schulz, batched torch ops: another algorithm, a tolerance

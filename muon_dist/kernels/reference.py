@@ -2,36 +2,35 @@
 
 Reference equation, for every direction D, layout and config:
     orthogonalize(D, layout, cfg) == muon_ref.orthogonalize(D, layout, cfg)
-Contract: bitwise. Outside the rule below it *is* muon_ref.orthogonalize (the oracle's function: every path runs
-it on exactly the global blocks, proofs/paths.md). Inside the rule, a shared layout's stack [k, m, n] runs
-newton_schulz_batched, muon_ref.newton_schulz's "addmm" step on the whole stack at once:
+Contract: bitwise, on every device. Where the batch is not chosen it *is* muon_ref.orthogonalize (the oracle's
+function: every path runs it on exactly the global blocks, proofs/paths.md). Where it is chosen, a shared layout's
+stack [k, m, n] runs newton_schulz_batched, muon_ref.newton_schulz's "addmm" step on the whole stack at once:
     X_0 = normalise(G'.to(dtype))     G' = G^T per matrix if m > n; muon_ref.normalise, each matrix its own norm
     per step: A = bmm(X, X^T),  B = baddbmm(A, A, A, beta=b, alpha=c),  X = baddbmm(X, B, X, beta=a)
 with muon_ref's options (resolve_ns_options); the matrices share a shape, so they share the transpose decision.
 
-The rule (batched_is_bitwise) enables the batch exactly where it was measured to give the loop's bits:
-    device CPU with ATen capability AVX2, compute dtype bfloat16 or float16, step_form "addmm", no preconditioner,
-    k >= 2 matrices, min(m, n) >= 8.
-Why there: ATen runs a bf16 or fp16 bmm / baddbmm on CPU as one addmm_ per matrix, the loop's own call, when
-contraction * rows * cols >= 400, and below that in a loop kernel of its own that rounds otherwise
-(bmm_out_or_baddbmm_ as read in aten/src/ATen/native/LinearAlgebra.cpp); the smallest product of a step is B = A A with
-m^3 >= 512 for m >= 8. The batched normalisation is muon_ref.normalise's measured contract (tests/test_gram.py).
-Measured by `python -m muon_dist.kernels.reference` (torch 2.13.0+cpu, AMD EPYC, AVX2, one thread; 400 random
-stacks per dtype, half [2-4, 1-48, 1-48], half [2-6, 8-96, 8-160] either way round; schedules keller, you5,
-polar_express; both eps modes, both normalisation orders; fp32 or same-dtype inputs):
-    bfloat16  min(m, n) >= 8: bitwise 342/342;  below: 57/58 (max |difference| 2.4e-4)
-    float16   min(m, n) >= 8: bitwise 346/346;  below: 45/54 (7.3e-4)
-    float32   min(m, n) >= 8: 329/345 (1.0e-6); below: 1/55   (MKL's batched gemm, baddbmm_with_gemm_, sums in
-              another order for some sizes: the loop)
-    float64   min(m, n) >= 8: 185/347 (3.8e-15); below: 5/53  (the same: the loop)
-    the rule batches 688 of these stacks, all bitwise; 8 x 64 x 256 bf16: loop 132 ms, batched 107 ms (median of 5,
-    two shared cores: on CPU ATen loops over the matrices anyway, so batching saves Python overhead only).
-On a CPU with AVX512, mkldnn may take bf16 matmuls (mkldnn_bf16_device_check): not measured, so the loop. CUDA: not
-measured (no GPU in the session that wrote this rule), so the loop; tests/gpu/test_kernels_gpu.py measures it
-there and fails if the rule ever enables a case that is not bitwise (why it matters there: on an H100, Dion's
-compiled batched NS ran a 16 x 512 x 2048 stack in 0.78 ms, the loop in 7.94 ms: ../shared/reference/gpu.md).
-tests/test_kernels.py asserts the rule on CPU over Hypothesis shapes, with cases outside it that are not bitwise as
-negative controls.
+When the batch is chosen (batched_is_bitwise): on the CPU only, where all three hold.
+1. A static rule: compute dtype bfloat16 or float16, step_form "addmm", no preconditioner, k >= 2 matrices,
+   min(m, n) >= 8. Why: ATen's own CPU kernel runs a bf16 or fp16 bmm / baddbmm as one addmm_ per matrix, the
+   loop's own call, when contraction * rows * cols >= 400, and below that in a loop kernel of its own that rounds
+   otherwise (bmm_out_or_baddbmm_, aten/src/ATen/native/LinearAlgebra.cpp); a step's smallest product is B = A A,
+   m^3 >= 512 for m >= 8. float32 / float64 go to the BLAS's batched gemm, which sums in another order for some
+   sizes: never batched.
+2. ATen's own kernel is the one that runs: oneDNN does not take matmuls of that dtype in this process
+   (torch.backends.mkldnn disabled or unavailable, or torch.ops.mkldnn._is_mkldnn_bf16_supported /
+   _is_mkldnn_fp16_supported false: CPUs where oneDNN has no bf16 / fp16 support, as AVX2-only x86; read at
+   runtime).
+   Where oneDNN takes them (e.g. an Intel Xeon with AVX512_BF16 and AVX512_FP16, torch 2.13.0) its batched
+   matmul and its single matmul round differently on some inputs only (docs/kernels.md): no probe on a few
+   inputs can clear that, so the loop runs.
+3. A probe, made at runtime, confirms: newton_schulz_batched and the loop on a Gaussian stack of the same shape,
+   input dtype, thread count and options give the same bits. The verdict is cached per probe_key, one probe per
+   key per process. It guards against a kernel routing this rule does not foresee.
+On other devices the loop (a GPU's batched and single gemms may pick different algorithms;
+tests/gpu/test_kernels_gpu.py measures the batch there). `python -m muon_dist.kernels.reference` measures the
+batch against the loop on random stacks and exits 1 if the rule ever chose a stack that is not bitwise.
+tests/test_kernels.py asserts "bitwise when chosen, chosen where the rule and the probe say", on simulated CPU
+capabilities and with oneDNN on and off, with a planted non-bitwise batched kernel as the negative control.
 """
 
 from __future__ import annotations
@@ -51,20 +50,74 @@ from muon_ref.schedules import Schedule
 
 from . import Backend
 
-# the measured CPU: ATen's dispatch capability (torch.backends.cpu.get_cpu_capability()) of the machine above
-MEASURED_CPU_CAPABILITY = "AVX2"
 # ATen's bmm_out_or_baddbmm_ runs a product as one addmm_ per matrix from contraction * rows * cols >= 400 on;
 # the smallest product of a step is m x m x m: 8^3 = 512 >= 400 > 7^3
 MIN_BATCHED_SIDE = 8
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# probe_key -> whether the batch gave the loop's bits on the probe's stack (module docstring, part 2)
+_PROBED: dict[tuple, bool] = {}
 
 
-def batched_is_bitwise(device: torch.device, dtype: torch.dtype, step_form: str, precondition: str | None,
-                       num_matrices: int, fan_out: int, fan_in: int) -> bool:
-    """Whether newton_schulz_batched gives muon_ref.newton_schulz's bits on a stack [num_matrices, fan_out, fan_in]
-    computed in `dtype` on `device` (the module docstring's rule: measured there, the loop elsewhere)."""
-    return (device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == MEASURED_CPU_CAPABILITY
-            and dtype in (torch.bfloat16, torch.float16) and step_form == "addmm" and precondition is None
-            and num_matrices >= 2 and min(fan_out, fan_in) >= MIN_BATCHED_SIDE)
+def in_static_rule(shape: tuple[int, ...], dtype: torch.dtype | None, step_form: str,
+                   precondition: str | None) -> bool:
+    """Part 1 of the module docstring's rule: whether a stack [k, m, n] in compute dtype `dtype` can be batched."""
+    return (len(shape) == 3 and dtype in LOW_PRECISION and step_form == "addmm" and precondition is None
+            and shape[0] >= 2 and min(shape[1:]) >= MIN_BATCHED_SIDE)
+
+
+def probe_key(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict) -> tuple:
+    """What a probe's verdict stands for: shape, input dtype, device, thread count, whether oneDNN is enabled and
+    newton_schulz's options."""
+    options = tuple(sorted((name, repr(value)) for name, value in ns_kwargs.items()))
+    return (tuple(shape), input_dtype, torch.device(device), torch.get_num_threads(), torch.backends.mkldnn.enabled,
+            options)
+
+
+def probe(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict) -> bool:
+    """Whether newton_schulz_batched gives muon_ref.newton_schulz's bits on a Gaussian stack of `shape` (seed 0,
+    drawn in float32 on the CPU, cast to input_dtype, moved to device) with these newton_schulz options."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(input_dtype).to(device)
+    kwargs = {name: value for name, value in ns_kwargs.items() if name != "step_form"}
+    return torch.equal(newton_schulz_batched(G, **kwargs), newton_schulz(G, step_form="addmm", **kwargs))
+
+
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN may run CPU matmuls of `dtype` in this process instead of ATen's own kernel (rule part 2);
+    True when torch cannot say (a missing query), so that the loop runs."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    query = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    try:
+        return query is None or bool(getattr(torch.ops.mkldnn, query)())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+def batched_is_bitwise(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, **ns_kwargs) -> bool:
+    """Whether orthogonalize batches a stack of `shape` and input_dtype on `device` under muon_ref.newton_schulz's
+    keyword arguments ns_kwargs (MuonConfig.ns_kwargs()): the module docstring's three parts; the probe's verdict
+    is cached per probe_key."""
+    options = resolve_ns_options(ns_kwargs.get("schedule", "keller"), ns_kwargs.get("steps"), ns_kwargs.get("eps"),
+                                 ns_kwargs.get("safety"), ns_kwargs.get("precondition"))
+    dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
+    if (torch.device(device).type != "cpu"
+            or not in_static_rule(tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), options.precondition)
+            or onednn_takes(dtype)):
+        return False
+    key = probe_key(shape, input_dtype, device, ns_kwargs)
+    if key not in _PROBED:
+        _PROBED[key] = probe(tuple(shape), input_dtype, device, ns_kwargs)
+    return _PROBED[key]
+
+
+def probed() -> dict[tuple, bool]:
+    """A copy of the probe verdicts of this process (probe_key -> bitwise)."""
+    return dict(_PROBED)
+
+
+def forget_probes() -> None:
+    """Drop every cached probe verdict (the next call probes again)."""
+    _PROBED.clear()
 
 
 def newton_schulz_batched(
@@ -80,7 +133,7 @@ def newton_schulz_batched(
     precondition: str | None = None,
 ) -> Tensor:
     """muon_ref.newton_schulz(G, ..., step_form="addmm") on G [..., m, n] with one bmm / baddbmm per product for
-    the whole stack (module docstring); bitwise equal to it only where batched_is_bitwise says so.
+    the whole stack (module docstring); bitwise equal to it where batched_is_bitwise says so.
 
     Arguments and defaults as muon_ref.newton_schulz without step_form ("addmm"); ValueError when the
     preconditioner resolves to "aol" (not implemented here). Returns a new contiguous tensor of G's shape in the
@@ -110,11 +163,9 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     """muon_ref.orthogonalize, with a shared layout's stack batched where batched_is_bitwise says it is bitwise."""
     if layout.separate:
         return reference_orthogonalize(direction, layout, cfg)
-    options = resolve_ns_options(cfg.schedule, cfg.ns_steps, cfg.eps, cfg.safety, cfg.precondition)
-    dtype = direction.dtype if cfg.ns_dtype is None else cfg.ns_dtype
-    if not batched_is_bitwise(direction.device, dtype, cfg.step_form, options.precondition, *layout.matrices_shape):
-        return reference_orthogonalize(direction, layout, cfg)
     kwargs = cfg.ns_kwargs()
+    if not batched_is_bitwise(layout.matrices_shape, direction.dtype, direction.device, **kwargs):
+        return reference_orthogonalize(direction, layout, cfg)
     del kwargs["step_form"]  # "addmm": a condition of the rule
     return newton_schulz_batched(direction.reshape(layout.matrices_shape), **kwargs).reshape(direction.shape)
 
@@ -136,8 +187,9 @@ def _random_case(rng: random.Random, seed: int, large: bool) -> tuple[Tensor, di
 
 
 def measure(device: torch.device, num_stacks: int) -> int:
-    """Print, per compute dtype and side class, how often newton_schulz_batched gives the loop's bits and what the
-    rule says; return the number of cases the rule enables that are not bitwise (0 for a correct rule)."""
+    """Print, per compute dtype and side class, how often newton_schulz_batched gives the loop's bits and how often
+    batched_is_bitwise chooses the batch; return the number of stacks it chooses that are not bitwise (0 when the
+    probe's verdict holds for other inputs of its key: the probe draws seed 0, these stacks other seeds)."""
     rng, violations = random.Random(0), 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         tally: dict[bool, list] = {}  # min(m, n) >= 8 -> [stacks, bitwise, max |difference|, rule enabled]
@@ -147,14 +199,14 @@ def measure(device: torch.device, num_stacks: int) -> int:
             got = newton_schulz_batched(G, dtype=dtype, **options)
             want = newton_schulz(G, dtype=dtype, **options)
             bitwise = torch.equal(got, want)
-            enabled = batched_is_bitwise(device, dtype, "addmm", None, *G.shape)
+            enabled = batched_is_bitwise(G.shape, G.dtype, device, dtype=dtype, **options)
             violations += enabled and not bitwise
             row = tally.setdefault(min(G.shape[1:]) >= MIN_BATCHED_SIDE, [0, 0, 0.0, 0])
             row[0], row[1], row[3] = row[0] + 1, row[1] + bitwise, row[3] + enabled
             row[2] = max(row[2], float((got.double() - want.double()).abs().max()) if got.numel() else 0.0)
         for large, (count, bitwise, worst, enabled) in sorted(tally.items()):
             print(f"{dtype}, min(m, n) {'>= 8' if large else '< 8 '}: bitwise {bitwise}/{count}, max |batched - loop| "
-                  f"{worst:.2g}; the rule batches {enabled}/{count}")
+                  f"{worst:.2g}; the probe batches {enabled}/{count}")
     return violations
 
 
@@ -180,15 +232,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--stacks", type=int, default=400, help="random stacks per dtype (default 400)")
+    parser.add_argument("--no-onednn", action="store_true", help="disable oneDNN (torch.backends.mkldnn) first")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.no_onednn:
+        torch.backends.mkldnn.enabled = False
     device = torch.device(args.device)
     capability = (torch.cuda.get_device_name(device) if device.type == "cuda"
                   else torch.backends.cpu.get_cpu_capability())
-    print(f"batched vs loop on {device.type} ({capability}), torch {torch.__version__}")
+    print(f"batched vs loop on {device.type} ({capability}), torch {torch.__version__}, oneDNN takes bf16 / fp16: "
+          f"{onednn_takes(torch.bfloat16)} / {onednn_takes(torch.float16)}")
     violations = measure(device, args.stacks)
     _time_one_stack(device)
-    print(f"cases the rule batches that are not bitwise: {violations}")
+    print(f"stacks the probe batches that are not bitwise: {violations}")
     return 1 if violations else 0
 
 

@@ -108,14 +108,14 @@ def test_every_backend_keeps_its_band_on_the_harder_inputs_on_cuda(name, dtype, 
        schedule=st.sampled_from(["keller", "you5", "polar_express"]), seed=st.integers(0, 2**16))
 def test_the_torch_backends_batched_rule_enables_no_stack_that_is_not_bitwise_on_cuda(dtype, num_matrices, fan_out,
                                                                                       fan_in, schedule, seed):
-    # measures the batched kernel against the loop on CUDA; the rule batches nothing on CUDA yet (not measured when
-    # it was written), so this fails only if someone enables a case that is not bitwise
+    # measures the batched kernel against the loop on CUDA on other inputs than the probe's: fails if the probe's
+    # verdict for a key does not hold for another input of that key
     from muon_dist.kernels.reference import batched_is_bitwise, newton_schulz_batched
 
     G = gaussian_on_cuda((num_matrices, fan_out, fan_in), seed)
     bitwise = same_bits(newton_schulz_batched(G, schedule, dtype=dtype), newton_schulz(G, schedule, dtype=dtype))
-    enabled = batched_is_bitwise(G.device, dtype, "addmm", None, *G.shape)
+    enabled = batched_is_bitwise(G.shape, G.dtype, G.device, schedule=schedule, dtype=dtype)
     assert bitwise or not enabled, (
         f"muon_dist.kernels.reference.batched_is_bitwise enables a {dtype} stack {tuple(G.shape)} ({schedule}) on "
-        f"{torch.cuda.get_device_name()} whose batched result is not the loop's bits: narrow the rule (measure with "
+        f"{torch.cuda.get_device_name()} whose batched result is not the loop's bits: the probe's key misses what decides the kernel (measure with "
         f"python -m muon_dist.kernels.reference --device cuda)")
