@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
+.PHONY: verify test lint test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ verify: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# ruff (configured in pyproject.toml): lint rules and the formatter's line length of 100
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
 test-fast: $(STAMP)
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x
 
@@ -44,7 +49,7 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks gpu $(ARGS)
 
-# mutation testing of the tests (README, "Mutation testing"): cosmic-ray, one mutant at a time, on a seeded sample of
+# mutation testing of the tests (docs/mutation.md): cosmic-ray, one mutant at a time, on a seeded sample of
 # each target's mutants (tests/mutation/TARGET.toml); empty: every target (run.py's DEFAULT_TARGETS), under an hour
 MUTATION_TARGETS ?=
 

@@ -6,7 +6,7 @@ with Shard(0) gradients. Momentum and the update run on the local shard; only or
 Uneven boxes are padded to the largest box for the equal-size collectives and stripped before the kernel.
 
 (a) FullTensorMuon (LlamaFactory v2, muonium's single-param path, Moonlight's ZeRO-1 PoC; see
-    ../shared/reference/distributed_paths.md): every rank all-gathers every param's direction, runs the kernel
+    docs/distributed.md): every rank all-gathers every param's direction, runs the kernel
     on every param and keeps its own box:   update_r = box_r(orthogonalize(full(D)))  on every rank r.
     Traffic per param and rank: (W - 1) padded boxes of the direction each way; W-fold duplicated NS.
 (c) GatherScatterMuon (samsja muon_fsdp2): param i is owned by rank i mod W, which gathers the boxes, runs the

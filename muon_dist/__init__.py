@@ -1,6 +1,6 @@
 """muon_dist: distributed Muon on DTensor / FSDP2 shards, checked bitwise against muon_ref.
 
-The optimizer core (README, "Design"): layout (what a param is globally, read from its DTensor), geometry (its
+The optimizer core (docs/design.md): layout (what a param is globally, read from its DTensor), geometry (its
 shard groups and every member's box), plan (a pure, digest-checked function of the layouts: batches, paths,
 owners), paths (one module per communication path, one interface), comm (the only place collectives run),
 elementwise (shard stages with the reference's bits), kernels (orthogonalisation backends), step (the step as a

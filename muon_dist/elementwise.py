@@ -1,6 +1,6 @@
 """Elementwise stages on a shard with the bits the reference gets on the whole tensor.
 
-Measured on this CPU (torch 2.13, AVX512, one thread): a bf16 `add(other, alpha=a)` gives different bits in
+Measured on an x86 CPU with AVX-512 (torch 2.13, one thread): a bf16 `add(other, alpha=a)` gives different bits in
 the vectorised body than in the scalar tail of the same kernel (the body rounds alpha to bf16, the tail does
 not), so the same element changes bits with its position: 1,174 of 4,096 elements of a.add(b, alpha=0.95)
 differed between a whole-tensor call and one-element calls. fp32 stages showed no such difference here.

@@ -1,6 +1,6 @@
 """Muon's update conventions as configuration: one frozen record per param group.
 
-Every convention found in the field is a field here (../shared/reference/conventions.md), and each public
+Every convention found in the field is a field here (docs/conventions.md), and each public
 implementation is a preset (muon_ref/presets.py). Names follow fan_out / fan_in (a torch Linear weight is
 (fan_out, fan_in)); the learning-rate shape scale is a formula, with each library's name mapped to it.
 """

@@ -23,7 +23,7 @@ Restart schedule of Dao-AILab/gram-newton-schulz 0.1.6 (PyPI; gram_newton_schulz
 POLAR_EXPRESS_COEFFICIENTS (the paper's first 5 Polar Express steps, safety 1.05: muon_ref's
 "polar_express_dao"); its Muon autotunes one restart by minimising the largest max|q|/min|q| over the steps of
 the scalar model q <- q z, r <- r z^2 started at r = x^2 - 4e-4, x in logspace(0, -10, 10000): it picks [2]
-for both shipped coefficient sets (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS = "you5"; run here).
+for both shipped coefficient sets (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS = "you5"; run on an x86 CPU).
 Its numerics: X / (||X||_F + 1e-7) in float32 (eps_mode "add", normalize before the cast), then float16; a
 square matrix takes standard Newton-Schulz there (Gram NS would cost 1.2x its FLOPs). This module runs Gram NS
 on every shape, in `dtype` (bfloat16 by default, like newton_schulz); dtype=torch.float16 and
@@ -141,7 +141,7 @@ def gram_newton_schulz(
     8 m^2 n + 28 m^3 against 20 m^2 n + 10 m^3, i.e. fewer FLOPs iff n > 1.5 m: 1.20x at n = m, 0.67x at
     n = 4 m, 0.54x at n = 8 m, 0.4x as n / m grows.
 
-    Float behaviour, measured on this CPU with polar_express_dao (notebooks/gram_newton_schulz.ipynb; the
+    Float behaviour, measured on an x86 CPU with polar_express_dao (notebooks/gram_newton_schulz.ipynb; the
     Gaussian band: 1,500 random matrices, asserted by tests/test_gram.py with margin):
         float32: newton_schulz's band to 1e-3 on the Gaussians there and its largest singular value on the
             hard inputs, with or without restarts.

@@ -51,7 +51,7 @@ def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor
     Reference equation: the kernel's X_0 (module docstring). Contract: on one matrix these are the kernel's exact
     ops, so a fast kernel that calls this on the same view in the same dtype gets muon_ref's X_0 bitwise. On a
     stack, the norm is one batched reduction over the last two dims; measured equal bit for bit to the per-matrix
-    norms on this CPU (torch 2.13.0; fp64/fp32/bf16/fp16, 7 shapes up to 300 x 77, 5 seeds, contiguous stacks and
+    norms on an x86 CPU (torch 2.13.0; fp64/fp32/bf16/fp16, 7 shapes up to 300 x 77, 5 seeds, contiguous stacks and
     their .mT views: 280/280; asserted by tests/test_gram.py), not a guarantee elsewhere. d = 0 only for a zero
     matrix with eps = 0 and is replaced by 1 there, so zero maps to zero (proofs/newton_schulz.md#zero-input).
     """

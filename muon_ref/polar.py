@@ -4,7 +4,7 @@ polar_factor(G) = U_r V_r^T for G = U S V^T (float64 SVD), r the numerical rank:
 factor when G has full rank, and the partial isometry that Newton-Schulz converges to otherwise (zero
 singular values stay zero under every odd polynomial).
 
-Scalar theory (../shared/reference/ns_schedules.md): one step maps each singular value s through
+Scalar theory (docs/schedules.md): one step maps each singular value s through
 p_t(s) = a s + b s^3 + c s^5, so a schedule is the scalar map f = p_k o ... o p_1 and
     ||NS(G) - U V^T||_2 = max_i |f(s_i) - 1|,   ||NS(G)^T NS(G) - I||_2 = max_i |f(s_i)^2 - 1|.
 schedule_band computes the exact range of f over [l, u] by pushing the interval through each step with

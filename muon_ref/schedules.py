@@ -8,7 +8,7 @@ uses the coefficients chosen by the schedule's step policy:
 Normalisation recommended by the origin (safety factor, eps) and the AOL preconditioner travel with the
 schedule, so `newton_schulz(G, "polar_express")` reproduces the shipped pipeline.
 
-References: ../shared/reference/ns_schedules.md (catalogue); each entry's `source` names its origin.
+References: docs/schedules.md (catalogue); each entry's `source` names its origin.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@
 # 2. the error metrics against the exact polar factor (`polar_error`, `orthogonality_error`,
 #    `max_singular_value_error`);
 # 3. the safety-factor ablation (`safety=` 1.00, 1.01, 1.02, 1.05);
-# 4. the hazards of `../shared/reference/ns_schedules.md`, each reproduced with a fixed seed.
+# 4. the hazards of `docs/schedules.md`, each reproduced with a fixed seed.
 #
 # All matrices are at most 256 x 128 so the notebook runs in seconds on a CPU.
 

@@ -21,7 +21,7 @@
 # so a schedule acts on each normalised singular value through the scalar map
 # $f = p_k \circ \dots \circ p_1$ and
 # $\|NS(G) - UV^\top\|_2 = \max_i |f(s_i) - 1|$
-# (`../shared/reference/ns_schedules.md`, "Theory").
+# (`docs/schedules.md`, "Theory").
 #
 # This notebook draws, for every registered schedule:
 # 1. each step polynomial on $[0, 1.2]$ with its fixed points ($p(x) = x$) and critical points ($p'(x) = 0$);

@@ -26,7 +26,7 @@ from .plan_check import BROKEN_CASE, check_case, check_plans, dropping_remainder
 
 NamedCheck = tuple[str, Callable[[], list[str]]]
 
-LOWER = 1e-3  # the catalogue's interval [1e-3, 1] (../shared/reference/ns_schedules.md, "Measured facts")
+LOWER = 1e-3  # the catalogue's interval [1e-3, 1] (docs/schedules.md, the bands table)
 # a float band must lie this close to the exact enclosure (relative beyond 1); measured: <= 7.1e-14 (cans)
 CLAIM_TOL = 1e-12
 WIDTH_LIMIT = 1e-12  # the enclosure itself must be narrower than this (relative where the band exceeds 1)
@@ -90,7 +90,7 @@ def check_schedule_certificates() -> list[str]:
     return failures
 
 
-# The measured figures of ../shared/reference/ns_schedules.md ("Measured facts" and "Hazards" 2), with
+# The measured figures of docs/schedules.md (the bands table and "Hazards" 2), with
 # the precision they are printed at: (label, schedule, l, steps, policy override, (min, max), half-unit).
 CATALOGUE_FIGURES = [
     ("keller x5", "keller", 1e-3, None, None, (0.4705, 1.2024), 5e-5),

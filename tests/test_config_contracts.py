@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from muon_ref import PRESETS, MuonConfig, lr_scale
 
 ROOTS = {"sqrt": math.sqrt, "pow": lambda x: x**0.5}
-# README, "Conventions": the shape-scale formulas, each under every library's name for it
+# docs/conventions.md: the shape-scale formulas, each under every library's name for it
 FORMULAS = {
     "original": lambda fo, fi, root: root(max(1, fo / fi)),
     "match_rms_adamw": lambda fo, fi, root: 0.2 * root(max(fo, fi)),

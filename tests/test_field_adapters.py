@@ -1,6 +1,6 @@
 """The field adapters (muon_dist/harness/adapters/field.py): each claim is a valid muon_ref configuration; each adapter
 whose package (or checkout) is here builds its optimizer and steps through the conformance machinery; and the
-causes of their departures found by hand (README "Conformance of public Muons") are pinned, so that a test fails
+causes of their departures found by hand (docs/public-muons.md) are pinned, so that a test fails
 when upstream changes them. Everything runs eagerly (the adapters force it in their ranks; here in-process
 through torch.compiler.set_stance), without torch.compile."""
 
@@ -127,7 +127,7 @@ def test_gram_newton_schulz_standard_ns_is_the_oracle_kernel_on_the_bf16_directi
 
 
 def test_gram_newton_schulz_momentum_of_bf16_buffers_uses_mu_rounded_to_bf16() -> None:
-    """In-place torch._foreach_mul_ with a Python float on bf16 tensors (muon_opt_utils.py:43; eager, this CPU
+    """In-place torch._foreach_mul_ with a Python float on bf16 tensors (muon_opt_utils.py:43; eager, x86 CPU
     build) rounds the scalar to bf16 first: 0.9 -> 0.8984375. Dion passes a 0-dim fp32 tensor and does not."""
     if reason := _importable("gram_newton_schulz"):
         pytest.skip(reason)

@@ -2,7 +2,7 @@
 (the `notebooks` and `triton` extras, or the public Muons that the conformance check runs) at collection time.
 
 GPU nodes run `pytest -m gpu` with the torch their CUDA stack pins and seldom install our extras; a module-level
-`import jupytext` stopped that run at collection (../shared/reference/gpu.md). Each check collects in a fresh
+`import jupytext` stopped that run at collection (docs/gpu.md). Each check collects in a fresh
 interpreter in which importing any optional package raises ModuleNotFoundError, as on such a node.
 """
 

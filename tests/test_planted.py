@@ -1,5 +1,5 @@
 """The planted-bug suite measures the conformance check (muon_dist/harness/adapters/planted.py): every reachable class
-of field bug (/work/shared/reference/field_bugs.md) has a planted bug that `python -m muon_dist.harness.conformance
+of field bug (docs/field-bugs.md) has a planted bug that `python -m muon_dist.harness.conformance
 --planted` catches in its family with the right diagnosis; the correct Muon under each planted bug conforms in those
 families (the negative control: the defect is the departure); and the new families pass for DistributedMuon in every
 mode and for muon_ref (the known-good controls)."""
@@ -80,7 +80,7 @@ def test_the_new_families_pass_for_the_known_good_controls(adapter) -> None:
     assert report["conforms"], report["diagnosis"]
     assert {o["family"] for o in report["outcomes"]} == set(families)
     asym = [o for o in report["outcomes"] if o["family"] == "asym_none"]
-    assert all(o["policy"] == "raise ValueError" for o in asym)  # README "Guarantees": ValueError on every rank
+    assert all(o["policy"] == "raise ValueError" for o in asym)  # docs/distributed.md, "Guarantees": ValueError on every rank
 
 
 @pytest.mark.timeout(60)

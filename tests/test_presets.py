@@ -125,8 +125,8 @@ def test_torch_muon_overwrites_its_bf16_momentum_buffer_without_nesterov_and_the
 
 
 def test_torch_preset_on_bf16_tall_matrices_differs_only_by_the_update_layout_known_deviation():
-    # Known deviation of the oracle (README, "Check your own Muon"): torch keeps Newton-Schulz's transposed
-    # view for a tall matrix, muon_ref stacks a contiguous result, and on this CPU a bf16 P.add(O, alpha=...)
+    # Known deviation of the oracle (docs/checking.md): torch keeps Newton-Schulz's transposed
+    # view for a tall matrix, muon_ref stacks a contiguous result, and on an x86 CPU a bf16 P.add(O, alpha=...)
     # rounds differently for the two layouts (the contiguous loop rounds alpha to bf16). Same momentum, same
     # NS values; the params differ by at most one bf16 ulp. Fails (and should then be rewritten as bitwise)
     # once muon_ref keeps the kernel's layout.

@@ -183,7 +183,7 @@ def test_padding_stays_exactly_zero_in_every_step_form_and_dtype(m, n, rows, col
 
 
 def test_padding_that_flips_the_transpose_decision_keeps_the_math_but_not_the_bits():
-    # (29, 30) padded to (32, 30): Dion's uneven shard on 4 ranks (../shared/reference/conventions.md)
+    # (29, 30) padded to (32, 30): Dion's uneven shard on 4 ranks (docs/conventions.md)
     G = gaussian((29, 30), 0)
     padded = torch.cat([G, torch.zeros(3, 30, dtype=torch.float64)])
     torch.testing.assert_close(newton_schulz(padded, **F64)[:29], newton_schulz(G, **F64), rtol=0, atol=1e-12)

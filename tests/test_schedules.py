@@ -15,7 +15,7 @@ from muon_ref import (
     register_schedule, scalar_map, schedule_band, signed_singular_values,
 )
 
-CATALOGUE = {  # name: (number of listed steps, first triple) from ../shared/reference/ns_schedules.md
+CATALOGUE = {  # name: (number of listed steps, first triple) from docs/schedules.md
     "cubic": (1, (1.5, -0.5, 0.0)),
     "quintic": (1, (15 / 8, -10 / 8, 3 / 8)),
     "keller": (1, (3.4445, -4.7750, 2.0315)),
@@ -54,7 +54,7 @@ def test_step_policies_cycle_repeat_last_and_fixed():
         SCHEDULES["aol"].steps_for(5)
 
 
-MEASURED_BANDS = {  # fp64 scalar composition over [1e-3, 1], ../shared/reference/ns_schedules.md (4 decimals)
+MEASURED_BANDS = {  # fp64 scalar composition over [1e-3, 1], docs/schedules.md (4 decimals)
     "keller": (0.4705, 1.2024), "you5": (0.4750, 1.1450), "you6": (0.8663, 0.9993),
     "polar_express_modded": (0.8589, 1.1411), "cans": (0.8844, 1.1198), "aol_old": (-1.084, 1.084),
     "deepseekv4": (1.0000, 1.00054),

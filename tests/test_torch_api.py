@@ -5,7 +5,7 @@ tests/data/torch_2_9_api.json lists the names of the torch modules we reach into
 import alias (`dist.all_to_all_single`, `self.dist.x` where `dist` is such an alias, `torch.distributed.x`) or a
 `from torch... import name`, must be in that list. Names that the installed torch has and 2.9 lacks are the
 ones this can catch (torch 2.13 added all_gather_single and reduce_scatter_single: GPU nodes on torch 2.11 crashed
-on them, ../shared/reference/gpu.md).
+on them, docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
     python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
 
-Each case (muon_dist/adapters/cases.py) runs the candidate on a pool of gloo ranks
+Each case (muon_dist/harness/adapters/cases.py) runs the candidate on a pool of gloo ranks
 (muon_dist.harness.launch.RankPool; one rank for single-device cases; with --device cuda the candidate, its tensors
 and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case
 saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
@@ -17,7 +17,7 @@ and muon_ref.Muon under the adapter's claim on the full tensors; the contract is
 muon_dist/harness/adapters/oracle.py. Per case: bitwise, differs (max |dP|, the first step that differs and whether
 the difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang. A failing
 case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure kind) and the departure
-diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure from the claim, 2 on a usage error.
+diagnosed (muon_dist/harness/adapters/diagnose.py). Exit status 1 on any departure from the claim, 2 on a usage error.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_dist.harness.verify` and
-`muon_dist.harness.conformance` (measured facts: ../shared/reference/testing_distributed.md).
+`muon_dist.harness.conformance` (measured facts: docs/testing.md).
 
 Workers are forked once per world size; each sets torch.set_num_threads(1) first, joins a gloo group through
 a file:// rendezvous in a fresh temporary directory (runs never collide), then serves calls: a module-level
@@ -7,7 +7,7 @@ function and picklable args, run on every rank. A call that raises on any rank o
 kills the pool (the next call starts a fresh one) and raises RankFailure in the parent.
 
 device="cuda": W ranks share the node's GPUs (rank r on cuda:r mod #GPUs; several ranks on one GPU), gloo
-carrying CUDA tensors (../shared/reference/gpu.md: all_to_all_single, all_gather_into_tensor and
+carrying CUDA tensors (docs/gpu.md: all_to_all_single, all_gather_into_tensor and
 reduce_scatter_tensor work there; NCCL refuses two ranks on one GPU). Such workers are spawned, not forked:
 CUDA cannot be used in a child forked from a parent that has used it. Results must come back as CPU tensors.
 """

@@ -15,7 +15,7 @@ are fused [E * m, n] with num_experts = E, the layout whose boxes can split an e
 the same gradients and param groups, and compares every rank's shard with its box of the reference, bit
 pattern for bit pattern. Shards come back to the parent as they are (their global offsets beside them): no
 rank ever gathers a full tensor (DTensor.full_tensor of uneven shards segfaulted on gloo over CUDA tensors,
-torch 2.11: ../shared/reference/gpu.md).
+torch 2.11: docs/gpu.md).
 
 --device cuda: the ranks' params, gradients and optimizer live on CUDA (W ranks share the node's GPUs, gloo
 carrying CUDA tensors; muon_dist.harness.launch) and the reference runs on CUDA too: the same code as on CPU, with

@@ -10,7 +10,7 @@ used, so an optional dependency (triton) is needed only by its backend. Add one 
     triton   muon_dist.kernels.triton_ns   Triton GEMMs, autotuned tiles, one triangle of the symmetric products:
                                            a tolerance
     gram     muon_dist.kernels.gram_ns     Gram Newton-Schulz, batched torch ops: another algorithm, a tolerance
-`python -m muon_dist.kernels.contracts` measures every backend's contract the same way (README.md here).
+`python -m muon_dist.kernels.contracts` measures every backend's contract the same way (muon_dist/kernels/README.md).
 """
 
 from __future__ import annotations

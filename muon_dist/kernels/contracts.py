@@ -95,7 +95,7 @@ def measure(name: str, cfg: MuonConfig, kind: str, seeds: range, max_side: int,
 
 def _default_dtypes(name: str, device: torch.device) -> list[str]:
     """float32, float16 and bfloat16; but not bfloat16 for Triton in its interpreter, whose bf16 tl.dot is wrong
-    (../shared/reference/testing_distributed.md): its figures would be the interpreter's, not the kernel's."""
+    (docs/testing.md): its figures would be the interpreter's, not the kernel's."""
     interpreted = name == "triton" and device.type == "cpu"
     return ["float32", "float16"] + ([] if interpreted else ["bfloat16"])
 

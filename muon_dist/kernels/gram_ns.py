@@ -23,7 +23,7 @@ Everything but the batched products is muon_ref's public code: the options (reso
 segments (restart_segments) and the normalisation (normalise, which takes each matrix's own norm in one
 batched reduction).
 
-Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on this CPU (torch 2.13.0, one thread),
+Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on an x86 CPU (torch 2.13.0, one thread),
 measured by `python -m muon_dist.kernels.gram_ns` (2,000 random stacks [1-4, 1-32, 1-32] per dtype, schedules
 polar_express_dao and you5, default restart) and asserted by tests/test_gram.py:
     bfloat16, min(m, n) >= 8: bitwise (1235/1235). ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the
@@ -37,14 +37,14 @@ polar_express_dao and you5, default restart) and asserted by tests/test_gram.py:
 Singular values: the bfloat16 output's signed singular values on Gaussian stacks with n / m in [2, 8] were in
 [0.829, 1.196] (500 stacks; exact polar factor: all 1), as muon_ref.gram_newton_schulz's, whose band
 tests/test_gram.py asserts ([0.80, 1.22]).
-On a GPU the batched and the per-matrix GEMMs may sum in other orders again: not measured here.
+On a GPU the batched and the per-matrix GEMMs may sum in other orders again: not measured on a GPU yet.
 
 Contract 2, the "gram" backend against muon_ref.newton_schulz under the same config (the config's schedule, steps,
 eps, dtype, eps_mode, safety, normalisation; a restart after step 2; the config's step_form is ignored), for the
 5-step schedules keller, you5 and polar_express_dao: max |difference| <= 2e-4 (float32), 5e-2 (float16), 0.5
 (bfloat16); signed singular values against the exact polar factor in the bands below. A loose tolerance, because
 the Gram is rounded once per segment: its eigenvalues are known to about u ||X||_F^2 (u: the unit roundoff), which
-Gram NS then amplifies (muon_ref/gram.py). Measured on this CPU by `python -m muon_dist.kernels.contracts
+Gram NS then amplifies (muon_ref/gram.py). Measured on an x86 CPU by `python -m muon_dist.kernels.contracts
 --backends gram --schedules keller you5 polar_express_dao --cases 40` (40 inputs of each kind, sides <= 64):
     float32: Gaussian 1.6e-5, all kinds 1.4e-4 (polar_express_dao, rank one); bands muon_ref's to 1e-4
     float16: Gaussian 6.1e-3, all kinds 4.1e-2 (polar_express_dao, square)

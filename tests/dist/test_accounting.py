@@ -2,7 +2,7 @@
 
 S = elements of one matrix, W = ranks, b = bytes per element (fp32 grads and fp32 updates: ns_dtype=None).
   all_to_all, even:       every rank sends (W - 1) S / W per matrix each way: 2 (W - 1) / W S per matrix
-                          over all ranks, the lower bound (/work/shared/reference/distributed_paths.md).
+                          over all ranks, the lower bound (docs/distributed.md).
   agrs, R matrices:       every rank sends (W - 1) R S / W in the all-gather and as much in the reduce-scatter:
                           2 (W - 1) R S over all ranks each way, W times the bound for R matrices.
   padded_all_to_all, R:   the traffic of W matrices for R real ones: overhead W / R.

@@ -52,12 +52,12 @@ def test_momentum_and_update_on_every_shard_equal_the_whole_tensor_bitwise(shape
 
 
 def test_bf16_add_alpha_depends_on_the_position_in_the_call_on_this_cpu() -> None:
-    """Why run_stage exists (measured here: AVX512, torch 2.13): the vector body and the scalar tail differ."""
+    """Why run_stage exists (measured on an x86 CPU with AVX-512, torch 2.13): the vector body and the scalar tail differ."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(4096, generator=gen).to(torch.bfloat16) for _ in range(2))
     whole = a.add(b, alpha=0.95)
     one_by_one = torch.cat([a[i:i + 1].add(b[i:i + 1], alpha=0.95) for i in range(4096)])
     differing = int((whole != one_by_one).sum())
     if differing == 0:
-        pytest.skip("this CPU build gives bf16 add(alpha) position-independent bits")
+        pytest.skip("the CPU build running the test gives bf16 add(alpha) position-independent bits")
     assert differing > 0

@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard on a CPU mesh) trained with DistributedMuon against single-process muon_ref training.
 
-Contract, measured here: given the gradients FSDP2 produced, the step equals muon_ref's bitwise at every
+Contract, measured on x86 CPUs with torch 2.13.0: given the gradients FSDP2 produced, the step equals muon_ref's bitwise at every
 world size. FSDP2 averages gradients with a gloo reduce-scatter (ReduceOp.AVG); at W = 2 that equals the
 single-process (g0 + g1) / 2 bitwise (two-term sums commute), so whole training runs are bitwise equal; at
 W >= 3 the backend's summation order differs from rank order, so the gradients themselves differ in a few

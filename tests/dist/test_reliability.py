@@ -1,6 +1,6 @@
 """Reliability on gloo: every failure mode behaves the same way on every rank, promptly, and never hangs.
 
-Policies (README "Guarantees"): a non-finite gradient on any rank raises on every rank (nonfinite="raise") or
+Policies (docs/distributed.md, "Guarantees"): a non-finite gradient on any rank raises on every rank (nonfinite="raise") or
 skips that param on every rank ("skip"); zero gradients give a zero update; a grad that is None on some ranks
 only is a ValueError on every rank, None on all ranks skips the param; params may join or leave groups between
 steps; a rank whose local work raises mid-step makes every rank raise RuntimeError within seconds (an all-gather

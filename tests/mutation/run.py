@@ -1,4 +1,4 @@
-"""Mutation testing of the project's own tests with cosmic-ray (`make mutation`; README, "Mutation testing").
+"""Mutation testing of the project's own tests with cosmic-ray (`make mutation`; docs/mutation.md).
 
     python tests/mutation/run.py [TARGET ...]        default: the targets in DEFAULT_TARGETS
 
@@ -32,7 +32,7 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORK = ROOT / ".mutation"
-# every target: muon_ref's core, then muon_dist's (README, "Mutation testing": the whole run takes under an hour here)
+# every target: muon_ref's core, then muon_dist's (docs/mutation.md: the whole run takes under an hour here)
 DEFAULT_TARGETS = ("ref_functional", "ref_config", "ref_newton_schulz", "dist_paths", "dist_plan", "dist_step",
                    "dist_elementwise", "dist_layout", "dist_comm")
 

@@ -9,7 +9,7 @@ states the claim the oracle checks:
 Shard(0) on a 1-D gloo mesh, torch.chunk boxes as FSDP2 makes them), "replicated" (the same plain tensor and the
 same reduced gradient on every rank: DDP style, after DDP's all-reduce) or "unreduced" (the same plain tensor on
 every rank and each rank's own gradient: a candidate that owns the reduction, DDP or ZeRO-1/2 style, and must step
-on the mean over ranks). `families` names the case families it supports (muon_dist/adapters/cases.py);
+on the mean over ranks). `families` names the case families it supports (muon_dist/harness/adapters/cases.py);
 `hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match); `variants` the
 option sets it is also checked under (each a dict of hyperparameters and muon_ref options that `build` receives and
 maps to its own arguments, and that the claim takes over; `({},)`: the defaults only).

@@ -8,7 +8,7 @@ Modes (how the candidate sees its parameters; Adapter.distributed):
     unreduced   the same plain tensor on every rank, and each rank's own gradient: the candidate owns the reduction
                 (the mean over ranks, as DDP and ZeRO-1/2 compute it)
 
-Families, each with the modes it applies to and the field bug it targets (/work/shared/reference/field_bugs.md):
+Families, each with the modes it applies to and the field bug it targets (docs/field-bugs.md):
     single: tall, wide, square, row (1 x n), primes, experts3d ([E, m, n]), conv4d (4-D, read as (out, in*kh*kw)
         by the reference: flatten=True); experts_fused ([E * m, n] with the param-group key num_experts = E, xtuner's
         layout: only for adapters that list it); nesterov_off (nesterov=False on both sides, for adapters that take

@@ -24,7 +24,7 @@ from muon_ref.presets import PRESETS, preset_defaults
 from .oracle import Outcome, matches, resolved_hyperparameters
 
 # One option (or a pair that only makes sense together) per entry; values found in the field
-# (/work/shared/reference/conventions.md; muon_ref/config.py documents each).
+# (docs/conventions.md; muon_ref/config.py documents each).
 CONVENTION_OPTIONS: list[dict[str, Any]] = [
     {"momentum_style": "ema", "nesterov_form": "lerp"},
     {"momentum_style": "sum", "nesterov_form": "add_alpha"},

@@ -1,13 +1,13 @@
 """Adapters for three Muons from the field: torchtitan's DistMuon, Dion's Muon and gram-newton-schulz's Muon.
 
 Each claim was read from the source at the version named in its docstring (file:line there) and checked by
-hand; the README ("Conformance of public Muons") gives every departure's cause. Two of them ship their
+hand; the docs/public-muons.md gives every departure's cause. Two of them ship their
 update under torch.compile; their adapters run it eagerly (torch.compiler.set_stance("force_eager") in the
 process that builds the optimizer: a rank of the conformance pool), because the oracle restates eager op
 sequences (as for the `dion` and `xtuner` presets) and compiled kernels have bits of their own (README:
 muon-fsdp2's compiled NS loop).
 
-Install (their declared dependencies pull CUDA wheels or a training stack; README "Conformance of public Muons"):
+Install (their declared dependencies pull CUDA wheels or a training stack; docs/public-muons.md):
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 gram-newton-schulz==0.1.6
     pip install tyro==1.0.17          # torchtitan.distributed's __init__ imports its config manager
 Dion is a checkout, never installed: MUON_DION_CHECKOUT=/path/to/dion (the folder holding the `dion` package).

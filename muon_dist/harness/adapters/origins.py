@@ -22,7 +22,7 @@ from . import Adapter
 from .cases import FUSED_FAMILIES, MATRIX_FAMILIES
 from .shipped import KellerSingleDevice, TorchMuon
 
-FP32 = ("float32",)  # the presets' bitwise claims are for fp32 params (README, "Noticed in the field")
+FP32 = ("float32",)  # the presets' bitwise claims are for fp32 params (docs/conventions.md, "Noticed in the field")
 
 
 class Restated(torch.optim.Optimizer):

@@ -1,4 +1,4 @@
-"""Planted bugs: for each class of /work/shared/reference/field_bugs.md that a check can reach, a small Muon written
+"""Planted bugs: for each class of docs/field-bugs.md that a check can reach, a small Muon written
 here with exactly that defect, behind an adapter; `python -m muon_dist.harness.conformance --planted` runs them all
 and says which the check caught, by which families, and whether its diagnosis is the right one.
 
@@ -100,7 +100,7 @@ class SmallMuon(torch.optim.Optimizer):
 
 
 class InPlaceNormalisedInput(SmallMuon):
-    """Field bug 11, torch.optim.Muon 2.13 (found here; README "Noticed in the field"): its kernel normalises its
+    """Field bug 11, torch.optim.Muon 2.13 (found here; docs/conventions.md, "Noticed in the field"): its kernel normalises its
     input in place, `X = G.bfloat16(); X.div_(X.norm().clamp(min=eps))` (torch/optim/_muon.py), and with
     nesterov=False the input is the momentum buffer itself, which `.bfloat16()` returns uncopied for bf16 params.
     Here: the same in-place normalisation of `direction.to(ns_dtype)` (the kernel's own output is unchanged: its
@@ -114,7 +114,7 @@ class InPlaceNormalisedInput(SmallMuon):
 
 
 class InPlaceForeachScale(SmallMuon):
-    """Field bug 12, xtuner's post-update (found here; README "What changes bits"): the update is scaled in place,
+    """Field bug 12, xtuner's post-update (found here; docs/conventions.md, "What changes bits"): the update is scaled in place,
     `torch._foreach_mul_(updates, lr * s)`, which rounds the Python scalar to the update's dtype first when that is
     bf16; the claim (preset dion, `P - O*(lr*s)`) scales out of place, in fp32. A convention of muon_ref
     (scale_apply="update_lr_cast"), so the right diagnosis names it."""
@@ -262,7 +262,7 @@ class LazyState(GatherMuon):
 
 
 class EqualShardGather(GatherMuon):
-    """Field bug 13, muon-fsdp2 0.3.0 (found here): its gather and scatter assume equal shards, so uneven shards
+    """Field bug 13, muon-fsdp2 0.3.0 (found by this check): its gather and scatter assume equal shards, so uneven shards
     are a gloo size mismatch. Here: the whole tensor is gathered with the list form of all_gather into buffers of
     this rank's box shape (right only when every box has that shape)."""
 
@@ -329,7 +329,7 @@ class RoundRobinMuon(torch.optim.Optimizer):
 
 
 class RemainderPadding(RoundRobinMuon):
-    """Field bug 3, KellerJordan muon-optimizer 0.1.0 (found here): `params + [...] * (len(params) % W)`, where
+    """Field bug 3, KellerJordan muon-optimizer 0.1.0 (found by this check): `params + [...] * (len(params) % W)`, where
     `-len(params) % W` slots are needed; they differ when len(params) % W is neither 0 nor W / 2 (5 params on
     W = 4): the last batch is short and ranks past its end fail."""
 
