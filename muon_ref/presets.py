@@ -164,6 +164,8 @@ def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
     if len(sched.coefficients) != 1 or values["lr_scale"] not in ("original", "match_rms_adamw"):
         return {}
     keys = {"ns_coefficients": sched.coefficients[0], "adjust_lr_fn": values["lr_scale"]}
+    if values["ns_steps"] is None:  # torch needs the count; a one-triple schedule's default is it
+        keys["ns_steps"] = sched.default_steps
     if values["step_form"] in ("addmm", "keller"):  # read only by the torch versions that have it
         keys["use_addmm"] = values["step_form"] == "addmm"
     return keys
@@ -178,9 +180,11 @@ def resolve_group(group: dict[str, Any], where: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{where}: unknown Muon options {unknown}; known: {sorted(CONFIG_KEYS)}, torch's "
                          f"{list(TORCH_KEYS)} and layout keys {sorted(LAYOUT_DEFAULTS)}")
-    translated = from_torch_keys(group)
-    for key, value in translated.items():
-        if key in group and not same_value(key, group[key], value):
-            raise ValueError(f"{where}: {key}={group[key]!r} disagrees with torch's key that sets it to "
-                             f"{value!r}; give one of them")
+    translated = {}
+    for torch_key in TORCH_KEYS:
+        for key, value in from_torch_keys({k: v for k, v in group.items() if k == torch_key}).items():
+            if key in group and not same_value(key, group[key], value):
+                raise ValueError(f"{where}: {key}={group[key]!r} disagrees with torch's "
+                                 f"{torch_key}={group[torch_key]!r}, which means {key}={value!r}")
+            translated[key] = value
     return {**group, **translated}
