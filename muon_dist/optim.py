@@ -18,7 +18,9 @@ from torch import Tensor
 
 from muon_ref import LAYOUT_DEFAULTS, MuonConfig
 from muon_ref.functional import check_gradient
-from muon_ref.optim import add_group_checked, check_param, group_config, param_name, torch_state_dict_groups
+from muon_ref.optim import (
+    add_group_checked, check_param, follow_torch_keys, group_config, param_name, torch_state_dict_groups,
+)
 from muon_ref.presets import preset_defaults, split_arguments
 
 from .batch import Batch
@@ -103,6 +105,8 @@ class DistributedMuon(torch.optim.Optimizer):
         """Loads this class's state dicts, muon_ref.Muon's and torch.optim.Muon's (torch_state_dict_groups);
         params that have not stepped get zero buffers, as at construction."""
         super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
+        for group in self.param_groups:
+            follow_torch_keys(self, group)
         self._own_group_params()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -193,7 +197,7 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.reset()
-        configs = [group_config(g) for g in self.param_groups]  # resolved once per group per step
+        configs = [group_config(follow_torch_keys(self, g)) for g in self.param_groups]  # once per group per step
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)

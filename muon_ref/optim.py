@@ -19,19 +19,36 @@ from .config import CONFIG_KEYS, MuonConfig
 from .functional import (
     LAYOUT_DEFAULTS, Block, MatrixLayout, check_gradient, is_finite, matrix_layout, muon_step, read_block,
 )
-from .presets import TORCH_KEYS, preset_defaults, resolve_group, split_arguments, sync_torch_keys
+from .presets import (
+    TORCH_KEY_FIELDS, TORCH_KEYS, from_torch_keys, preset_defaults, resolve_group, split_arguments, sync_torch_keys,
+)
 
 
 def group_config(group: dict[str, Any]) -> MuonConfig:
-    """The MuonConfig of a param group (validated; torch's keys must agree with the fields they set). A
-    Tensor lr of one element is used 0-d, as torch.optim's _to_scalar does, so that the step's arithmetic
-    is torch.optim.Muon's."""
+    """The MuonConfig of a param group (validated). A Tensor lr of one element is used 0-d, as
+    torch.optim's _to_scalar does, so that the step's arithmetic is torch.optim.Muon's."""
     values = {k: group[k] for k in CONFIG_KEYS}
-    resolve_group({k: group[k] for k in (*CONFIG_KEYS, *TORCH_KEYS) if k in group}, "param group")
     lr = values["lr"]
     if isinstance(lr, Tensor) and lr.dim() != 0 and lr.numel() == 1:
         values["lr"] = lr.reshape(())
     return MuonConfig(**values)
+
+
+def follow_torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """Keeps a group's torch keys and the fields they stand for together, and returns the group. A torch
+    key edited since the group was added, loaded or last stepped sets its fields (torch's way to change
+    a group: `group["adjust_lr_fn"] = ...`; a bad value is a ValueError naming it); otherwise the fields
+    are authoritative (`group["lr_scale"] = ...`) and torch's keys are refreshed from them."""
+    seen = optimizer.__dict__.setdefault("_torch_keys_seen", {})
+    now = {k: group[k] for k in TORCH_KEYS if k in group}
+    if not now:
+        return group
+    before = seen.get(id(group))
+    if before is not None and now != before:
+        group.update(from_torch_keys({k: v for k, v in now.items() if before.get(k) != v}))
+    sync_torch_keys(group)
+    seen[id(group)] = {k: group[k] for k in TORCH_KEYS if k in group}
+    return group
 
 
 def add_group_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> dict[str, Any]:
@@ -44,18 +61,21 @@ def add_group_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, A
     torch.optim.Optimizer.add_param_group(optimizer, param_group)
     group = optimizer.param_groups[-1]
     sync_torch_keys(group)
-    group_config(group)  # a bad per-group override fails here, naming the option
+    group_config(follow_torch_keys(optimizer, group))  # a bad per-group override fails here, naming it
     return group
 
 
 def torch_state_dict_groups(state_dict: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """A state dict whose param groups carry every key Muon reads: a torch.optim.Muon checkpoint's groups
     (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) get the fields
-    torch's keys stand for and the optimizer's defaults for the rest. A key Muon does not apply is a
+    torch's keys stand for and the optimizer's defaults for the rest; where a group saved both a field and
+    its torch key, the field is kept and the key refreshed from it. A key Muon does not apply is a
     ValueError naming it. Per-param state ("momentum_buffer") is the same in both and passes unchanged."""
     groups = []
     for i, saved in enumerate(state_dict["param_groups"]):
-        group = resolve_group(saved, f"state dict param group {i}")
+        # a field saved beside its torch key is authoritative (this class's own state dicts)
+        keys = {k: v for k, v in saved.items() if TORCH_KEY_FIELDS.get(k) not in saved}
+        group = resolve_group(keys, f"state dict param group {i}")
         groups.append({**{k: v for k, v in defaults.items() if k not in TORCH_KEYS}, **group})
         sync_torch_keys(groups[-1])
     return {**state_dict, "param_groups": groups}
@@ -139,6 +159,8 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this class's state dicts and torch.optim.Muon's (torch_state_dict_groups)."""
         super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
+        for group in self.param_groups:
+            follow_torch_keys(self, group)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "preset": self.preset}
@@ -156,7 +178,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         found = []
         for group in self.param_groups:  # validate everything before writing anything
-            cfg = group_config(group)
+            cfg = group_config(follow_torch_keys(self, group))
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue

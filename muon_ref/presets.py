@@ -103,6 +103,7 @@ TORCH_ARGUMENTS: tuple[str, ...] = (
 )
 # torch's keys that are not MuonConfig fields: each is translated to the fields it sets
 TORCH_KEYS: tuple[str, ...] = ("ns_coefficients", "adjust_lr_fn", "use_addmm")
+TORCH_KEY_FIELDS: dict[str, str] = {"ns_coefficients": "schedule", "adjust_lr_fn": "lr_scale", "use_addmm": "step_form"}
 # torch/optim/_muon.py: None and "original" are the same scale
 TORCH_ADJUST_LR: dict[str | None, str] = {
     None: "original", "original": "original", "match_rms_adamw": "match_rms_adamw",

@@ -104,6 +104,29 @@ def test_torch_keys_in_a_param_group_apply_as_in_torch(name: str, key: str, valu
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_torch_key_edited_between_steps_applies_as_in_torch(name: str) -> None:
+    def run(factory: Callable[..., torch.optim.Optimizer]) -> list[torch.Tensor]:
+        params = make_params(torch.float32)
+        opt = factory(params)
+        run_steps(params, opt, range(1))
+        opt.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"
+        opt.param_groups[0]["ns_coefficients"] = (3.4, -4.7, 2.0)
+        return run_steps(params, opt, range(1, 3))
+
+    assert_bitwise(run(OPTIMIZERS[name]), run(torch.optim.Muon))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_bad_torch_key_edited_between_steps_is_an_error_naming_it(name: str) -> None:
+    params = make_params(torch.float32)
+    opt = OPTIMIZERS[name](params)
+    opt.param_groups[0]["adjust_lr_fn"] = "arbitrary"
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="adjust_lr_fn='arbitrary'"):
+        opt.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_torch_positional_arguments_mean_what_they_mean_in_torch(name: str) -> None:
     args = (0.01, 0.2, 0.9, False, (3.4, -4.7, 2.0), 1e-7, 4, "match_rms_adamw")
     params, control = make_params(torch.float64), make_params(torch.float64)
