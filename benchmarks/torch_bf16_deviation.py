@@ -1,9 +1,12 @@
 """How far muon_ref.Muon(preset="torch") is from torch.optim.Muon with bf16 params, by shape.
 
 The one known deviation of the torch preset (docs/torch-dropin.md): with bf16 params, torch keeps
-Newton-Schulz's transposed view of a tall matrix (fan_out > fan_in) and muon_ref a contiguous result, and
-a bf16 `P.add(O, alpha=...)` may round differently for the two memory orders. This prints, per shape,
-the largest difference of the params after 1 step in bf16 ulps of the param, and the largest |d| after
+Newton-Schulz's transposed view of a tall matrix (fan_out > fan_in) and muon_ref a contiguous
+result, and
+a bf16 `P.add(O, alpha=...)` may round differently for the two memory orders. This prints, per
+shape,
+the largest difference of the params after 1 step in bf16 ulps of the param, and the largest |d|
+after
 10 steps, for nesterov=True (nesterov=False in bf16 is torch's own in-place buffer normalisation).
 
     python -m benchmarks.torch_bf16_deviation
@@ -19,8 +22,12 @@ FAN_OUT = (16, 64, 96, 256)
 FAN_IN = (8, 32, 48, 128)
 
 
-def trajectory(cls: type[torch.optim.Optimizer], shape: tuple[int, int], steps: int) -> list[torch.Tensor]:
-    param = torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+def trajectory(
+    cls: type[torch.optim.Optimizer], shape: tuple[int, int], steps: int
+) -> list[torch.Tensor]:
+    param = (
+        torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+    )
     opt = cls([param], lr=0.02, nesterov=True)
     gen, out = torch.Generator().manual_seed(1), []
     for _ in range(steps):
@@ -32,7 +39,9 @@ def trajectory(cls: type[torch.optim.Optimizer], shape: tuple[int, int], steps: 
 
 def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| in units of the bf16 spacing at want (eps * max(|want|, tiny))."""
-    spacing = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    spacing = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(
+        torch.finfo(torch.bfloat16).tiny
+    )
     return float(((got - want).abs() / spacing).max())
 
 

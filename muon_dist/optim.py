@@ -19,7 +19,12 @@ from torch import Tensor
 from muon_ref import LAYOUT_DEFAULTS, MuonConfig
 from muon_ref.functional import check_gradient
 from muon_ref.optim import (
-    add_group_checked, check_param, follow_torch_keys, group_config, param_name, torch_state_dict_groups,
+    add_group_checked,
+    check_param,
+    follow_torch_keys,
+    group_config,
+    param_name,
+    torch_state_dict_groups,
 )
 from muon_ref.presets import preset_defaults, split_arguments
 
@@ -57,9 +62,9 @@ def _local(t: Tensor) -> Tensor:
 class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
     and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
-    muon_dist/checkpoint.py; torch.optim.Muon's signature and state dicts as muon_ref.Muon takes them),
-    plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of one without
-    a process group: default_comm),
+    muon_dist/checkpoint.py; torch.optim.Muon's signature and state dicts as muon_ref.Muon takes
+    them), plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of
+    one without a process group: default_comm),
     `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
     FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py) and
     `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
@@ -69,22 +74,24 @@ class DistributedMuon(torch.optim.Optimizer):
     nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
-    def __init__(self, params: Iterable[Any], *args: Any, comm: Comm | None = None, remainder: str = "agrs",
-                 force_path: str | None = None, dispatch: str = "batched", ns_backend: str = "torch",
-                 atomic: bool = False, **kwargs: Any) -> None:
+    def __init__(self, params: Iterable[Any], *args: Any, comm: Comm | None = None,
+                 remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
+                 ns_backend: str = "torch", atomic: bool = False, **kwargs: Any) -> None:
         preset, overrides = split_arguments(args, kwargs)
         self._configure(comm, dict(preset=preset, remainder=remainder, force_path=force_path,
                                    dispatch=dispatch, ns_backend=ns_backend, atomic=atomic))
         super().__init__(params, preset_defaults(preset, overrides))
 
     def _configure(self, comm: Comm | None, construction: dict[str, Any]) -> None:
-        """Everything but torch.optim's defaults, state and param groups, from the constructor's keyword
-        options (kept in `construction`, so that a deepcopy or an unpickled copy rebuilds them: a comm and
-        its process groups are not picklable, and the copy takes the default comm of where it is loaded)."""
+        """Everything but torch.optim's defaults, state and param groups, from the constructor's
+        keyword options (kept in `construction`, so that a deepcopy or an unpickled copy rebuilds them:
+        a comm and its process groups are not picklable, and the copy takes the default comm of where
+        it is loaded)."""
         self.construction = construction
         self.comm = comm if comm is not None else default_comm()
         self.backend = backend(construction["ns_backend"])
-        self.options = Options(construction["remainder"], construction["force_path"], construction["dispatch"])
+        self.options = Options(construction["remainder"], construction["force_path"],
+                               construction["dispatch"])
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]
         self.last_report: StepReport | None = None
@@ -96,14 +103,15 @@ class DistributedMuon(torch.optim.Optimizer):
         return {**super().__getstate__(), "construction": self.construction}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        construction = state.pop("construction", None)  # load_state_dict passes state and groups only
+        # load_state_dict passes state and param groups only
+        construction = state.pop("construction", None)
         super().__setstate__(state)
         if construction is not None:
             self._configure(None, construction)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads this class's state dicts, muon_ref.Muon's and torch.optim.Muon's (torch_state_dict_groups);
-        params that have not stepped get zero buffers, as at construction."""
+        """Loads this class's state dicts, muon_ref.Muon's and torch.optim.Muon's
+        (torch_state_dict_groups); params that have not stepped get zero buffers, as at construction."""
         super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
         for group in self.param_groups:
             follow_torch_keys(self, group)
@@ -197,7 +205,8 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.reset()
-        configs = [group_config(follow_torch_keys(self, g)) for g in self.param_groups]  # once per group per step
+        # resolved once per group per step
+        configs = [group_config(follow_torch_keys(self, g)) for g in self.param_groups]
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)

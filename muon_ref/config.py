@@ -84,7 +84,7 @@ class MuonConfig:
                          on bf16 rounds the Python scalar to bf16 first; measured on torch 2.13 CPU)
     """
 
-    lr: float | torch.Tensor = 1e-3  # a Tensor lr is used as torch.optim.Muon uses it (0-d, see group_config)
+    lr: float | torch.Tensor = 1e-3  # a 1-element Tensor is used 0-d, as torch does (group_config)
     weight_decay: float = 0.1
     momentum: float = 0.95
     nesterov: bool = True

@@ -1,4 +1,5 @@
-"""Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (checked against each origin by
+"""Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (checked against
+each origin by
 `python -m muon_dist.harness.conformance --origins` and tests/test_presets.py).
 """
 
@@ -59,10 +60,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_defaults(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Group defaults: MuonConfig's, then the preset's, then the caller's overrides (validated; torch's
-    keys translated by resolve_group), plus the layout keys (LAYOUT_DEFAULTS: num_experts, split_sizes,
-    num_heads, split_dim; checked per param by matrix_layout when a group is added). Preset "torch" also
-    keeps torch's keys (ns_coefficients, adjust_lr_fn) beside the fields they set, so that a state dict
+    """Group defaults: MuonConfig's, then the preset's, then the caller's overrides (validated;
+    torch's
+    keys translated by resolve_group), plus the layout keys (LAYOUT_DEFAULTS: num_experts,
+    split_sizes,
+    num_heads, split_dim; checked per param by matrix_layout when a group is added). Preset "torch"
+    also
+    keeps torch's keys (ns_coefficients, adjust_lr_fn) beside the fields they set, so that a state
+    dict
     loads into torch.optim.Muon."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
@@ -86,7 +91,8 @@ def same_value(key: str, a: Any, b: Any) -> bool:
 
 
 def sync_torch_keys(group: dict[str, Any]) -> None:
-    """Refresh torch's keys of a group that carries them from the fields they stand for (dropped where
+    """Refresh torch's keys of a group that carries them from the fields they stand for (dropped
+    where
     torch cannot express the group)."""
     if not any(k in group for k in TORCH_KEYS):
         return
@@ -95,33 +101,52 @@ def sync_torch_keys(group: dict[str, Any]) -> None:
     group.update(to_torch_keys(group))
 
 
-# torch.optim.Muon's arguments after `params`, in its order (torch/optim/_muon.py, torch 2.9 to 2.13);
+# torch.optim.Muon's arguments after `params`, in its order (torch/optim/_muon.py, torch 2.9 to
+# 2.13);
 # `use_addmm` exists only in the torch versions whose Newton-Schulz has a non-addmm loop.
 TORCH_ARGUMENTS: tuple[str, ...] = (
-    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+    "lr",
+    "weight_decay",
+    "momentum",
+    "nesterov",
+    "ns_coefficients",
+    "eps",
+    "ns_steps",
+    "adjust_lr_fn",
     "use_addmm",
 )
 # torch's keys that are not MuonConfig fields: each is translated to the fields it sets
 TORCH_KEYS: tuple[str, ...] = ("ns_coefficients", "adjust_lr_fn", "use_addmm")
-TORCH_KEY_FIELDS: dict[str, str] = {"ns_coefficients": "schedule", "adjust_lr_fn": "lr_scale", "use_addmm": "step_form"}
+TORCH_KEY_FIELDS: dict[str, str] = {
+    "ns_coefficients": "schedule",
+    "adjust_lr_fn": "lr_scale",
+    "use_addmm": "step_form",
+}
 # torch/optim/_muon.py: None and "original" are the same scale
 TORCH_ADJUST_LR: dict[str | None, str] = {
-    None: "original", "original": "original", "match_rms_adamw": "match_rms_adamw",
+    None: "original",
+    "original": "original",
+    "match_rms_adamw": "match_rms_adamw",
 }
 # keys that torch.optim itself (Optimizer, LR schedulers) writes into param groups
 FRAMEWORK_KEYS: tuple[str, ...] = ("params", "param_names", "initial_lr")
 
 
-def split_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def split_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str | None, dict[str, Any]]:
     """(preset, overrides) of `Muon(params, *args, **kwargs)`: a first positional str or None is the
-    preset (the repo's form, `Muon(ps, "keller")`); other positionals are torch's, in TORCH_ARGUMENTS order
+    preset (the repo's form, `Muon(ps, "keller")`); other positionals are torch's, in
+    TORCH_ARGUMENTS order
     (`Muon(ps, 0.01)` is lr=0.01)."""
     preset = kwargs.pop("preset", "torch")
     if args and (args[0] is None or isinstance(args[0], str)):
         preset, args = args[0], args[1:]
     if len(args) > len(TORCH_ARGUMENTS):
-        raise TypeError(f"Muon takes at most {len(TORCH_ARGUMENTS)} positional arguments after params "
-                        f"({', '.join(TORCH_ARGUMENTS)}), got {len(args)}")
+        raise TypeError(
+            f"Muon takes at most {len(TORCH_ARGUMENTS)} positional arguments after params "
+            f"({', '.join(TORCH_ARGUMENTS)}), got {len(args)}"
+        )
     for name, value in zip(TORCH_ARGUMENTS, args):
         if name in kwargs:
             raise TypeError(f"Muon got multiple values for argument {name!r}")
@@ -130,28 +155,38 @@ def split_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str 
 
 
 def constant_schedule(ns_coefficients: Any) -> str | Schedule:
-    """The schedule of torch's `ns_coefficients` (one (a, b, c) for every step): "keller" for torch's
+    """The schedule of torch's `ns_coefficients` (one (a, b, c) for every step): "keller" for
+    torch's
     default, otherwise a one-triple Schedule."""
     if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3:
-        raise ValueError(f"ns_coefficients must be a tuple of exactly 3 values (Coefficients must be a tuple "
-                         f"of exactly 3 values), got {ns_coefficients!r}")
+        raise ValueError(
+            f"ns_coefficients must be a tuple of exactly 3 values (Coefficients must be a tuple "
+            f"of exactly 3 values), got {ns_coefficients!r}"
+        )
     triple = tuple(float(v) for v in ns_coefficients)
     if (triple,) == SCHEDULES["keller"].coefficients:
         return "keller"
-    return Schedule(name=f"torch_ns_coefficients{triple}", coefficients=(triple,),
-                    source="torch.optim.Muon ns_coefficients", policy="cycle", default_steps=5)
+    return Schedule(
+        name=f"torch_ns_coefficients{triple}",
+        coefficients=(triple,),
+        source="torch.optim.Muon ns_coefficients",
+        policy="cycle",
+        default_steps=5,
+    )
 
 
 def from_torch_keys(keys: dict[str, Any]) -> dict[str, Any]:
-    """The MuonConfig fields set by torch's keys among `keys` (validated as torch validates them)."""
+    """The MuonConfig fields set by torch's keys among `keys` (validated as torch does)."""
     out: dict[str, Any] = {}
     if "ns_coefficients" in keys:
         out["schedule"] = constant_schedule(keys["ns_coefficients"])
     if "adjust_lr_fn" in keys:
         fn = keys["adjust_lr_fn"]
         if fn not in TORCH_ADJUST_LR:
-            raise ValueError(f"Adjust learning rate function {fn} is not supported (adjust_lr_fn={fn!r}; "
-                             f"valid: None, 'original', 'match_rms_adamw')")
+            raise ValueError(
+                f"Adjust learning rate function {fn} is not supported (adjust_lr_fn={fn!r}; "
+                f"valid: None, 'original', 'match_rms_adamw')"
+            )
         out["lr_scale"] = TORCH_ADJUST_LR[fn]
     if "use_addmm" in keys:
         out["step_form"] = "addmm" if keys["use_addmm"] else "keller"
@@ -159,7 +194,8 @@ def from_torch_keys(keys: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
-    """torch's keys for a group's MuonConfig fields, where torch can express them (a torch.optim.Muon
+    """torch's keys for a group's MuonConfig fields, where torch can express them (a
+    torch.optim.Muon
     loads a state dict carrying them); {} for a group torch cannot run."""
     sched = get_schedule(values["schedule"])
     if len(sched.coefficients) != 1 or values["lr_scale"] not in ("original", "match_rms_adamw"):
@@ -173,19 +209,26 @@ def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_group(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """`group` with torch's keys translated into MuonConfig fields (an explicit field that disagrees with
+    """`group` with torch's keys translated into MuonConfig fields (an explicit field that disagrees
+    with
     a torch key is an error), and torch's keys refreshed to match. Every key must be one that Muon
     applies: a MuonConfig field, a layout key, a torch key, or one of torch.optim's own keys."""
     known = set(CONFIG_KEYS) | set(LAYOUT_DEFAULTS) | set(TORCH_KEYS) | set(FRAMEWORK_KEYS)
     unknown = sorted(set(group) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown Muon options {unknown}; known: {sorted(CONFIG_KEYS)}, torch's "
-                         f"{list(TORCH_KEYS)} and layout keys {sorted(LAYOUT_DEFAULTS)}")
+        raise ValueError(
+            f"{where}: unknown Muon options {unknown}; known: {sorted(CONFIG_KEYS)}, torch's "
+            f"{list(TORCH_KEYS)} and layout keys {sorted(LAYOUT_DEFAULTS)}"
+        )
     translated = {}
     for torch_key in TORCH_KEYS:
-        for key, value in from_torch_keys({k: v for k, v in group.items() if k == torch_key}).items():
+        for key, value in from_torch_keys(
+            {k: v for k, v in group.items() if k == torch_key}
+        ).items():
             if key in group and not same_value(key, group[key], value):
-                raise ValueError(f"{where}: {key}={group[key]!r} disagrees with torch's "
-                                 f"{torch_key}={group[torch_key]!r}, which means {key}={value!r}")
+                raise ValueError(
+                    f"{where}: {key}={group[key]!r} disagrees with torch's "
+                    f"{torch_key}={group[torch_key]!r}, which means {key}={value!r}"
+                )
             translated[key] = value
     return {**group, **translated}

@@ -4,14 +4,18 @@
                                           [--xtuner PATH] [--dion PATH]
 
 NVIDIA Emerging-Optimizers (https://github.com/NVIDIA-NeMo/Emerging-Optimizers): its Newton-Schulz
-tests (tests/test_muon_utils.py), its Muon optimizer tests (tests/test_orthogonalized_optimizer.py) and
-its CPU tensor-parallel tests (tests/test_distributed_muon_utils_cpu.py, under torchrun with N ranks, as
-its CI runs them) run as shipped, with its `newton_schulz` served by muon_ref where muon_ref expresses
+tests (tests/test_muon_utils.py), its Muon optimizer tests (tests/test_orthogonalized_optimizer.py)
+and
+its CPU tensor-parallel tests (tests/test_distributed_muon_utils_cpu.py, under torchrun with N
+ranks, as
+its CI runs them) run as shipped, with its `newton_schulz` served by muon_ref where muon_ref
+expresses
 the call (tests/peers/emerging_run.py); each file's absltest verdict and the count of calls the repo
 served are printed. The peer needs Python 3.12 (PEP 695 syntax): pass an interpreter with torch,
 absl-py and numpy as --python.
 
-InternLM xtuner (https://github.com/InternLM/xtuner) and microsoft/dion (https://github.com/microsoft/dion):
+InternLM xtuner (https://github.com/InternLM/xtuner) and microsoft/dion
+(https://github.com/microsoft/dion):
 their Muon tests need CUDA (xtuner: a CUDA process group in every test case; Dion: `skipif(not
 CUDA_AVAILABLE)` on every Muon step test) and are reported, not run, on a machine without CUDA.
 
@@ -36,10 +40,15 @@ EMERGING_DISTRIBUTED = "tests/test_distributed_muon_utils_cpu.py"
 def run(command: list[str], checkout: Path, timeout_s: float) -> tuple[str, str]:
     """(verdict, counts) of one absltest program: its last 'Ran'/'OK'/'FAILED' lines and the served
     counts (the first rank's, under torchrun)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(checkout), str(checkout / "tests")]),
-           "TORCH_COMPILE_DISABLE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(checkout), str(checkout / "tests")]),
+        "TORCH_COMPILE_DISABLE": "1",
+    }
     try:
-        done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            command, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout_s:.0f} s", ""
     out = done.stdout + done.stderr
@@ -48,22 +57,36 @@ def run(command: list[str], checkout: Path, timeout_s: float) -> tuple[str, str]
     served = re.findall(r"^newton_schulz calls served by muon_ref.*$", out, re.M)
     if not ran:
         return f"did not run (exit {done.returncode}): {out.strip().splitlines()[-1:]}", ""
-    return f"{ran[0]}: {verdict[0] if verdict else 'exit ' + str(done.returncode)}", served[0] if served else ""
+    return f"{ran[0]}: {verdict[0] if verdict else 'exit ' + str(done.returncode)}", served[
+        0
+    ] if served else ""
 
 
 def emerging(checkout: Path, python: str, nproc: int, timeout_s: float) -> None:
     for name in EMERGING_FILES:
         verdict, served = run([python, str(RUNNER), name, "--device=cpu"], checkout, timeout_s)
         print(f"emerging {name}: {verdict}; {served}")
-    command = [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(RUNNER),
-               EMERGING_DISTRIBUTED]
+    command = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        str(RUNNER),
+        EMERGING_DISTRIBUTED,
+    ]
     verdict, served = run(command, checkout, timeout_s)
     print(f"emerging {EMERGING_DISTRIBUTED} (torchrun, {nproc} ranks): {verdict}; rank 0: {served}")
 
 
 def needs_cuda(name: str, checkout: Path, files: tuple[str, ...], python: str) -> None:
-    has_cuda = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"],
-                              capture_output=True, text=True).stdout.strip() == "True"
+    has_cuda = (
+        subprocess.run(
+            [python, "-c", "import torch; print(torch.cuda.is_available())"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        == "True"
+    )
     present = [f for f in files if (checkout / f).exists()]
     state = "CUDA is available: not adapted yet" if has_cuda else "no CUDA here: not run"
     print(f"{name} {', '.join(present)}: its Muon tests need CUDA; {state}")
@@ -85,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.xtuner:
         needs_cuda("xtuner", args.xtuner, ("tests/optim/test_muon.py",), args.python)
     if args.dion:
-        needs_cuda("dion", args.dion, ("tests/test_optimizers.py", "tests/test_state_prepopulation.py"),
-                   args.python)
+        needs_cuda(
+            "dion",
+            args.dion,
+            ("tests/test_optimizers.py", "tests/test_state_prepopulation.py"),
+            args.python,
+        )
     return 0
 
 
