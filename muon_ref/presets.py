@@ -101,9 +101,8 @@ def sync_torch_keys(group: dict[str, Any]) -> None:
     group.update(to_torch_keys(group))
 
 
-# torch.optim.Muon's arguments after `params`, in its order (torch/optim/_muon.py, torch 2.9 to
-# 2.13);
-# `use_addmm` exists only in the torch versions whose Newton-Schulz has a non-addmm loop.
+# torch.optim.Muon's arguments after `params`, in its order (torch/optim/_muon.py, torch 2.13);
+# `use_addmm` is in the versions whose Newton-Schulz also has a non-addmm loop (pytorch 098e03f9).
 TORCH_ARGUMENTS: tuple[str, ...] = (
     "lr",
     "weight_decay",
