@@ -2,12 +2,10 @@
 
 The one known deviation of the torch preset (docs/torch-dropin.md): with bf16 params, torch keeps
 Newton-Schulz's transposed view of a tall matrix (fan_out > fan_in) and muon_ref a contiguous
-result, and
-a bf16 `P.add(O, alpha=...)` may round differently for the two memory orders. This prints, per
-shape,
-the largest difference of the params after 1 step in bf16 ulps of the param, and the largest |d|
-after
-10 steps, for nesterov=True (nesterov=False in bf16 is torch's own in-place buffer normalisation).
+result, and a bf16 `P.add(O, alpha=...)` may round differently for the two memory orders. This
+prints, per shape, the largest difference of the params after 1 step in bf16 ulps of the param, and
+the largest |d| after 10 steps, for nesterov=True (nesterov=False in bf16 is torch's own in-place
+buffer normalisation).
 
     python -m benchmarks.torch_bf16_deviation
 """

@@ -2,16 +2,11 @@
 (muon_ref/functional.py).
 
 The class owns validation and state; the math is muon_step. Param-group keys are MuonConfig's fields
-plus
-the layout keys (muon_ref.functional.LAYOUT_DEFAULTS): `num_experts` (fused 2-D expert bundles [E *
-m, n]),
-`split_sizes` or `num_heads` with `split_dim` (blocks of a 2-D param, each stepped as its own param:
-fused
-q/k/v, per-head Muon). State per parameter: "momentum_buffer" only, one tensor of the param's shape
-for every
-layout; nothing derived from shapes is stored, so a state dict loads into any world size or
-shape-equivalent
-model.
+plus the layout keys (muon_ref.functional.LAYOUT_DEFAULTS): `num_experts` (fused 2-D expert bundles
+[E * m, n]), `split_sizes` or `num_heads` with `split_dim` (blocks of a 2-D param, each stepped as
+its own param: fused q/k/v, per-head Muon). State per parameter: "momentum_buffer" only, one tensor
+of the param's shape for every layout; nothing derived from shapes is stored, so a state dict loads
+into any world size or shape-equivalent model.
 """
 
 from __future__ import annotations
@@ -55,12 +50,10 @@ def group_config(group: dict[str, Any]) -> MuonConfig:
 
 def follow_torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
     """Keeps a group's torch keys and the fields they stand for together, and returns the group. A
-    torch
-    key edited since the group was added, loaded or last stepped sets its fields (torch's way to
-    change
-    a group: `group["adjust_lr_fn"] = ...`; a bad value is a ValueError naming it); otherwise the
-    fields
-    are authoritative (`group["lr_scale"] = ...`) and torch's keys are refreshed from them."""
+    torch key edited since the group was added, loaded or last stepped sets its fields (torch's way
+    to change a group: `group["adjust_lr_fn"] = ...`; a bad value is a ValueError naming it);
+    otherwise the fields are authoritative (`group["lr_scale"] = ...`) and torch's keys are
+    refreshed from them."""
     seen = optimizer.__dict__.setdefault("_torch_keys_seen", {})
     now = {k: group[k] for k in TORCH_KEYS if k in group}
     if not now:
@@ -96,14 +89,11 @@ def add_group_checked(
 
 def torch_state_dict_groups(state_dict: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """A state dict whose param groups carry every key Muon reads: a torch.optim.Muon checkpoint's
-    groups
-    (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) get the
-    fields
-    torch's keys stand for and the optimizer's defaults for the rest; where a group saved both a
-    field and
-    its torch key, the field is kept and the key refreshed from it. A key Muon does not apply is a
-    ValueError naming it. Per-param state ("momentum_buffer") is the same in both and passes
-    unchanged."""
+    groups (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) get
+    the fields torch's keys stand for and the optimizer's defaults for the rest; where a group saved
+    both a field and its torch key, the field is kept and the key refreshed from it. A key Muon does
+    not apply is a ValueError naming it. Per-param state ("momentum_buffer") is the same in both and
+    passes unchanged."""
     groups = []
     for i, saved in enumerate(state_dict["param_groups"]):
         # a field saved beside its torch key is authoritative (this class's own state dicts)
@@ -121,14 +111,13 @@ def param_name(group: dict[str, Any], index: int) -> str:
 
 class ParamError(ValueError, RuntimeError):
     """A param Muon cannot optimise. A ValueError (the caller's mistake) that is also the
-    RuntimeError
-    torch.optim.Muon raises for it at its first step, so code catching either keeps working."""
+    RuntimeError torch.optim.Muon raises for it at its first step, so code catching either keeps
+    working."""
 
 
 def check_param(p: Tensor, name: str) -> None:
     """ParamError naming the parameter for a tensor Muon cannot optimise (raised when its group is
-    added,
-    where torch.optim.Muon raises at the first step; torch's wording is kept)."""
+    added, where torch.optim.Muon raises at the first step; torch's wording is kept)."""
     if p.is_sparse:
         raise ParamError(
             f"Muon does not support sparse gradients: {name} of shape {tuple(p.shape)} is "
@@ -148,8 +137,7 @@ def check_param(p: Tensor, name: str) -> None:
 
 def all_finite(grads: list[Tensor]) -> list[bool]:
     """Whether each gradient is finite, with one device-to-host copy for all of them (a per-param
-    bool() would
-    wait for the device once per param)."""
+    bool() would wait for the device once per param)."""
     if not grads:
         return []
     flags = [torch.isfinite(g).all() for g in grads]
@@ -158,9 +146,8 @@ def all_finite(grads: list[Tensor]) -> list[bool]:
 
 def skipped_blocks(grad: Tensor, layout: MatrixLayout) -> tuple[Block, ...]:
     """The blocks that the "skip" policy leaves unchanged for a non-finite gradient: every block of
-    a shared
-    layout (the whole param), and the blocks with a non-finite gradient of a separate one (each its
-    own param)."""
+    a shared layout (the whole param), and the blocks with a non-finite gradient of a separate one
+    (each its own param)."""
     if not layout.separate:
         return layout.blocks
     return tuple(b for b in layout.blocks if not is_finite(read_block(grad, b)))
@@ -176,24 +163,17 @@ class Muon(torch.optim.Optimizer):
     shape when the group is added; a key Muon does not apply raises ValueError naming it.
 
     torch.optim.Muon's signature is accepted as is: `Muon(params, lr, weight_decay, momentum,
-    nesterov,
-    ns_coefficients, eps, ns_steps, adjust_lr_fn)` (positional or keyword, `lr` a float or a
-    1-element
-    Tensor; `use_addmm` where torch has it), in constructor and param groups, translated by
-    muon_ref.presets.resolve_group; preset "torch" keeps torch's keys in its groups, and
-    torch.optim.Muon's
-    state dicts load (torch_state_dict_groups). Intended differences from torch:
+    nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)` (positional or keyword, `lr` a float or
+    a 1-element Tensor; `use_addmm` where torch has it), in constructor and param groups, translated
+    by muon_ref.presets.resolve_group; preset "torch" keeps torch's keys in its groups, and
+    torch.optim.Muon's state dicts load (torch_state_dict_groups). Intended differences from torch:
     docs/torch-dropin.md.
 
     Non-finite gradients: `nonfinite="raise"` (default) raises ValueError naming the parameter
-    before any
-    parameter or state is written; "skip" leaves that parameter and its momentum unchanged for the
-    step (with
-    split_sizes or num_heads, only its blocks whose gradient is non-finite, as separate params would
-    be).
-    Zero gradients give a zero orthogonalised update (only weight decay acts). Params whose grad is
-    None
-    are skipped.
+    before any parameter or state is written; "skip" leaves that parameter and its momentum
+    unchanged for the step (with split_sizes or num_heads, only its blocks whose gradient is
+    non-finite, as separate params would be). Zero gradients give a zero orthogonalised update (only
+    weight decay acts). Params whose grad is None are skipped.
     """
 
     extra_group_keys: tuple[str, ...] = ()  # group keys a subclass adds and reads itself

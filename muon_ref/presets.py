@@ -1,6 +1,5 @@
 """Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (checked against
-each origin by
-`python -m muon_dist.harness.conformance --origins` and tests/test_presets.py).
+each origin by `python -m muon_dist.harness.conformance --origins` and tests/test_presets.py).
 """
 
 from __future__ import annotations
@@ -61,14 +60,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset_defaults(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """Group defaults: MuonConfig's, then the preset's, then the caller's overrides (validated;
-    torch's
-    keys translated by resolve_group), plus the layout keys (LAYOUT_DEFAULTS: num_experts,
-    split_sizes,
-    num_heads, split_dim; checked per param by matrix_layout when a group is added). Preset "torch"
-    also
-    keeps torch's keys (ns_coefficients, adjust_lr_fn) beside the fields they set, so that a state
-    dict
-    loads into torch.optim.Muon."""
+    torch's keys translated by resolve_group), plus the layout keys (LAYOUT_DEFAULTS: num_experts,
+    split_sizes, num_heads, split_dim; checked per param by matrix_layout when a group is added).
+    Preset "torch" also keeps torch's keys (ns_coefficients, adjust_lr_fn) beside the fields they
+    set, so that a state dict loads into torch.optim.Muon."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     overrides = resolve_group(overrides, "Muon options")
@@ -92,8 +87,7 @@ def same_value(key: str, a: Any, b: Any) -> bool:
 
 def sync_torch_keys(group: dict[str, Any]) -> None:
     """Refresh torch's keys of a group that carries them from the fields they stand for (dropped
-    where
-    torch cannot express the group)."""
+    where torch cannot express the group)."""
     if not any(k in group for k in TORCH_KEYS):
         return
     for key in TORCH_KEYS:
@@ -136,8 +130,7 @@ def split_arguments(
 ) -> tuple[str | None, dict[str, Any]]:
     """(preset, overrides) of `Muon(params, *args, **kwargs)`: a first positional str or None is the
     preset (the repo's form, `Muon(ps, "keller")`); other positionals are torch's, in
-    TORCH_ARGUMENTS order
-    (`Muon(ps, 0.01)` is lr=0.01)."""
+    TORCH_ARGUMENTS order (`Muon(ps, 0.01)` is lr=0.01)."""
     preset = kwargs.pop("preset", "torch")
     if args and (args[0] is None or isinstance(args[0], str)):
         preset, args = args[0], args[1:]
@@ -155,8 +148,7 @@ def split_arguments(
 
 def constant_schedule(ns_coefficients: Any) -> str | Schedule:
     """The schedule of torch's `ns_coefficients` (one (a, b, c) for every step): "keller" for
-    torch's
-    default, otherwise a one-triple Schedule."""
+    torch's default, otherwise a one-triple Schedule."""
     if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3:
         raise ValueError(
             f"ns_coefficients must be a tuple of exactly 3 values (Coefficients must be a tuple "
@@ -194,8 +186,7 @@ def from_torch_keys(keys: dict[str, Any]) -> dict[str, Any]:
 
 def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
     """torch's keys for a group's MuonConfig fields, where torch can express them (a
-    torch.optim.Muon
-    loads a state dict carrying them); {} for a group torch cannot run."""
+    torch.optim.Muon loads a state dict carrying them); {} for a group torch cannot run."""
     sched = get_schedule(values["schedule"])
     if len(sched.coefficients) != 1 or values["lr_scale"] not in ("original", "match_rms_adamw"):
         return {}
@@ -208,10 +199,9 @@ def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_group(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """`group` with torch's keys translated into MuonConfig fields (an explicit field that disagrees
-    with
-    a torch key is an error), and torch's keys refreshed to match. Every key must be one that Muon
-    applies: a MuonConfig field, a layout key, a torch key, or one of torch.optim's own keys."""
+    """`group` with torch's keys translated into the MuonConfig fields they set; an explicit field
+    that disagrees with a torch key is an error. Every key must be one that Muon applies: a
+    MuonConfig field, a layout key, a torch key, or one of torch.optim's own keys."""
     known = set(CONFIG_KEYS) | set(LAYOUT_DEFAULTS) | set(TORCH_KEYS) | set(FRAMEWORK_KEYS)
     unknown = sorted(set(group) - known)
     if unknown:

@@ -2,16 +2,13 @@
 inputs.
 
 torch ships its Muon test inputs in torch.testing._internal.common_optimizers (the Muon
-OptimizerInfo:
-optim inputs and error inputs; it imports `expecttest`). Each input runs on torch.optim.Muon (the
-control), muon_ref.Muon, DistributedMuon without a process group (W = 1) and DistributedMuon on gloo
-(W = 2, plain replicated tensors); the optimizers must agree bitwise in float32 and float64. The
-generic
-checks torch runs for every optimizer (test/test_optim.py: state_dict round trip, load after
-deepcopy,
-add_param_group, hooks, closure, zero_grad, Tensor lr, params with and without grads, param names)
-are
-restated here, since test/ is not in torch's wheel. Intended differences: docs/torch-dropin.md.
+OptimizerInfo: optim inputs and error inputs; it imports `expecttest`). Each input runs on
+torch.optim.Muon (the control), muon_ref.Muon, DistributedMuon without a process group (W = 1) and
+DistributedMuon on gloo (W = 2, plain replicated tensors); the optimizers must agree bitwise in
+float32 and float64. The generic checks torch runs for every optimizer (test/test_optim.py:
+state_dict round trip, load after deepcopy, add_param_group, hooks, closure, zero_grad, Tensor lr,
+params with and without grads, param names) are restated here, since test/ is not in torch's wheel.
+Intended differences: docs/torch-dropin.md.
 """
 
 from __future__ import annotations
@@ -98,8 +95,7 @@ def test_a_translation_that_drops_ns_coefficients_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Negative control: a planted from_torch_keys that ignores ns_coefficients (the silent bug
-    torch's
-    keyword names used to meet) changes the trajectory, and the bitwise check sees it."""
+    torch's keyword names used to meet) changes the trajectory, and the bitwise check sees it."""
     kwargs = {"ns_coefficients": (3.4, -4.7, 2.0)}
     want = trajectory(torch.optim.Muon, kwargs, torch.float32)
     real = muon_ref.presets.from_torch_keys
@@ -247,8 +243,7 @@ def test_a_copied_optimizer_keeps_stepping_bitwise(name: str, how: str) -> None:
 @pytest.mark.parametrize("name", ["torch", *OPTIMIZERS])
 def test_generic_optimizer_contract(name: str) -> None:
     """torch's generic checks, each a few lines: add_param_group, hooks, closure, zero_grad, Tensor
-    lr,
-    params with and without grads, param names; results compared with torch.optim.Muon's."""
+    lr, params with and without grads, param names; results compared with torch.optim.Muon's."""
     factory = torch.optim.Muon if name == "torch" else OPTIMIZERS[name]
     params = make_params(torch.float32)
     opt = factory([("w0", params[0]), ("w1", params[1])], lr=torch.tensor(0.01))
@@ -275,8 +270,8 @@ def test_generic_optimizer_contract(name: str) -> None:
 
 def gloo_trajectories(world_size: int) -> list[bool]:
     """On every rank: DistributedMuon over the default gloo group against torch.optim.Muon, for each
-    of
-    torch's optim inputs in float32 and float64, and a torch checkpoint resumed; bitwise flags."""
+    of torch's optim inputs in float32 and float64, and a torch checkpoint resumed; bitwise
+    flags."""
     flags = []
     for optim_input in OPTIM_INPUTS:
         for dtype in (torch.float32, torch.float64):
@@ -317,8 +312,8 @@ def test_a_keller_muon_checkpoint_resumes_bitwise_in_the_keller_preset() -> None
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_torch_preset_group_carries_every_key_torch_writes(name: str) -> None:
-    """torch.optim.Muon reads its own keys from a loaded group; preset "torch" adds use_addmm
-    (read by the torch versions that have it) beside the repo's fields (intended difference 4)."""
+    """torch.optim.Muon reads its own keys from a loaded group; preset "torch" adds use_addmm (read
+    by the torch versions that have it) beside the repo's fields (intended difference 4)."""
     params = make_params(torch.float32)
     ours = OPTIMIZERS[name](params).param_groups[0]
     theirs = torch.optim.Muon(params).param_groups[0]

@@ -2,8 +2,7 @@
 
 `python tests/peers/emerging_run.py CHECKOUT/tests/test_x.py [absltest flags]` (the peer's tests are
 absltest programs; tests/peers/run_peer_suites.py calls this, under torchrun for the distributed
-ones),
-from a checkout of https://github.com/NVIDIA-NeMo/Emerging-Optimizers. Every call of
+ones), from a checkout of https://github.com/NVIDIA-NeMo/Emerging-Optimizers. Every call of
 `emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz` whose options muon_ref
 expresses (one device, float32 input, no SYRK kernel, no float64 norm; float32 matmul precision
 "highest", or "medium" as bf16 steps) runs muon_ref.newton_schulz with the peer's coefficients and

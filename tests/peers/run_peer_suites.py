@@ -5,19 +5,16 @@
 
 NVIDIA Emerging-Optimizers (https://github.com/NVIDIA-NeMo/Emerging-Optimizers): its Newton-Schulz
 tests (tests/test_muon_utils.py), its Muon optimizer tests (tests/test_orthogonalized_optimizer.py)
-and
-its CPU tensor-parallel tests (tests/test_distributed_muon_utils_cpu.py, under torchrun with N
-ranks, as
-its CI runs them) run as shipped, with its `newton_schulz` served by muon_ref where muon_ref
-expresses
-the call (tests/peers/emerging_run.py); each file's absltest verdict and the count of calls the repo
-served are printed. The peer needs Python 3.12 (PEP 695 syntax): pass an interpreter with torch,
-absl-py and numpy as --python.
+and its CPU tensor-parallel tests (tests/test_distributed_muon_utils_cpu.py, under torchrun with N
+ranks, as its CI runs them) run as shipped, with its `newton_schulz` served by muon_ref where
+muon_ref expresses the call (tests/peers/emerging_run.py); each file's absltest verdict and the
+count of calls the repo served are printed. The peer needs Python 3.12 (PEP 695 syntax): pass an
+interpreter with torch, absl-py and numpy as --python.
 
 InternLM xtuner (https://github.com/InternLM/xtuner) and microsoft/dion
-(https://github.com/microsoft/dion):
-their Muon tests need CUDA (xtuner: a CUDA process group in every test case; Dion: `skipif(not
-CUDA_AVAILABLE)` on every Muon step test) and are reported, not run, on a machine without CUDA.
+(https://github.com/microsoft/dion): their Muon tests need CUDA (xtuner: a CUDA process group in
+every test case; Dion: `skipif(not CUDA_AVAILABLE)` on every Muon step test) and are reported, not
+run, on a machine without CUDA.
 
 Nothing here runs in `make test`: pytest does not collect this file, and it needs the checkouts.
 """
