@@ -18,11 +18,18 @@ from torch import Tensor
 
 from muon_ref import LAYOUT_DEFAULTS, MuonConfig
 from muon_ref.functional import check_gradient
-from muon_ref.optim import check_param, group_config, param_name
-from muon_ref.presets import preset_defaults
+from muon_ref.optim import (
+    add_group_checked,
+    check_param,
+    follow_torch_keys,
+    group_config,
+    param_name,
+    torch_state_dict_groups,
+)
+from muon_ref.presets import preset_defaults, split_arguments
 
 from .batch import Batch
-from .comm import Comm, Group, TorchComm
+from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
 from .kernels import backend
 from .geometry import Geometry
 from .layout import ParamLayout, read_layout
@@ -39,6 +46,15 @@ class StepReport:
     bytes_by_path: dict[str, tuple[int, int]]
 
 
+def default_comm() -> Comm:
+    """TorchComm over the default process group when there is one; otherwise a world of one (plain
+    tensors on one device: every group has one member and no collective is called, and the step is
+    muon_ref.Muon's, bitwise)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return TorchComm()
+    return ThreadComm(ThreadWorld(1), 0)
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -46,7 +62,9 @@ def _local(t: Tensor) -> Tensor:
 class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
     and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
-    muon_dist/checkpoint.py), plus keyword-only options: `comm` (default TorchComm over torch.distributed),
+    muon_dist/checkpoint.py; torch.optim.Muon's signature and state dicts as muon_ref.Muon takes
+    them), plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of
+    one without a process group: default_comm),
     `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
     FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py) and
     `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
@@ -56,24 +74,51 @@ class DistributedMuon(torch.optim.Optimizer):
     nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
-    def __init__(self, params: Iterable[Any], preset: str | None = "torch", *, comm: Comm | None = None,
+    def __init__(self, params: Iterable[Any], *args: Any, comm: Comm | None = None,
                  remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
-                 ns_backend: str = "torch", atomic: bool = False, **overrides: Any) -> None:
-        self.comm = comm if comm is not None else TorchComm()
-        self.backend = backend(ns_backend)
-        self.options = Options(remainder, force_path, dispatch)
-        self.atomic = atomic
-        self.preset = preset
+                 ns_backend: str = "torch", atomic: bool = False, **kwargs: Any) -> None:
+        preset, overrides = split_arguments(args, kwargs)
+        self._configure(comm, dict(preset=preset, remainder=remainder, force_path=force_path,
+                                   dispatch=dispatch, ns_backend=ns_backend, atomic=atomic))
+        super().__init__(params, preset_defaults(preset, overrides))
+
+    def _configure(self, comm: Comm | None, construction: dict[str, Any]) -> None:
+        """Everything but torch.optim's defaults, state and param groups, from the constructor's
+        keyword options (kept in `construction`, so that a deepcopy or an unpickled copy rebuilds them:
+        a comm and its process groups are not picklable, and the copy takes the default comm of where
+        it is loaded)."""
+        self.construction = construction
+        self.comm = comm if comm is not None else default_comm()
+        self.backend = backend(construction["ns_backend"])
+        self.options = Options(construction["remainder"], construction["force_path"],
+                               construction["dispatch"])
+        self.atomic = construction["atomic"]
+        self.preset = construction["preset"]
         self.last_report: StepReport | None = None
         self.last_plan: Plan | None = None
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}  # id(param) -> (what it was read from, layout)
         self._groups: dict[tuple, Group] = {}  # (partition, sharding axes, mesh) -> this rank's process group
-        super().__init__(params, preset_defaults(preset, overrides))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "construction": self.construction}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict passes state and param groups only
+        construction = state.pop("construction", None)
+        super().__setstate__(state)
+        if construction is not None:
+            self._configure(None, construction)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads this class's state dicts, muon_ref.Muon's and torch.optim.Muon's
+        (torch_state_dict_groups); params that have not stepped get zero buffers, as at construction."""
+        super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
+        for group in self.param_groups:
+            follow_torch_keys(self, group)
+        self._own_group_params()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        group_config(group)
+        group = add_group_checked(self, param_group)
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
             check_param(p, name)
@@ -160,7 +205,8 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.reset()
-        configs = [group_config(g) for g in self.param_groups]  # resolved once per group per step
+        # resolved once per group per step
+        configs = [group_config(follow_torch_keys(self, g)) for g in self.param_groups]
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)

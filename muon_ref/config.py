@@ -84,7 +84,7 @@ class MuonConfig:
                          on bf16 rounds the Python scalar to bf16 first; measured on torch 2.13 CPU)
     """
 
-    lr: float = 1e-3
+    lr: float | torch.Tensor = 1e-3  # a 1-element Tensor is used 0-d, as torch does (group_config)
     weight_decay: float = 0.1
     momentum: float = 0.95
     nesterov: bool = True
@@ -109,7 +109,9 @@ class MuonConfig:
     nonfinite: Literal["raise", "skip"] = "raise"
 
     def __post_init__(self) -> None:
-        _check(self.lr >= 0, "lr", self.lr, ">= 0")
+        if isinstance(self.lr, torch.Tensor) and self.lr.numel() != 1:  # torch.optim's own message
+            raise ValueError(f"Tensor lr must be 1-element, got lr of shape {tuple(self.lr.shape)}")
+        _check(bool(self.lr >= 0), "lr", self.lr, ">= 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
         _check(0 <= self.momentum, "momentum", self.momentum, ">= 0")
         _check(self.momentum_style in ("ema", "sum"), "momentum_style", self.momentum_style, "'ema' or 'sum'")

@@ -1,11 +1,12 @@
-"""muon_ref.Muon: a thin torch.optim.Optimizer over the pure functional core (muon_ref/functional.py).
+"""muon_ref.Muon: a thin torch.optim.Optimizer over the pure functional core
+(muon_ref/functional.py).
 
-The class owns validation and state; the math is muon_step. Param-group keys are MuonConfig's fields plus
-the layout keys (muon_ref.functional.LAYOUT_DEFAULTS): `num_experts` (fused 2-D expert bundles [E * m, n]),
-`split_sizes` or `num_heads` with `split_dim` (blocks of a 2-D param, each stepped as its own param: fused
-q/k/v, per-head Muon). State per parameter: "momentum_buffer" only, one tensor of the param's shape for every
-layout; nothing derived from shapes is stored, so a state dict loads into any world size or shape-equivalent
-model.
+The class owns validation and state; the math is muon_step. Param-group keys are MuonConfig's fields
+plus the layout keys (muon_ref.functional.LAYOUT_DEFAULTS): `num_experts` (fused 2-D expert bundles
+[E * m, n]), `split_sizes` or `num_heads` with `split_dim` (blocks of a 2-D param, each stepped as
+its own param: fused q/k/v, per-head Muon). State per parameter: "momentum_buffer" only, one tensor
+of the param's shape for every layout; nothing derived from shapes is stored, so a state dict loads
+into any world size or shape-equivalent model.
 """
 
 from __future__ import annotations
@@ -17,14 +18,90 @@ from torch import Tensor
 
 from .config import CONFIG_KEYS, MuonConfig
 from .functional import (
-    LAYOUT_DEFAULTS, Block, MatrixLayout, check_gradient, is_finite, matrix_layout, muon_step, read_block,
+    LAYOUT_DEFAULTS,
+    Block,
+    MatrixLayout,
+    check_gradient,
+    is_finite,
+    matrix_layout,
+    muon_step,
+    read_block,
 )
-from .presets import preset_defaults
+from .presets import (
+    TORCH_KEY_FIELDS,
+    TORCH_KEYS,
+    from_torch_keys,
+    preset_defaults,
+    resolve_group,
+    split_arguments,
+    sync_torch_keys,
+)
 
 
 def group_config(group: dict[str, Any]) -> MuonConfig:
-    """The MuonConfig of a param group (validated)."""
-    return MuonConfig(**{k: group[k] for k in CONFIG_KEYS})
+    """The MuonConfig of a param group (validated). A Tensor lr of one element is used 0-d, as
+    torch.optim's _to_scalar does, so that the step's arithmetic is torch.optim.Muon's."""
+    values = {k: group[k] for k in CONFIG_KEYS}
+    lr = values["lr"]
+    if isinstance(lr, Tensor) and lr.dim() != 0 and lr.numel() == 1:
+        values["lr"] = lr.reshape(())
+    return MuonConfig(**values)
+
+
+def follow_torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """Keeps a group's torch keys and the fields they stand for together, and returns the group. A
+    torch key edited since the group was added, loaded or last stepped sets its fields (torch's way
+    to change a group: `group["adjust_lr_fn"] = ...`; a bad value is a ValueError naming it);
+    otherwise the fields are authoritative (`group["lr_scale"] = ...`) and torch's keys are
+    refreshed from them."""
+    seen = optimizer.__dict__.setdefault("_torch_keys_seen", {})
+    now = {k: group[k] for k in TORCH_KEYS if k in group}
+    if not now:
+        return group
+    before = seen.get(id(group))
+    if before is not None and now != before:
+        group.update(from_torch_keys({k: v for k, v in now.items() if before.get(k) != v}))
+    sync_torch_keys(group)
+    seen[id(group)] = {k: group[k] for k in TORCH_KEYS if k in group}
+    return group
+
+
+def add_group_checked(
+    optimizer: torch.optim.Optimizer, param_group: dict[str, Any]
+) -> dict[str, Any]:
+    """torch.optim.Optimizer.add_param_group with torch's keys translated, every key validated (an
+    unknown key is an error, never ignored) and the group's torch keys refreshed; returns the new
+    group."""
+    if isinstance(param_group, dict):
+        extra = getattr(
+            optimizer, "extra_group_keys", ()
+        )  # a subclass's own keys (MuonWithAdamW's algorithm)
+        keys = {k: v for k, v in param_group.items() if k != "params" and k not in extra}
+        param_group = {**param_group, **resolve_group(keys, "param group")}
+    torch.optim.Optimizer.add_param_group(optimizer, param_group)
+    group = optimizer.param_groups[-1]
+    sync_torch_keys(group)
+    group_config(
+        follow_torch_keys(optimizer, group)
+    )  # a bad per-group override fails here, naming it
+    return group
+
+
+def torch_state_dict_groups(state_dict: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A state dict whose param groups carry every key Muon reads: a torch.optim.Muon checkpoint's
+    groups (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) get
+    the fields torch's keys stand for and the optimizer's defaults for the rest; where a group saved
+    both a field and its torch key, the field is kept and the key refreshed from it. A key Muon does
+    not apply is a ValueError naming it. Per-param state ("momentum_buffer") is the same in both and
+    passes unchanged."""
+    groups = []
+    for i, saved in enumerate(state_dict["param_groups"]):
+        # a field saved beside its torch key is authoritative (this class's own state dicts)
+        keys = {k: v for k, v in saved.items() if TORCH_KEY_FIELDS.get(k) not in saved}
+        group = resolve_group(keys, f"state dict param group {i}")
+        groups.append({**{k: v for k, v in defaults.items() if k not in TORCH_KEYS}, **group})
+        sync_torch_keys(groups[-1])
+    return {**state_dict, "param_groups": groups}
 
 
 def param_name(group: dict[str, Any], index: int) -> str:
@@ -32,17 +109,35 @@ def param_name(group: dict[str, Any], index: int) -> str:
     return names[index] if names else f"param {index} of its group"
 
 
+class ParamError(ValueError, RuntimeError):
+    """A param Muon cannot optimise. A ValueError (the caller's mistake) that is also the
+    RuntimeError torch.optim.Muon raises for it at its first step, so code catching either keeps
+    working."""
+
+
 def check_param(p: Tensor, name: str) -> None:
-    """ValueError naming the parameter for a tensor Muon cannot optimise."""
+    """ParamError naming the parameter for a tensor Muon cannot optimise (raised when its group is
+    added, where torch.optim.Muon raises at the first step; torch's wording is kept)."""
     if p.is_sparse:
-        raise ValueError(f"{name} of shape {tuple(p.shape)} is sparse: Muon needs dense matrices")
-    if p.is_complex() or not p.is_floating_point():
-        raise ValueError(f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real floating dtype")
+        raise ParamError(
+            f"Muon does not support sparse gradients: {name} of shape {tuple(p.shape)} is "
+            f"sparse; Muon needs dense matrices"
+        )
+    if p.is_complex():
+        raise ParamError(
+            f"Muon does not support complex parameters: {name} of shape {tuple(p.shape)} has "
+            f"dtype {p.dtype}"
+        )
+    if not p.is_floating_point():
+        raise ParamError(
+            f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real "
+            f"floating dtype"
+        )
 
 
 def all_finite(grads: list[Tensor]) -> list[bool]:
-    """Whether each gradient is finite, with one device-to-host copy for all of them (a per-param bool() would
-    wait for the device once per param)."""
+    """Whether each gradient is finite, with one device-to-host copy for all of them (a per-param
+    bool() would wait for the device once per param)."""
     if not grads:
         return []
     flags = [torch.isfinite(g).all() for g in grads]
@@ -50,39 +145,60 @@ def all_finite(grads: list[Tensor]) -> list[bool]:
 
 
 def skipped_blocks(grad: Tensor, layout: MatrixLayout) -> tuple[Block, ...]:
-    """The blocks that the "skip" policy leaves unchanged for a non-finite gradient: every block of a shared
-    layout (the whole param), and the blocks with a non-finite gradient of a separate one (each its own param)."""
+    """The blocks that the "skip" policy leaves unchanged for a non-finite gradient: every block of
+    a shared layout (the whole param), and the blocks with a non-finite gradient of a separate one
+    (each its own param)."""
     if not layout.separate:
         return layout.blocks
     return tuple(b for b in layout.blocks if not is_finite(read_block(grad, b)))
 
 
 class Muon(torch.optim.Optimizer):
-    """The reference Muon. `Muon(params, preset="torch" | "keller" | "moonlight" | "dion" | "xtuner" |
-    "emerging", **overrides)`; any MuonConfig field or layout key (`num_experts`, `split_sizes`, `num_heads`,
-    `split_dim`) may be overridden per group. A bad layout key raises ValueError naming the parameter and its
-    shape when the group is added.
+    """The reference Muon. `Muon(params, preset="torch" | "keller" | "moonlight" | "dion" | "xtuner"
+    |
+    "emerging", **overrides)`; any MuonConfig field or layout key (`num_experts`, `split_sizes`,
+    `num_heads`,
+    `split_dim`) may be overridden per group. A bad layout key raises ValueError naming the
+    parameter and its
+    shape when the group is added; a key Muon does not apply raises ValueError naming it.
 
-    Non-finite gradients: `nonfinite="raise"` (default) raises ValueError naming the parameter before any
-    parameter or state is written; "skip" leaves that parameter and its momentum unchanged for the step (with
-    split_sizes or num_heads, only its blocks whose gradient is non-finite, as separate params would be).
-    Zero gradients give a zero orthogonalised update (only weight decay acts). Params whose grad is None
-    are skipped.
+    torch.optim.Muon's signature is accepted as is: `Muon(params, lr, weight_decay, momentum,
+    nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)` (positional or keyword, `lr` a float or
+    a 1-element Tensor; `use_addmm` where torch has it), in constructor and param groups, translated
+    by muon_ref.presets.resolve_group; preset "torch" keeps torch's keys in its groups, and
+    torch.optim.Muon's state dicts load (torch_state_dict_groups). Intended differences from torch:
+    docs/torch-dropin.md.
+
+    Non-finite gradients: `nonfinite="raise"` (default) raises ValueError naming the parameter
+    before any parameter or state is written; "skip" leaves that parameter and its momentum
+    unchanged for the step (with split_sizes or num_heads, only its blocks whose gradient is
+    non-finite, as separate params would be). Zero gradients give a zero orthogonalised update (only
+    weight decay acts). Params whose grad is None are skipped.
     """
 
-    def __init__(self, params: Iterable[Any], preset: str | None = "torch", **overrides: Any) -> None:
+    extra_group_keys: tuple[str, ...] = ()  # group keys a subclass adds and reads itself
+
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        preset, overrides = split_arguments(args, kwargs)
         defaults = preset_defaults(preset, overrides)
         self.preset = preset
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        group_config(group)  # a bad per-group override fails here, naming the option
+        group = add_group_checked(self, param_group)
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
             check_param(p, name)
             self.layout_of(p, group, name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads this class's state dicts and torch.optim.Muon's (torch_state_dict_groups)."""
+        super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
+        for group in self.param_groups:
+            follow_torch_keys(self, group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "preset": self.preset}
 
     @staticmethod
     def layout_of(p: Tensor, group: dict[str, Any], name: str = "param") -> MatrixLayout:
@@ -97,7 +213,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         found = []
         for group in self.param_groups:  # validate everything before writing anything
-            cfg = group_config(group)
+            cfg = group_config(follow_torch_keys(self, group))
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -109,7 +225,9 @@ class Muon(torch.optim.Optimizer):
             skipped = ()
             if not finite:
                 if cfg.nonfinite == "raise":
-                    raise ValueError(f"{name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)")
+                    raise ValueError(
+                        f"{name} of shape {tuple(p.shape)} has a non-finite gradient (NaN or Inf)"
+                    )
                 skipped = skipped_blocks(p.grad, layout)
                 if len(skipped) == len(layout.blocks):
                     continue

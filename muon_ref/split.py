@@ -65,6 +65,12 @@ class MuonWithAdamW(Muon):
             params = [g for g in params if g["params"]]
         super().__init__(params, preset, **overrides)
 
+    extra_group_keys = ("algorithm",)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # this class's own state dicts only (AdamW groups have keys Muon does not know)
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         algorithm = param_group.setdefault("algorithm", "muon")
         if algorithm == "muon":
