@@ -4,6 +4,7 @@ a Muon with the wrong momentum style fails (exit 1) and is diagnosed as a conven
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -88,3 +89,16 @@ def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
 @pytest.mark.timeout(30)
 def test_the_planted_suite_runs_alone_and_refuses_other_adapters() -> None:
     assert conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"]) == 2
+
+
+def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(tmp_path, monkeypatch):
+    # the console scripts start without the current directory on sys.path (python -m puts it first)
+    from muon_dist.harness.adapters import load_adapter
+
+    (tmp_path / "my_cwd_adapters.py").write_text(
+        "import torch\n\nclass MyMuon(torch.optim.SGD):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_adapters", raising=False)
+    adapter = load_adapter("my_cwd_adapters:MyMuon")
+    assert adapter.name == "MyMuon" and sys.path[0] == str(tmp_path)

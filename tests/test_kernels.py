@@ -11,6 +11,7 @@ import os
 from contextlib import contextmanager
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,14 +53,22 @@ def test_every_backend_module_states_its_reference_equation_and_contract(name):
 
 @contextmanager
 def onednn(enabled: bool | None):
-    """oneDNN enabled / disabled for matmuls in this process (None: as it is)."""
-    before = torch.backends.mkldnn.enabled
-    if enabled is not None:
-        torch.backends.mkldnn.enabled = enabled
+    """oneDNN enabled / disabled for matmuls in this process (None: as it is). Through torch's flags()
+    context: torch's own test helpers, once imported, forbid setting the flag directly."""
+    if enabled is None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # flags() warns about TF32 on Intel GPUs it does not have
+        context = torch.backends.mkldnn.flags(enabled=enabled,
+                                              deterministic=torch.backends.mkldnn.deterministic)
+        context.__enter__()
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            context.__exit__(None, None, None)
 
 
 @settings(max_examples=examples(0.5))

@@ -75,7 +75,10 @@ def test_no_tracked_file_cites_outside_paths_missing_paths_or_an_unnamed_machine
     for path in files:
         if path.resolve() == Path(__file__).resolve():
             continue
-        found += problems(path.relative_to(ROOT).as_posix(), path.read_text(errors="replace"))
+        relative = path.relative_to(ROOT).as_posix()
+        found += [p for p in problems(relative, path.read_text(errors="replace"))
+                  # tests/peers/ drives peers' own suites: its tests/... paths are files of their checkouts
+                  if not (relative.startswith("tests/peers/") and "which does not exist" in p)]
     assert not found, "\n".join(found)
 
 

@@ -29,6 +29,7 @@ Or, without writing a class, for any optimizer class by import path (a local che
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -83,6 +84,16 @@ def package_version(dist_name: str) -> str:
         return "not installed"
 
 
+def import_module_as_python_m(module: str) -> Any:
+    """importlib.import_module with the current directory first on sys.path, as `python -m` puts it: the
+    console scripts (muon-conformance, muon-verify) start without it, so an adapter module in the directory a
+    user runs them from would not import otherwise."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(module)
+
+
 class ImportPath(Adapter):
     """Any optimizer class by import path: "[checkout_dir:]module:Class". The checkout dir (if given) goes on
     sys.path first; `hp_names` maps our hyperparameter names to the class's (None: it has no such argument);
@@ -112,7 +123,7 @@ class ImportPath(Adapter):
         *root, module, cls = self.target.split(":")
         if root and root[0] not in sys.path:
             sys.path.insert(0, root[0])
-        return getattr(importlib.import_module(module), cls)
+        return getattr(import_module_as_python_m(module), cls)
 
     def version(self) -> str:
         from importlib.metadata import packages_distributions
@@ -134,7 +145,7 @@ def load_adapter(spec: str, **import_path_options: Any) -> Adapter:
         return ImportPath(spec, **import_path_options)
     if len(parts) != 2:
         raise ValueError(f"--adapter {spec!r}: expected MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
-    obj = getattr(importlib.import_module(parts[0]), parts[1], None)
+    obj = getattr(import_module_as_python_m(parts[0]), parts[1], None)
     if obj is None:
         raise ValueError(f"--adapter {spec!r}: module {parts[0]!r} has no {parts[1]!r}")
     if isinstance(obj, Adapter):
