@@ -15,6 +15,7 @@ CUDA cannot be used in a child forked from a parent that has used it. Results mu
 from __future__ import annotations
 
 import multiprocessing as mp
+import faulthandler
 import os
 import shutil
 import tempfile
@@ -34,6 +35,14 @@ class RankFailure(AssertionError):
 
 
 def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -> None:
+    # the rank's stderr goes to a file of the pool (stderr_path): gloo's C++ threads print there when a peer
+    # dies (`terminate called ... gloo::EnforceNotMet`), which the parent reports with the rank that died
+    # instead of interleaving it with the report
+    log = os.open(stderr_path(init_file, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    if faulthandler.is_enabled():  # inherited (pytest enables it on its own copy of stderr): to the file too
+        faulthandler.enable(file=os.fdopen(2, "w", closefd=False))
     import torch
 
     torch.set_num_threads(1)
@@ -52,6 +61,19 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def stderr_path(init_file: str, rank: int) -> str:
+    """Where rank `rank` of the pool whose rendezvous file is init_file writes its stderr."""
+    return os.path.join(os.path.dirname(init_file), f"rank{rank}.stderr")
+
+
+def _tail(path: str, limit: int = 600) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-limit:].strip()
+    except OSError:
+        return ""
 
 
 DEVICES = ("cpu", "cuda")
@@ -123,7 +145,7 @@ class RankPool:
     def start(self) -> None:
         ctx = mp.get_context(self.start_method)
         self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
-        init_file = os.path.join(self.tmpdir, "rendezvous")
+        init_file = self.init_file = os.path.join(self.tmpdir, "rendezvous")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(rank, self.world_size, init_file, child, self.device),
@@ -163,6 +185,8 @@ class RankPool:
                     status, value = conn.recv()
                 except (EOFError, OSError):
                     status, value = "error", "the rank died (its pipe closed)"
+                    printed = _tail(stderr_path(self.init_file, rank))
+                    value += f"; its stderr: {printed}" if printed else ""
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
                     deadline = min(deadline, time.monotonic() + 3.0)
@@ -175,9 +199,12 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def kill(self) -> None:
+        """SIGKILL every rank before waiting for any: a rank that outlives a killed peer sees gloo's connection
+        drop in a background thread and dies printing `terminate called ... gloo::EnforceNotMet`."""
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
+        for proc in self.procs:
             proc.join(timeout=5)
         if self.procs:
             shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from muon_ref import MatrixLayout, lr_scale, matrix_layout, momentum_direction, orthogonalize
 from muon_ref.config import MuonConfig
+from muon_dist.comm import older_collective_names
 from muon_ref.functional import apply_update, decay
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
@@ -312,7 +313,8 @@ class RoundRobinMuon(torch.optim.Optimizer):
                 cfg, layout = group_config(group), _layout(p, group)
                 mine[:p.numel()] = apply_update(p, orthogonalize(directions[p], layout, cfg), layout, cfg).flatten()
             gathered = torch.empty(W * size, dtype=mine.dtype)
-            dist.all_gather_into_tensor(gathered, mine)
+            with older_collective_names():  # names every supported torch has
+                dist.all_gather_into_tensor(gathered, mine)
             self.land(batch, gathered.view(W, size))
 
     @staticmethod
@@ -386,7 +388,8 @@ class ZeroMuon(torch.optim.Optimizer):
                           for (p, *_), on in zip(self.spans, stepping)])
         flat = torch.cat([flat, flat.new_zeros(W * self.part - flat.numel())])
         reduced = torch.empty(self.part, dtype=flat.dtype)
-        dist.reduce_scatter_tensor(reduced, flat)
+        with older_collective_names():  # names every supported torch has
+            dist.reduce_scatter_tensor(reduced, flat)
         reduced.div_(W)
         whole = self.whole_gradient(flat, reduced)
         new = flat.new_zeros(W * self.part)
@@ -398,14 +401,16 @@ class ZeroMuon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"], direction = momentum_direction(whole[a:b].view(p.shape), buf, cfg)
                 new[a:b] = apply_update(p, orthogonalize(direction, layout, cfg), layout, cfg).flatten()
         gathered = torch.empty_like(new)
-        dist.all_gather_into_tensor(gathered, new[lo:hi].clone())
+        with older_collective_names():  # names every supported torch has
+            dist.all_gather_into_tensor(gathered, new[lo:hi].clone())
         for p, _, a, b in self.spans:
             p.copy_(gathered[a:b].view(p.shape))
 
     def whole_gradient(self, flat: Tensor, reduced: Tensor) -> Tensor:
         """The mean gradient of every element: the reduced partitions of all ranks, all-gathered."""
         whole = torch.empty_like(flat)
-        dist.all_gather_into_tensor(whole, reduced)
+        with older_collective_names():  # names every supported torch has
+            dist.all_gather_into_tensor(whole, reduced)
         return whole
 
 
