@@ -88,3 +88,17 @@ def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
 @pytest.mark.timeout(30)
 def test_the_planted_suite_runs_alone_and_refuses_other_adapters() -> None:
     assert conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"]) == 2
+
+
+@pytest.mark.parametrize("argv, names, valid", [
+    (["--all", "--families", "tal"], "--families tal unknown; valid: ", "tall"),
+    (["--all", "--preset", "kellr"], "--preset 'kellr' is unknown; valid: ", "keller"),
+])
+def test_an_unknown_name_is_a_usage_error_listing_the_valid_ones(argv, names, valid, capsys) -> None:
+    """Nothing vacuous: a misspelt family or preset exits 2 with one line naming it and the valid names,
+    before any case runs. Negative control: a known family passes the same validation."""
+    assert conformance.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and names in err and valid in err.split("valid: ")[1]
+    args = conformance._parser().parse_args(["--all", "--families", "tall"])
+    assert conformance._unknown_names(args) is None

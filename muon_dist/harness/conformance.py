@@ -288,6 +288,21 @@ def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
     return {"planted": verdicts, "caught": caught, "right": right, "total": len(verdicts), "wall_s": wall}
 
 
+def _unknown_names(args: argparse.Namespace) -> str | None:
+    """A one-line usage error for an unknown --preset or --families name (nothing vacuous), else None."""
+    from muon_ref import PRESETS
+
+    from .adapters.cases import FUSED_FAMILIES, MODE_FAMILIES, SINGLE_FAMILIES
+
+    if args.preset not in PRESETS:
+        return f"--preset {args.preset!r} is unknown; valid: {', '.join(sorted(PRESETS))}"
+    known = SINGLE_FAMILIES.union(FUSED_FAMILIES, *MODE_FAMILIES.values())
+    unknown = sorted(set(args.families or ()) - known)
+    if unknown:
+        return f"--families {' '.join(unknown)} unknown; valid: {', '.join(sorted(known))}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -302,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(suite, f, indent=1, default=str)
         return 0 if suite["right"] == suite["total"] else 1
+    bad = _unknown_names(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:
         adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
                                  kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
@@ -319,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     if not adapters:
         print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
+    for adapter in adapters:
+        if args.families and not adapter.families & frozenset(args.families):
+            print(f"error: --families {' '.join(args.families)} selects no case of {adapter.describe()}; "
+                  f"valid: {', '.join(sorted(adapter.families))}", file=sys.stderr)
+            return 2
     reports = []
     for adapter in adapters:
         _print(adapter.describe())
