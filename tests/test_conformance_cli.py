@@ -102,3 +102,11 @@ def test_an_unknown_name_is_a_usage_error_listing_the_valid_ones(argv, names, va
     assert err.count("\n") == 0 and names in err and valid in err.split("valid: ")[1]
     args = conformance._parser().parse_args(["--all", "--families", "tall"])
     assert conformance._unknown_names(args) is None
+
+
+def test_help_lists_presets_and_families(capsys) -> None:
+    """--help names every preset and family a user may pass (the names the usage errors accept)."""
+    with pytest.raises(SystemExit):
+        conformance.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in muon_ref.PRESETS) and "experts_fused" in out

@@ -236,8 +236,20 @@ def markdown(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _known_families() -> frozenset[str]:
+    """Every case family name, in any mode (--families accepts these)."""
+    from .adapters.cases import FUSED_FAMILIES, MODE_FAMILIES, SINGLE_FAMILIES
+
+    return SINGLE_FAMILIES.union(FUSED_FAMILIES, *MODE_FAMILIES.values())
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from muon_ref import PRESETS
+
+    epilog = (f"presets: {', '.join(sorted(PRESETS))}\nfamilies: {', '.join(sorted(_known_families()))}\n"
+              "exit codes: 0 conforms, 1 bug found, 2 usage error")
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
     p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
     p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
@@ -292,11 +304,9 @@ def _unknown_names(args: argparse.Namespace) -> str | None:
     """A one-line usage error for an unknown --preset or --families name (nothing vacuous), else None."""
     from muon_ref import PRESETS
 
-    from .adapters.cases import FUSED_FAMILIES, MODE_FAMILIES, SINGLE_FAMILIES
-
     if args.preset not in PRESETS:
         return f"--preset {args.preset!r} is unknown; valid: {', '.join(sorted(PRESETS))}"
-    known = SINGLE_FAMILIES.union(FUSED_FAMILIES, *MODE_FAMILIES.values())
+    known = _known_families()
     unknown = sorted(set(args.families or ()) - known)
     if unknown:
         return f"--families {' '.join(unknown)} unknown; valid: {', '.join(sorted(known))}"
