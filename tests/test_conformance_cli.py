@@ -110,3 +110,11 @@ def test_help_lists_presets_and_families(capsys) -> None:
         conformance.main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in muon_ref.PRESETS) and "experts_fused" in out
+
+
+def test_a_family_no_chosen_adapter_supports_is_a_usage_error(capsys) -> None:
+    """A known family that selects no case of the chosen adapters exits 2 (an empty run never
+    "conforms"); the error lists the families those adapters support."""
+    argv = ["--adapter", "muon_dist.harness.adapters.shipped:Reference", "--families", "straddle"]
+    assert conformance.main(argv) == 2
+    assert "selects no case" in capsys.readouterr().err

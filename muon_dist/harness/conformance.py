@@ -246,7 +246,8 @@ def _known_families() -> frozenset[str]:
 def _parser() -> argparse.ArgumentParser:
     from muon_ref import PRESETS
 
-    epilog = (f"presets: {', '.join(sorted(PRESETS))}\nfamilies: {', '.join(sorted(_known_families()))}\n"
+    epilog = (f"presets: {', '.join(sorted(PRESETS))}\n"
+              f"families: {', '.join(sorted(_known_families()))}\n"
               "exit codes: 0 conforms, 1 bug found, 2 usage error")
     p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,11 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     if not adapters:
         print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
-    for adapter in adapters:
-        if args.families and not adapter.families & frozenset(args.families):
-            print(f"error: --families {' '.join(args.families)} selects no case of {adapter.describe()}; "
-                  f"valid: {', '.join(sorted(adapter.families))}", file=sys.stderr)
-            return 2
+    supported = frozenset().union(*(a.families for a in adapters))
+    if args.families and not supported & frozenset(args.families):
+        print(f"error: --families {' '.join(args.families)} selects no case of these adapters; "
+              f"valid: {', '.join(sorted(supported))}", file=sys.stderr)
+        return 2
     reports = []
     for adapter in adapters:
         _print(adapter.describe())
