@@ -33,6 +33,8 @@ def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
     out = tmp_path / "report.json"
     assert conformance.main(["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
     (report,) = json.loads(out.read_text())
+    assert report["partial"] is False and report["provenance"]["torch"] == torch.__version__
+    assert report["provenance"]["cpu_capability"] and "--json" in report["provenance"]["command"]
     assert report["conforms"] and report["diagnosis"].startswith("conforms")
     assert {o["family"] for o in report["outcomes"]} == {"tall", "square", "row", "experts3d"}
     assert all(o["status"] == "bitwise" and o["max_diff"] == 0 for o in report["outcomes"])

@@ -23,6 +23,7 @@ diagnosed (muon_dist/adapters/diagnose.py). Exit status 1 on any departure from 
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import json
 import re
@@ -236,6 +237,29 @@ def markdown(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def provenance(argv: list[str] | None) -> dict[str, Any]:
+    """What a cited verdict needs to be rerun: versions, build, CPU capability or GPU, command, date."""
+    import platform
+    import subprocess
+    from datetime import datetime, timezone
+
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"commit": commit, "torch": torch.__version__, "torch_git": torch.version.git_version,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
+            "python": platform.python_version(),
+            "command": " ".join(["python -m muon_dist.harness.conformance", *(argv if argv is not None
+                                                                              else sys.argv[1:])]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def _known_families() -> frozenset[str]:
     """Every case family name, in any mode (--families accepts these)."""
     from .adapters.cases import FUSED_FAMILIES, MODE_FAMILIES, SINGLE_FAMILIES
@@ -355,11 +379,18 @@ def main(argv: list[str] | None = None) -> int:
               f"valid: {', '.join(sorted(supported))}", file=sys.stderr)
         return 2
     reports = []
-    for adapter in adapters:
+    origin = provenance(argv)
+    _print(f"provenance: {json.dumps(origin)}")
+    for i, adapter in enumerate(adapters):
         _print(adapter.describe())
         reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout or 300.0, args.shrink_budget,
                              args.families, args.dtypes, device=args.device))
+        reports[-1]["provenance"] = origin
+        reports[-1]["partial"] = i + 1 < len(adapters)  # later adapters not yet checked
         print_report(reports[-1])
+        if args.json:  # written adapter by adapter: an interrupted run leaves what it finished
+            with open(args.json, "w") as f:
+                json.dump(reports, f, indent=1, default=str)
     if args.markdown:
         print(markdown(reports))
     if len(reports) > 1:
