@@ -34,6 +34,8 @@ def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
     out = tmp_path / "report.json"
     assert conformance.main(["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
     (report,) = json.loads(out.read_text())
+    assert report["partial"] is False and report["provenance"]["torch"] == torch.__version__
+    assert report["provenance"]["cpu_capability"] and "--json" in report["provenance"]["command"]
     assert report["conforms"] and report["diagnosis"].startswith("conforms")
     assert {o["family"] for o in report["outcomes"]} == {"tall", "square", "row", "experts3d"}
     assert all(o["status"] == "bitwise" and o["max_diff"] == 0 for o in report["outcomes"])
@@ -102,3 +104,33 @@ def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(tm
     monkeypatch.delitem(sys.modules, "my_cwd_adapters", raising=False)
     adapter = load_adapter("my_cwd_adapters:MyMuon")
     assert adapter.name == "MyMuon" and sys.path[0] == str(tmp_path)
+
+
+@pytest.mark.parametrize("argv, names, valid", [
+    (["--all", "--families", "tal"], "--families tal unknown; valid: ", "tall"),
+    (["--all", "--preset", "kellr"], "--preset 'kellr' is unknown; valid: ", "keller"),
+])
+def test_an_unknown_name_is_a_usage_error_listing_the_valid_ones(argv, names, valid, capsys) -> None:
+    """Nothing vacuous: a misspelt family or preset exits 2 with one line naming it and the valid names,
+    before any case runs. Negative control: a known family passes the same validation."""
+    assert conformance.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and names in err and valid in err.split("valid: ")[1]
+    args = conformance._parser().parse_args(["--all", "--families", "tall"])
+    assert conformance._unknown_names(args) is None
+
+
+def test_help_lists_presets_and_families(capsys) -> None:
+    """--help names every preset and family a user may pass (the names the usage errors accept)."""
+    with pytest.raises(SystemExit):
+        conformance.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in muon_ref.PRESETS) and "experts_fused" in out
+
+
+def test_a_family_no_chosen_adapter_supports_is_a_usage_error(capsys) -> None:
+    """A known family that selects no case of the chosen adapters exits 2 (an empty run never
+    "conforms"); the error lists the families those adapters support."""
+    argv = ["--adapter", "muon_dist.harness.adapters.shipped:Reference", "--families", "straddle"]
+    assert conformance.main(argv) == 2
+    assert "selects no case" in capsys.readouterr().err

@@ -23,6 +23,7 @@ diagnosed (muon_dist/harness/adapters/diagnose.py). Exit status 1 on any departu
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import json
 import re
@@ -236,8 +237,44 @@ def markdown(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def provenance(argv: list[str] | None) -> dict[str, Any]:
+    """What a cited verdict needs to be rerun: versions, build, CPU capability or GPU, command, date."""
+    import platform
+    import subprocess
+    from datetime import datetime, timezone
+
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"commit": commit, "torch": torch.__version__, "torch_git": torch.version.git_version,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
+            "python": platform.python_version(),
+            "command": " ".join(["python -m muon_dist.harness.conformance", *(argv if argv is not None
+                                                                              else sys.argv[1:])]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _known_families() -> frozenset[str]:
+    """Every case family name, in any mode (--families accepts these)."""
+    from .adapters.cases import FUSED_FAMILIES, MODE_FAMILIES, SINGLE_FAMILIES
+
+    return SINGLE_FAMILIES.union(FUSED_FAMILIES, *MODE_FAMILIES.values())
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from muon_ref import PRESETS
+
+    epilog = (f"presets: {', '.join(sorted(PRESETS))}\n"
+              f"families: {', '.join(sorted(_known_families()))}\n"
+              "exit codes: 0 conforms, 1 bug found, 2 usage error")
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
     p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
     p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
@@ -288,6 +325,19 @@ def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
     return {"planted": verdicts, "caught": caught, "right": right, "total": len(verdicts), "wall_s": wall}
 
 
+def _unknown_names(args: argparse.Namespace) -> str | None:
+    """A one-line usage error for an unknown --preset or --families name (nothing vacuous), else None."""
+    from muon_ref import PRESETS
+
+    if args.preset not in PRESETS:
+        return f"--preset {args.preset!r} is unknown; valid: {', '.join(sorted(PRESETS))}"
+    known = _known_families()
+    unknown = sorted(set(args.families or ()) - known)
+    if unknown:
+        return f"--families {' '.join(unknown)} unknown; valid: {', '.join(sorted(known))}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -302,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(suite, f, indent=1, default=str)
         return 0 if suite["right"] == suite["total"] else 1
+    bad = _unknown_names(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:
         adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
                                  kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
@@ -319,12 +373,24 @@ def main(argv: list[str] | None = None) -> int:
     if not adapters:
         print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
+    supported = frozenset().union(*(a.families for a in adapters))
+    if args.families and not supported & frozenset(args.families):
+        print(f"error: --families {' '.join(args.families)} selects no case of these adapters; "
+              f"valid: {', '.join(sorted(supported))}", file=sys.stderr)
+        return 2
     reports = []
-    for adapter in adapters:
+    origin = provenance(argv)
+    _print(f"provenance: {json.dumps(origin)}")
+    for i, adapter in enumerate(adapters):
         _print(adapter.describe())
         reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout or 300.0, args.shrink_budget,
                              args.families, args.dtypes, device=args.device))
+        reports[-1]["provenance"] = origin
+        reports[-1]["partial"] = i + 1 < len(adapters)  # later adapters not yet checked
         print_report(reports[-1])
+        if args.json:  # written adapter by adapter: an interrupted run leaves what it finished
+            with open(args.json, "w") as f:
+                json.dump(reports, f, indent=1, default=str)
     if args.markdown:
         print(markdown(reports))
     if len(reports) > 1:
