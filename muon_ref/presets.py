@@ -115,11 +115,18 @@ TORCH_KEY_FIELDS: dict[str, str] = {
     "adjust_lr_fn": "lr_scale",
     "use_addmm": "step_form",
 }
-# torch/optim/_muon.py: None and "original" are the same scale
+# torch/optim/_muon.py: None and "original" are the same scale; "spectral_unclamped" (sqrt(A / B),
+# torch 2.14 and newer) is muon_ref's "spectral_norm"
 TORCH_ADJUST_LR: dict[str | None, str] = {
     None: "original",
     "original": "original",
     "match_rms_adamw": "match_rms_adamw",
+    "spectral_unclamped": "spectral_norm",
+}
+LR_SCALE_TO_TORCH: dict[str, str] = {
+    "original": "original",
+    "match_rms_adamw": "match_rms_adamw",
+    "spectral_norm": "spectral_unclamped",
 }
 # keys that torch.optim itself (Optimizer, LR schedulers) writes into param groups
 FRAMEWORK_KEYS: tuple[str, ...] = ("params", "param_names", "initial_lr")
@@ -176,7 +183,7 @@ def from_torch_keys(keys: dict[str, Any]) -> dict[str, Any]:
         if fn not in TORCH_ADJUST_LR:
             raise ValueError(
                 f"Adjust learning rate function {fn} is not supported (adjust_lr_fn={fn!r}; "
-                f"valid: None, 'original', 'match_rms_adamw')"
+                f"valid: None, 'original', 'match_rms_adamw', 'spectral_unclamped')"
             )
         out["lr_scale"] = TORCH_ADJUST_LR[fn]
     if "use_addmm" in keys:
@@ -188,9 +195,12 @@ def to_torch_keys(values: dict[str, Any]) -> dict[str, Any]:
     """torch's keys for a group's MuonConfig fields, where torch can express them (a
     torch.optim.Muon loads a state dict carrying them); {} for a group torch cannot run."""
     sched = get_schedule(values["schedule"])
-    if len(sched.coefficients) != 1 or values["lr_scale"] not in ("original", "match_rms_adamw"):
+    if len(sched.coefficients) != 1 or values["lr_scale"] not in LR_SCALE_TO_TORCH:
         return {}
-    keys = {"ns_coefficients": sched.coefficients[0], "adjust_lr_fn": values["lr_scale"]}
+    keys = {
+        "ns_coefficients": sched.coefficients[0],
+        "adjust_lr_fn": LR_SCALE_TO_TORCH[values["lr_scale"]],
+    }
     if values["ns_steps"] is None:  # torch needs the count; a one-triple schedule's default is it
         keys["ns_steps"] = sched.default_steps
     if values["step_form"] in ("addmm", "keller"):  # read only by the torch versions that have it
