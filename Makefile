@@ -25,7 +25,7 @@ verify: $(STAMP)
 	$(PY) -m muon_dist.harness.verify
 	$(PY) -m muon_dist.harness.conformance --planted
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
 
 # ruff (configured in pyproject.toml): lint rules and the formatter's line length of 100

@@ -1,6 +1,8 @@
 import sys
 
-if sys.argv[1:2] == ["gpu"]:  # python -m benchmarks gpu [options]: the single-GPU tables (benchmarks/gpu.py)
+if sys.argv[1:2] == [
+    "gpu"
+]:  # python -m benchmarks gpu [options]: the single-GPU tables (benchmarks/gpu.py)
     from .gpu import main as gpu_main
 
     sys.exit(gpu_main(sys.argv[2:]))

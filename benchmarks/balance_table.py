@@ -26,4 +26,7 @@ def print_rows(table_rows: list[dict]) -> None:
     print(head)
     print("-" * len(head))
     for row in table_rows:
-        print(f"{row['table']:<12} {row['world_size']:>5} " + " ".join(f"{row[r]:>11.2f}" for r in RULES))
+        print(
+            f"{row['table']:<12} {row['world_size']:>5} "
+            + " ".join(f"{row[r]:>11.2f}" for r in RULES)
+        )

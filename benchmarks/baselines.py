@@ -23,7 +23,13 @@ import torch
 from torch import Tensor
 
 from muon_dist.geometry import chunk_bounds
-from muon_ref.functional import MatrixLayout, apply_update, matrix_layout, momentum_direction, orthogonalize
+from muon_ref.functional import (
+    MatrixLayout,
+    apply_update,
+    matrix_layout,
+    momentum_direction,
+    orthogonalize,
+)
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
@@ -40,8 +46,13 @@ def padded_rows(x: Tensor, rows: int) -> Tensor:
 class _ShardedMuon:
     """Momentum and update on local shards; subclasses say how a direction's whole param meets the kernel."""
 
-    def __init__(self, params: Sequence[Tensor], names: Sequence[str], preset: str,
-                 collectives: CountingCollectives) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        preset: str,
+        collectives: CountingCollectives,
+    ) -> None:
         self.params, self.names, self.comm = list(params), list(names), collectives
         self.cfg = group_config(preset_defaults(preset, {}))
         self.buffers: dict[int, Tensor] = {}
@@ -51,7 +62,10 @@ class _ShardedMuon:
 
     def boxes(self, i: int) -> list[tuple[int, int]]:
         """(first row, rows) of every rank's box of param i (torch.chunk over dim 0)."""
-        return [chunk_bounds(self.params[i].shape[0], self.comm.world_size, r) for r in range(self.comm.world_size)]
+        return [
+            chunk_bounds(self.params[i].shape[0], self.comm.world_size, r)
+            for r in range(self.comm.world_size)
+        ]
 
     def update_box(self, i: int, direction: Tensor) -> Tensor:
         raise NotImplementedError
@@ -64,7 +78,9 @@ class _ShardedMuon:
             buf = self.buffers[i] if i in self.buffers else torch.zeros_like(grad)
             self.buffers[i], direction = momentum_direction(grad, buf, self.cfg)
             local = p.to_local()
-            local.copy_(apply_update(local, self.update_box(i, direction), self.layout(i), self.cfg))
+            local.copy_(
+                apply_update(local, self.update_box(i, direction), self.layout(i), self.cfg)
+            )
 
 
 class FullTensorMuon(_ShardedMuon):
@@ -73,10 +89,12 @@ class FullTensorMuon(_ShardedMuon):
     def update_box(self, i: int, direction: Tensor) -> Tensor:
         boxes, W = self.boxes(i), self.comm.world_size
         width = max(n for _, n in boxes)
-        gathered = self.comm.all_gather(padded_rows(direction, width)).reshape(W, width, *direction.shape[1:])
+        gathered = self.comm.all_gather(padded_rows(direction, width)).reshape(
+            W, width, *direction.shape[1:]
+        )
         full = torch.cat([gathered[j, :n] for j, (_, n) in enumerate(boxes)])
         first, rows = boxes[self.comm.rank]
-        return orthogonalize(full, self.layout(i), self.cfg)[first:first + rows]
+        return orthogonalize(full, self.layout(i), self.cfg)[first : first + rows]
 
 
 class GatherScatterMuon(_ShardedMuon):
@@ -90,7 +108,7 @@ class GatherScatterMuon(_ShardedMuon):
         if pieces is not None:
             full = torch.cat([piece[:n] for piece, (_, n) in zip(pieces, boxes)])
             update = orthogonalize(full, self.layout(i), self.cfg)
-            update_boxes = [padded_rows(update[first:first + n], width) for first, n in boxes]
+            update_boxes = [padded_rows(update[first : first + n], width) for first, n in boxes]
         dtype = self.cfg.ns_dtype or direction.dtype
         mine = self.comm.scatter(update_boxes, (width, *direction.shape[1:]), dtype, owner)
         return mine[: boxes[self.comm.rank][1]]

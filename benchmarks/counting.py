@@ -54,7 +54,9 @@ class CountingCollectives:
         self.received += (self.world_size - 1) * nbytes
         return pieces
 
-    def scatter(self, pieces: list[Tensor] | None, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> Tensor:
+    def scatter(
+        self, pieces: list[Tensor] | None, shape: tuple[int, ...], dtype: torch.dtype, src: int
+    ) -> Tensor:
         """Piece j of src's `pieces` (each of this shape and dtype) to rank j."""
         out = torch.empty(shape, dtype=dtype)
         nbytes = out.numel() * out.element_size()

@@ -88,15 +88,32 @@ REFERENCE = 'muon_ref.Muon(preset="torch")'
 # ------------------------------------------------------------------------------------------ parameter sets
 
 
-def dense_layers(*, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> list[ParamSpec]:
+def dense_layers(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int
+) -> list[ParamSpec]:
     """The Muon matrices of `layers` dense decoder layers: q, k, v, o, gate, up, down."""
-    specs = transformer(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn,
-                        vocab=1)
+    specs = transformer(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=1,
+    )
     return [s for s in specs if s.kind == "matrix"]
 
 
-def moe_layers(*, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int,
-               expert_ffn: int) -> list[ParamSpec]:
+def moe_layers(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    experts: int,
+    expert_ffn: int,
+) -> list[ParamSpec]:
     """The Muon matrices of `layers` MoE decoder layers: q, k, v, o and 3-D expert stacks gate, up, down
     (separate gate and up stacks, as Qwen3-MoE's checkpoints hold them; the router is left out)."""
     specs = []
@@ -117,19 +134,39 @@ def moe_layers(*, layers: int, hidden: int, heads: int, kv_heads: int, head_dim:
 def step_sets(tiny: bool) -> dict[str, tuple[str, list[ParamSpec]]]:
     """name -> (description, specs)."""
     if tiny:  # the same structures at sizes that run in milliseconds on CPU: tall, wide and square matrices
-        return {"dense": ("2 tiny dense layers", dense_layers(layers=2, hidden=24, heads=3, kv_heads=1, head_dim=8,
-                                                              ffn=40)),
-                "moe": ("1 tiny MoE layer", moe_layers(layers=1, hidden=24, heads=4, kv_heads=1, head_dim=8,
-                                                       experts=4, expert_ffn=12))}
+        return {
+            "dense": (
+                "2 tiny dense layers",
+                dense_layers(layers=2, hidden=24, heads=3, kv_heads=1, head_dim=8, ffn=40),
+            ),
+            "moe": (
+                "1 tiny MoE layer",
+                moe_layers(
+                    layers=1, hidden=24, heads=4, kv_heads=1, head_dim=8, experts=4, expert_ffn=12
+                ),
+            ),
+        }
     return {
         # Qwen/Qwen2.5-7B config.json: hidden_size 3584, 28 attention / 4 key-value heads (head_dim 128),
         # intermediate_size 18944
-        "dense": ("4 layers of Qwen2.5-7B", dense_layers(layers=4, hidden=3584, heads=28, kv_heads=4, head_dim=128,
-                                                         ffn=18944)),
+        "dense": (
+            "4 layers of Qwen2.5-7B",
+            dense_layers(layers=4, hidden=3584, heads=28, kv_heads=4, head_dim=128, ffn=18944),
+        ),
         # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, 32 / 4 heads of head_dim 128, 128 experts of
         # moe_intermediate_size 768
-        "moe": ("2 layers of Qwen3-30B-A3B", moe_layers(layers=2, hidden=2048, heads=32, kv_heads=4, head_dim=128,
-                                                        experts=128, expert_ffn=768)),
+        "moe": (
+            "2 layers of Qwen3-30B-A3B",
+            moe_layers(
+                layers=2,
+                hidden=2048,
+                heads=32,
+                kv_heads=4,
+                head_dim=128,
+                experts=128,
+                expert_ffn=768,
+            ),
+        ),
     }
 
 
@@ -153,7 +190,9 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     for item in text.split(","):
         dims = item.lower().split("x")
         if len(dims) < 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
-            raise argparse.ArgumentTypeError(f"a shape is [batch x] fan_out x fan_in, positive integers; got {item!r}")
+            raise argparse.ArgumentTypeError(
+                f"a shape is [batch x] fan_out x fan_in, positive integers; got {item!r}"
+            )
         shapes.append(tuple(int(d) for d in dims))
     return shapes
 
@@ -197,7 +236,9 @@ def why(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0][:240] if text else ''}"
 
 
-def seeded(shape: tuple[int, ...], seed: int, device: torch.device, out: Tensor | None = None) -> Tensor:
+def seeded(
+    shape: tuple[int, ...], seed: int, device: torch.device, out: Tensor | None = None
+) -> Tensor:
     """Standard normal values from a generator seeded with `seed` on `device` (into `out` when given)."""
     out = torch.empty(shape, device=device) if out is None else out
     return out.normal_(generator=torch.Generator(device).manual_seed(seed))
@@ -220,7 +261,11 @@ class Contender:
 
 def hyperparameters() -> dict[str, float]:
     values = preset_defaults(PRESET, {})
-    return {"lr": values["lr"], "weight_decay": values["weight_decay"], "momentum": values["momentum"]}
+    return {
+        "lr": values["lr"],
+        "weight_decay": values["weight_decay"],
+        "momentum": values["momentum"],
+    }
 
 
 def torch_muon(params: list[Tensor]) -> torch.optim.Optimizer:
@@ -255,9 +300,13 @@ def contenders(dion: object | None) -> list[Contender]:
     """The oracle first (every comparison needs its result), then the others in the tables' order."""
     from muon_dist.kernels import BACKENDS
 
-    rows = [Contender(REFERENCE, lambda params: muon_ref.Muon(params, preset=PRESET)),
-            Contender(TORCH_MUON, torch_muon)]
-    rows += [Contender(f"DistributedMuon W=1 ns_backend={b}", distributed_muon(b)) for b in BACKENDS]
+    rows = [
+        Contender(REFERENCE, lambda params: muon_ref.Muon(params, preset=PRESET)),
+        Contender(TORCH_MUON, torch_muon),
+    ]
+    rows += [
+        Contender(f"DistributedMuon W=1 ns_backend={b}", distributed_muon(b)) for b in BACKENDS
+    ]
     rows.append(Contender("torch.optim.AdamW(fused=True)", fused_adamw, muon=False, compared=False))
     return rows + ([] if dion is None else dion_contenders(dion))
 
@@ -270,8 +319,14 @@ def dion_contenders(dion: object) -> list[Contender]:
     hp = hyperparameters()
 
     def builder(options: dict) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
-        return lambda params: dion.Muon(params, lr=hp["lr"], mu=hp["momentum"], weight_decay=hp["weight_decay"],
-                                        nesterov=True, **options)
+        return lambda params: dion.Muon(
+            params,
+            lr=hp["lr"],
+            mu=hp["momentum"],
+            weight_decay=hp["weight_decay"],
+            nesterov=True,
+            **options,
+        )
 
     return [Contender(name, builder(options), compared=False) for name, options in variants.items()]
 
@@ -287,7 +342,9 @@ def load_dion(path: str) -> object:
     finally:
         sys.path.remove(root)
     if not os.path.abspath(dion.__file__).startswith(os.path.join(root, "")):
-        raise ValueError(f"--dion {path}: another dion package is imported already ({dion.__file__})")
+        raise ValueError(
+            f"--dion {path}: another dion package is imported already ({dion.__file__})"
+        )
     return dion
 
 
@@ -299,11 +356,15 @@ def world_of_one(device: torch.device) -> Iterator[None]:
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ValueError(f"benchmarks gpu runs DistributedMuon at W = 1; this process is rank {dist.get_rank()} "
-                             f"of {dist.get_world_size()} (run it as one process, without torchrun)")
+            raise ValueError(
+                f"benchmarks gpu runs DistributedMuon at W = 1; this process is rank {dist.get_rank()} "
+                f"of {dist.get_world_size()} (run it as one process, without torchrun)"
+            )
         yield
         return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
     try:
         yield
     finally:
@@ -354,7 +415,7 @@ def time_steps(run: StepRun, contender: Contender) -> tuple[list[Tensor], dict]:
         if step:
             refill_gradients(run, params, step)
         times.append(elapsed_s(opt.step, run.device))
-    return params, {**spread(times[run.warmup:]), "peak_gib": peak_gib(run.device)}
+    return params, {**spread(times[run.warmup :]), "peak_gib": peak_gib(run.device)}
 
 
 def compare(got: list[Tensor], want: list[Tensor]) -> dict:
@@ -368,17 +429,30 @@ def compare(got: list[Tensor], want: list[Tensor]) -> dict:
     return {"equal_muon_ref": equal, "max_abs_diff": worst}
 
 
-def step_table(run: StepRun, candidates: list[Contender], peak_tflops: float, ns_steps: int) -> list[dict]:
+def step_table(
+    run: StepRun, candidates: list[Contender], peak_tflops: float, ns_steps: int
+) -> list[dict]:
     """One row per contender; candidates[0] is the oracle, whose params the compared ones must equal. A contender
     that raises is a row with its error."""
     floor = ns_floor_ms(list(run.specs), peak_tflops, ns_steps)
     rows, reference = [], None
     for i, c in enumerate(candidates):
-        row = {"set": run.name, "optimizer": c.name, "error": None, "oracle": i == 0, "ms": None, "ms_min": None,
-               "ms_max": None, "peak_gib": None, "floor_fraction": None, "equal_muon_ref": None, "max_abs_diff": None}
+        row = {
+            "set": run.name,
+            "optimizer": c.name,
+            "error": None,
+            "oracle": i == 0,
+            "ms": None,
+            "ms_min": None,
+            "ms_max": None,
+            "peak_gib": None,
+            "floor_fraction": None,
+            "equal_muon_ref": None,
+            "max_abs_diff": None,
+        }
         try:
             params, measured = time_steps(run, c)
-        except Exception as e:  # noqa: BLE001: the table reports any failure as its row and goes on
+        except Exception as e:  # noqa: BLE001 - the table reports any failure as its row and goes on
             rows.append({**row, "error": why(e)})
             continue
         row.update(measured, floor_fraction=floor / measured["ms"] if c.muon else None)
@@ -406,15 +480,25 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_step_table(run: StepRun, rows: list[dict], peak_tflops: float, ns_steps: int, clock: str) -> None:
+def print_step_table(
+    run: StepRun, rows: list[dict], peak_tflops: float, ns_steps: int, clock: str
+) -> None:
     num_params = sum(math.prod(s.shape) for s in run.specs)
-    print(f"\n{run.name}: {run.description}, {len(run.specs)} Muon params ({num_params / 1e9:.3g} B), fp32 params "
-          f"and grads; step: median of {run.steps} after {run.warmup} warm-up ({clock}); NS floor "
-          f"{ns_floor_ms(list(run.specs), peak_tflops, ns_steps):.3g} ms ({ns_steps} steps at {peak_tflops:g} "
-          f"TFLOP/s)" + (f"; {TORCH_MUON}: one 2-D param per expert of a stack (views)"
-                         if any(s.kind == "experts" for s in run.specs) else ""))
-    head = (f"{'optimizer':<40} {'step ms':>9} {'[min, max]':>19} {'x torch':>7} {'peak GiB':>8} {'of floor':>8} "
-            f"{'= muon_ref':>12}")
+    print(
+        f"\n{run.name}: {run.description}, {len(run.specs)} Muon params ({num_params / 1e9:.3g} B), fp32 params "
+        f"and grads; step: median of {run.steps} after {run.warmup} warm-up ({clock}); NS floor "
+        f"{ns_floor_ms(list(run.specs), peak_tflops, ns_steps):.3g} ms ({ns_steps} steps at {peak_tflops:g} "
+        f"TFLOP/s)"
+        + (
+            f"; {TORCH_MUON}: one 2-D param per expert of a stack (views)"
+            if any(s.kind == "experts" for s in run.specs)
+            else ""
+        )
+    )
+    head = (
+        f"{'optimizer':<40} {'step ms':>9} {'[min, max]':>19} {'x torch':>7} {'peak GiB':>8} {'of floor':>8} "
+        f"{'= muon_ref':>12}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -422,8 +506,10 @@ def print_step_table(run: StepRun, rows: list[dict], peak_tflops: float, ns_step
             print(f"{r['optimizer']:<40} unavailable: {r['error']}")
             continue
         interval = f"[{r['ms_min']:.4g}, {r['ms_max']:.4g}]"
-        print(f"{r['optimizer']:<40} {r['ms']:>9.4g} {interval:>19} {fmt(r['x_torch'], '.2f'):>7} "
-              f"{fmt(r['peak_gib'], '.1f'):>8} {fmt(r['floor_fraction'], '.3g'):>8} {bitwise_cell(r):>12}")
+        print(
+            f"{r['optimizer']:<40} {r['ms']:>9.4g} {interval:>19} {fmt(r['x_torch'], '.2f'):>7} "
+            f"{fmt(r['peak_gib'], '.1f'):>8} {fmt(r['floor_fraction'], '.3g'):>8} {bitwise_cell(r):>12}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ kernel table
@@ -438,25 +524,47 @@ class Kernel:
     matrices_only: bool = False  # 2-D inputs only
 
 
-def kernels(cfg: MuonConfig, triton_tiles: list[tuple[int, int, int]], dion: object | None) -> list[Kernel]:
+def kernels(
+    cfg: MuonConfig, triton_tiles: list[tuple[int, int, int]], dion: object | None
+) -> list[Kernel]:
     """muon_ref's kernel first (every difference is taken against it), then the others."""
     from muon_dist.kernels import BACKENDS, backend
 
     rows = [Kernel("muon_ref.newton_schulz", lambda G: newton_schulz(G, **cfg.ns_kwargs()))]
-    with contextlib.suppress(ImportError):  # a private module of torch.optim: its names may move between versions
+    with contextlib.suppress(
+        ImportError
+    ):  # a private module of torch.optim: its names may move between versions
         from torch.optim import _muon
 
         coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
-        rows.append(Kernel("torch.optim._muon._zeropower_via_newtonschulz", lambda G: _muon._zeropower_via_newtonschulz(
-            G, coefficients, _muon.DEFAULT_NS_STEPS, _muon.EPS), matrices_only=True))
-    for name in BACKENDS:  # imported at the first call: a backend whose package is missing is an unavailable row
-        rows.append(Kernel(f"muon_dist.kernels backend {name}",
-                           lambda G, name=name: backend(name).orthogonalize(G, matrix_layout(G.shape), cfg)))
-    rows += [Kernel(f"triton_ns tiles {b}/{k}/{w}", triton_with_tiles(cfg, b, k, w)) for b, k, w in triton_tiles]
+        rows.append(
+            Kernel(
+                "torch.optim._muon._zeropower_via_newtonschulz",
+                lambda G: _muon._zeropower_via_newtonschulz(
+                    G, coefficients, _muon.DEFAULT_NS_STEPS, _muon.EPS
+                ),
+                matrices_only=True,
+            )
+        )
+    for name in (
+        BACKENDS
+    ):  # imported at the first call: a backend whose package is missing is an unavailable row
+        rows.append(
+            Kernel(
+                f"muon_dist.kernels backend {name}",
+                lambda G, name=name: backend(name).orthogonalize(G, matrix_layout(G.shape), cfg),
+            )
+        )
+    rows += [
+        Kernel(f"triton_ns tiles {b}/{k}/{w}", triton_with_tiles(cfg, b, k, w))
+        for b, k, w in triton_tiles
+    ]
     return rows + ([] if dion is None else dion_kernels(dion))
 
 
-def triton_with_tiles(cfg: MuonConfig, block: int, block_k: int, num_warps: int) -> Callable[[Tensor], Tensor]:
+def triton_with_tiles(
+    cfg: MuonConfig, block: int, block_k: int, num_warps: int
+) -> Callable[[Tensor], Tensor]:
     """The Triton kernel at these tiles with the config's NS arguments (those the fused step takes, as its backend)."""
     options = {k: v for k, v in cfg.ns_kwargs().items() if k not in ("step_form", "precondition")}
 
@@ -469,9 +577,12 @@ def triton_with_tiles(cfg: MuonConfig, block: int, block_k: int, num_warps: int)
 
 
 # dion/newton_schulz_triton.py and dion/polar_express.py of microsoft/dion: (module, function)
-DION_KERNELS = (("newton_schulz_triton", "newton_schulz_triton"),
-                ("newton_schulz_triton", "zeropower_via_newtonschulz5"),
-                ("polar_express", "polar_express"), ("polar_express", "polar_express_triton"))
+DION_KERNELS = (
+    ("newton_schulz_triton", "newton_schulz_triton"),
+    ("newton_schulz_triton", "zeropower_via_newtonschulz5"),
+    ("polar_express", "polar_express"),
+    ("polar_express", "polar_express_triton"),
+)
 
 
 def dion_kernels(dion: object) -> list[Kernel]:
@@ -484,11 +595,26 @@ def dion_kernels(dion: object) -> list[Kernel]:
     return rows
 
 
-def kernel_row(kernel: Kernel, G: Tensor, want: Tensor | None, reps: int, warmup: int, peak_tflops: float,
-               ns_steps: int) -> dict:
+def kernel_row(
+    kernel: Kernel,
+    G: Tensor,
+    want: Tensor | None,
+    reps: int,
+    warmup: int,
+    peak_tflops: float,
+    ns_steps: int,
+) -> dict:
     """One kernel on one input: timing, fraction of the peak, max |difference| from `want` (None: it is want)."""
-    row = {"shape": "x".join(map(str, G.shape)), "kernel": kernel.name, "error": None, "ms": None, "ms_min": None,
-           "ms_max": None, "peak_fraction": None, "max_abs_diff": None}
+    row = {
+        "shape": "x".join(map(str, G.shape)),
+        "kernel": kernel.name,
+        "error": None,
+        "ms": None,
+        "ms_min": None,
+        "ms_max": None,
+        "peak_fraction": None,
+        "max_abs_diff": None,
+    }
     if kernel.matrices_only and G.ndim != 2:
         return {**row, "error": "2-D only"}
     try:
@@ -497,27 +623,42 @@ def kernel_row(kernel: Kernel, G: Tensor, want: Tensor | None, reps: int, warmup
             kernel.run(G)
         measured = spread([elapsed_s(lambda: kernel.run(G), G.device) for _ in range(reps)])
         diff = 0.0 if want is None else (out.double() - want.double()).abs().max().item()
-    except Exception as e:  # noqa: BLE001: the table reports any failure as its row and goes on
+    except Exception as e:  # noqa: BLE001 - the table reports any failure as its row and goes on
         return {**row, "error": why(e)}
-    peak_fraction = kernel_flops(tuple(G.shape), ns_steps) / (measured["ms"] / 1e3) / (peak_tflops * 1e12)
+    peak_fraction = (
+        kernel_flops(tuple(G.shape), ns_steps) / (measured["ms"] / 1e3) / (peak_tflops * 1e12)
+    )
     return {**row, **measured, "peak_fraction": peak_fraction, "max_abs_diff": diff}
 
 
-def kernel_table(shapes: list[tuple[int, ...]], candidates: list[Kernel], device: torch.device, reps: int,
-                 warmup: int, peak_tflops: float, ns_steps: int) -> list[dict]:
+def kernel_table(
+    shapes: list[tuple[int, ...]],
+    candidates: list[Kernel],
+    device: torch.device,
+    reps: int,
+    warmup: int,
+    peak_tflops: float,
+    ns_steps: int,
+) -> list[dict]:
     rows = []
     for i, shape in enumerate(shapes):
         G = seeded(shape, 31 + i, device)
         want = candidates[0].run(G)
-        rows += [kernel_row(k, G, None if j == 0 else want, reps, warmup, peak_tflops, ns_steps)
-                 for j, k in enumerate(candidates)]
+        rows += [
+            kernel_row(k, G, None if j == 0 else want, reps, warmup, peak_tflops, ns_steps)
+            for j, k in enumerate(candidates)
+        ]
     return rows
 
 
-def print_kernel_table(rows: list[dict], reps: int, warmup: int, peak_tflops: float, ns_steps: int, clock: str) -> None:
-    print(f"\nNewton-Schulz kernels, bf16 compute from fp32 input, {ns_steps} steps: median of {reps} calls after "
-          f"{warmup} warm-up ({clock}); of peak: reference FLOPs / time / ({peak_tflops:g} TFLOP/s); max |diff| "
-          "from muon_ref.newton_schulz")
+def print_kernel_table(
+    rows: list[dict], reps: int, warmup: int, peak_tflops: float, ns_steps: int, clock: str
+) -> None:
+    print(
+        f"\nNewton-Schulz kernels, bf16 compute from fp32 input, {ns_steps} steps: median of {reps} calls after "
+        f"{warmup} warm-up ({clock}); of peak: reference FLOPs / time / ({peak_tflops:g} TFLOP/s); max |diff| "
+        "from muon_ref.newton_schulz"
+    )
     head = f"{'shape':>14} {'kernel':<46} {'ms':>9} {'[min, max]':>19} {'of peak':>8} {'max |diff|':>10}"
     print(head)
     print("-" * len(head))
@@ -526,8 +667,10 @@ def print_kernel_table(rows: list[dict], reps: int, warmup: int, peak_tflops: fl
             print(f"{r['shape']:>14} {r['kernel']:<46} unavailable: {r['error']}")
             continue
         interval = f"[{r['ms_min']:.4g}, {r['ms_max']:.4g}]"
-        print(f"{r['shape']:>14} {r['kernel']:<46} {r['ms']:>9.4g} {interval:>19} {r['peak_fraction']:>8.3g} "
-              f"{r['max_abs_diff']:>10.2e}")
+        print(
+            f"{r['shape']:>14} {r['kernel']:<46} {r['ms']:>9.4g} {interval:>19} {r['peak_fraction']:>8.3g} "
+            f"{r['max_abs_diff']:>10.2e}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -537,35 +680,69 @@ def parse_tiles(text: str) -> tuple[int, int, int]:
     """'128/64/8' -> (block, block_k, num_warps)."""
     parts = text.split("/")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"tiles are block/block_k/num_warps, e.g. 128/64/8; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"tiles are block/block_k/num_warps, e.g. 128/64/8; got {text!r}"
+        )
     return tuple(int(p) for p in parts)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=("steps", "kernels"), default=["steps", "kernels"])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--parts", nargs="+", choices=("steps", "kernels"), default=["steps", "kernels"]
+    )
     parser.add_argument("--sets", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps and calls (default 2; --tiny 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 5; --tiny 2)")
-    parser.add_argument("--reps", type=int, default=None, help="timed kernel calls (default 10; --tiny 2)")
-    parser.add_argument("--shapes", type=parse_shapes, default=None,
-                        help=f"kernel shapes, comma-separated (default {DEFAULT_SHAPES}; --tiny {TINY_SHAPES})")
-    parser.add_argument("--peak-tflops", type=float, default=H100_SXM_DENSE_BF16_TFLOPS,
-                        help="dense bf16 peak of the GPU in TFLOP/s (default: H100 SXM, 989)")
-    parser.add_argument("--triton-tiles", type=parse_tiles, nargs="*", default=[(128, 64, 8)],
-                        help="extra rows of the Triton kernel at these block/block_k/num_warps (default 128/64/8; "
-                             "its backend row uses the kernel's defaults, 64/32/4)")
-    parser.add_argument("--dion", metavar="PATH", help="a microsoft/dion checkout: add its Muon and NS kernels")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps and calls (default 2; --tiny 1)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed optimizer steps (default 5; --tiny 2)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed kernel calls (default 10; --tiny 2)"
+    )
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=None,
+        help=f"kernel shapes, comma-separated (default {DEFAULT_SHAPES}; --tiny {TINY_SHAPES})",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_SXM_DENSE_BF16_TFLOPS,
+        help="dense bf16 peak of the GPU in TFLOP/s (default: H100 SXM, 989)",
+    )
+    parser.add_argument(
+        "--triton-tiles",
+        type=parse_tiles,
+        nargs="*",
+        default=[(128, 64, 8)],
+        help="extra rows of the Triton kernel at these block/block_k/num_warps (default 128/64/8; "
+        "its backend row uses the kernel's defaults, 64/32/4)",
+    )
+    parser.add_argument(
+        "--dion", metavar="PATH", help="a microsoft/dion checkout: add its Muon and NS kernels"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny sets and shapes (the whole pipeline in seconds)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny sets and shapes (the whole pipeline in seconds)"
+    )
     parser.add_argument("--json", metavar="FILE", help="write the header and every row as JSON")
     args = parser.parse_args(argv)
     tiny = args.tiny
     args.warmup = (1 if tiny else 2) if args.warmup is None else args.warmup
     args.steps = (2 if tiny else 5) if args.steps is None else args.steps
     args.reps = (2 if tiny else 10) if args.reps is None else args.reps
-    args.shapes = parse_shapes(TINY_SHAPES if tiny else DEFAULT_SHAPES) if args.shapes is None else args.shapes
+    args.shapes = (
+        parse_shapes(TINY_SHAPES if tiny else DEFAULT_SHAPES)
+        if args.shapes is None
+        else args.shapes
+    )
     return args
 
 
@@ -574,11 +751,18 @@ def header(device: torch.device, argv: list[str]) -> dict:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = "not installed"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    return {"device": name, "torch": torch.__version__, "triton": triton,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": shlex.join(["python", "-m", "benchmarks", "gpu", *argv])}
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    )
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": shlex.join(["python", "-m", "benchmarks", "gpu", *argv]),
+    }
 
 
 def run_all(args: argparse.Namespace, device: torch.device) -> dict:
@@ -597,8 +781,15 @@ def run_all(args: argparse.Namespace, device: torch.device) -> dict:
                 print_step_table(run, rows, args.peak_tflops, ns_steps, clock)
                 out["steps"] += rows
     if "kernels" in args.parts:
-        rows = kernel_table(args.shapes, kernels(cfg, args.triton_tiles, dion), device, args.reps, args.warmup,
-                            args.peak_tflops, ns_steps)
+        rows = kernel_table(
+            args.shapes,
+            kernels(cfg, args.triton_tiles, dion),
+            device,
+            args.reps,
+            args.warmup,
+            args.peak_tflops,
+            ns_steps,
+        )
         print_kernel_table(rows, args.reps, args.warmup, args.peak_tflops, ns_steps, clock)
         out["kernels"] = rows
     return out
@@ -608,20 +799,32 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks gpu: no CUDA device here: the GPU tables are skipped (run it on a GPU node; "
-              "`python -m benchmarks gpu --device cpu --tiny` runs the whole pipeline at tiny sizes on CPU)")
+        print(
+            "benchmarks gpu: no CUDA device here: the GPU tables are skipped (run it on a GPU node; "
+            "`python -m benchmarks gpu --device cpu --tiny` runs the whole pipeline at tiny sizes on CPU)"
+        )
         return 0
     device = torch.device(args.device)
     head = header(device, argv)
-    print(f"benchmarks gpu: {head['device']}, torch {head['torch']}, triton {head['triton']}, {head['date']}; "
-          f"command: {head['command']}")
+    print(
+        f"benchmarks gpu: {head['device']}, torch {head['torch']}, triton {head['triton']}, {head['date']}; "
+        f"command: {head['command']}"
+    )
     # without CUDA, torch.compile'd functions (Dion's) run eagerly: no compiler toolchain needed
-    stance = torch.compiler.set_stance("force_eager") if device.type == "cpu" else contextlib.nullcontext()
+    stance = (
+        torch.compiler.set_stance("force_eager")
+        if device.type == "cpu"
+        else contextlib.nullcontext()
+    )
     with stance:
         out = run_all(args, device)
-    failed = [f"{r['set']} {r['optimizer']}" for r in out["steps"] if r.get("equal_muon_ref") is False]
-    print(f"\nnot bitwise equal to muon_ref: {failed or 'none'}; unavailable: "
-          f"{sum(1 for r in out['steps'] + out['kernels'] if r['error'] and r['error'] != '2-D only')} rows")
+    failed = [
+        f"{r['set']} {r['optimizer']}" for r in out["steps"] if r.get("equal_muon_ref") is False
+    ]
+    print(
+        f"\nnot bitwise equal to muon_ref: {failed or 'none'}; unavailable: "
+        f"{sum(1 for r in out['steps'] + out['kernels'] if r['error'] and r['error'] != '2-D only')} rows"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, **out}, f, indent=1)

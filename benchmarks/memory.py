@@ -37,7 +37,9 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def peak_extra_bytes(call: Callable[[], object], prepare: Callable[[int], object], repeats: int) -> list[int]:
+def peak_extra_bytes(
+    call: Callable[[], object], prepare: Callable[[int], object], repeats: int
+) -> list[int]:
     """The peak extra bytes of runs 1..repeats of `call` (run 0 is unmeasured); prepare(k) runs before run k,
     outside the measured range (setting a step's gradients)."""
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -46,8 +48,14 @@ def peak_extra_bytes(call: Callable[[], object], prepare: Callable[[int], object
             with record_function(f"{MARK}{k}"):
                 call()
     events = prof.profiler.kineto_results.events()
-    ranges = {int(e.name()[len(MARK):]): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith(MARK)}
-    memory = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events) if e.name() == "[memory]")
+    ranges = {
+        int(e.name()[len(MARK) :]): (e.start_ns(), e.end_ns())
+        for e in events
+        if e.name().startswith(MARK)
+    }
+    memory = sorted(
+        (e.start_ns(), i, e.nbytes()) for i, e in enumerate(events) if e.name() == "[memory]"
+    )
     return [_peak_in(memory, *ranges[k]) for k in range(1, repeats + 1)]
 
 
@@ -74,8 +82,12 @@ def _known_pattern() -> None:
 
 def validate() -> int:
     """The method on the known pattern; raises if it reads anything but 6,000 B."""
-    _held.append(torch.empty(1000))  # allocated before the profiler: run 0 frees it unseen, unmeasured
+    _held.append(
+        torch.empty(1000)
+    )  # allocated before the profiler: run 0 frees it unseen, unmeasured
     peaks = peak_extra_bytes(_known_pattern, lambda k: None, repeats=2)
     if peaks != [6_000, 6_000]:
-        raise RuntimeError(f"peak_extra_bytes read {peaks} B on a pattern whose peak is 6,000 B: not reliable here")
+        raise RuntimeError(
+            f"peak_extra_bytes read {peaks} B on a pattern whose peak is 6,000 B: not reliable here"
+        )
     return peaks[0]

@@ -37,9 +37,9 @@ from typing import Protocol
 import torch
 
 import muon_ref
+from muon_dist.geometry import chunk_bounds
 from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
 from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
-from muon_dist.geometry import chunk_bounds
 from muon_dist.paths import PATHS
 
 from . import balance_table, memory
@@ -52,8 +52,18 @@ def scaled_moe() -> list[ParamSpec]:
     """tiny_moe's structure with sizes about 5x larger, so that an NS run is not negligible next to a collective:
     measured on an x86 CPU (torch 2.13.0) on one thread in bf16 (under load), NS of a 128 x 128 matrix took 6.4 ms and of 128 x 352 14.5 ms,
     against under 1 ms for tiny_moe's; still uneven (34 rows on 4 ranks)."""
-    return transformer(layers=3, hidden=136, heads=4, kv_heads=1, head_dim=34, ffn=360, vocab=97,
-                       experts=4, expert_ffn=72, moe_every=2)
+    return transformer(
+        layers=3,
+        hidden=136,
+        heads=4,
+        kv_heads=1,
+        head_dim=34,
+        ffn=360,
+        vocab=97,
+        experts=4,
+        expert_ffn=72,
+        moe_every=2,
+    )
 
 
 SETS = {"tiny_moe": tiny_moe, "scaled_moe": scaled_moe}
@@ -84,7 +94,10 @@ def initial(b: Bench) -> list[torch.Tensor]:
 
 
 def gradients(b: Bench, step: int) -> list[torch.Tensor]:
-    return [seeded(s.shape, b.seed * 104729 + 1000 * step + i + 1) for i, s in enumerate(muon_specs(b.table))]
+    return [
+        seeded(s.shape, b.seed * 104729 + 1000 * step + i + 1)
+        for i, s in enumerate(muon_specs(b.table))
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ ranks
@@ -108,8 +121,13 @@ def make(method: str, params: list[torch.Tensor], names: list[str], preset: str)
     from .counting import CountingCollectives
 
     if method in ("distributed", "padded_all_to_all", "global"):
-        options = {"padded_all_to_all": {"remainder": "padded_all_to_all"}, "global": {"dispatch": "global"}}
-        return DistributedMuon([{"params": params, "param_names": names}], preset=preset, **options.get(method, {}))
+        options = {
+            "padded_all_to_all": {"remainder": "padded_all_to_all"},
+            "global": {"dispatch": "global"},
+        }
+        return DistributedMuon(
+            [{"params": params, "param_names": names}], preset=preset, **options.get(method, {})
+        )
     cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
     return cls(params, names, preset, CountingCollectives())
 
@@ -146,9 +164,12 @@ def rank_bench(b: Bench) -> dict:
             start = time.perf_counter()
             opts[method].step()
             times[method].append(time.perf_counter() - start)
-    out = {"times": times, "bytes": {m: step_bytes(opts[m]) for m in METHODS},
-           "shards": {m: [p.to_local().clone() for p in params[m]] for m in METHODS},
-           "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p})}
+    out = {
+        "times": times,
+        "bytes": {m: step_bytes(opts[m]) for m in METHODS},
+        "shards": {m: [p.to_local().clone() for p in params[m]] for m in METHODS},
+        "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p}),
+    }
     out["peak_bytes"] = {m: peak_bytes(b, params[m], opts[m]) for m in METHODS}
     return out
 
@@ -172,7 +193,9 @@ def peak_bytes(b: Bench, params: list[torch.Tensor], opt: Method) -> int:
 def reference(b: Bench) -> list[torch.Tensor]:
     """muon_ref.Muon on the full tensors for all of the run's steps."""
     params = [torch.nn.Parameter(t) for t in initial(b)]
-    opt = muon_ref.Muon([{"params": params, "param_names": [s.name for s in muon_specs(b.table)]}], preset=b.preset)
+    opt = muon_ref.Muon(
+        [{"params": params, "param_names": [s.name for s in muon_specs(b.table)]}], preset=b.preset
+    )
     for step in range(b.total_steps):
         for p, g in zip(params, gradients(b, step)):
             p.grad = g
@@ -183,8 +206,11 @@ def reference(b: Bench) -> list[torch.Tensor]:
 def equals_reference(results: list[dict], method: str, want: list[torch.Tensor]) -> bool:
     """Every rank's shard of every param is bitwise its box of the reference."""
     W = len(results)
-    return all(same_bits(got, box_of(full, "S0", "fsdp", rank, W))
-               for rank, result in enumerate(results) for got, full in zip(result["shards"][method], want))
+    return all(
+        same_bits(got, box_of(full, "S0", "fsdp", rank, W))
+        for rank, result in enumerate(results)
+        for got, full in zip(result["shards"][method], want)
+    )
 
 
 # fp32 directions (the params' dtype here) and bf16 updates (the "torch" preset's ns_dtype)
@@ -206,48 +232,70 @@ def bound_per_rank(b: Bench) -> float:
     for spec in muon_specs(b.table):
         *experts, fan_out, fan_in = spec.shape
         p = holders(spec, b.world_size)
-        total += (experts[0] if experts else 1) * (p - 1) / p * fan_out * fan_in * (
-            DIRECTION_BYTES + UPDATE_BYTES) / b.world_size
+        total += (
+            (experts[0] if experts else 1)
+            * (p - 1)
+            / p
+            * fan_out
+            * fan_in
+            * (DIRECTION_BYTES + UPDATE_BYTES)
+            / b.world_size
+        )
     return total
 
 
 def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
     rows = []
     for method in METHODS:
-        slowest = [max(r["times"][method][s] for r in results) for s in range(b.warmup, b.total_steps)]
-        rows.append({
-            "table": b.table, "world_size": b.world_size, "method": method,
-            "step_ms": 1e3 * statistics.median(slowest),
-            "step_ms_min": 1e3 * min(slowest), "step_ms_max": 1e3 * max(slowest),
-            "sent_per_rank": statistics.mean(r["bytes"][method][0] for r in results),
-            "max_sent": max(r["bytes"][method][0] for r in results),
-            "control_per_rank": statistics.mean(r["bytes"][method][1] for r in results),
-            "collectives": max(r["bytes"][method][2] for r in results),
-            "bound_per_rank": bound_per_rank(b),
-            "equal_muon_ref": equals_reference(results, method, want),
-            "peak_bytes": max(r["peak_bytes"][method] for r in results),
-        })
+        slowest = [
+            max(r["times"][method][s] for r in results) for s in range(b.warmup, b.total_steps)
+        ]
+        rows.append(
+            {
+                "table": b.table,
+                "world_size": b.world_size,
+                "method": method,
+                "step_ms": 1e3 * statistics.median(slowest),
+                "step_ms_min": 1e3 * min(slowest),
+                "step_ms_max": 1e3 * max(slowest),
+                "sent_per_rank": statistics.mean(r["bytes"][method][0] for r in results),
+                "max_sent": max(r["bytes"][method][0] for r in results),
+                "control_per_rank": statistics.mean(r["bytes"][method][1] for r in results),
+                "collectives": max(r["bytes"][method][2] for r in results),
+                "bound_per_rank": bound_per_rank(b),
+                "equal_muon_ref": equals_reference(results, method, want),
+                "peak_bytes": max(r["peak_bytes"][method] for r in results),
+            }
+        )
     return rows
 
 
 def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
     base = rows[0]
     padded = next(r for r in rows if r["method"] == "padded_all_to_all")["peak_bytes"]
-    print(f"\n{b.table}, W = {b.world_size}: {len(muon_specs(b.table))} Muon params; step: median of {b.steps} steps "
-          f"after {b.warmup} warm-up (slowest rank per step); peak: extra memory during a step (median of "
-          f"{MEMORY_STEPS} steps, max over ranks); DistributedMuon's paths: {', '.join(paths)}")
-    head = (f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'sent B/rank':>11} {'x dist':>6} "
-            f"{'max B':>9} {'bound B':>9} {'control B':>9} {'colls':>5} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}")
+    print(
+        f"\n{b.table}, W = {b.world_size}: {len(muon_specs(b.table))} Muon params; step: median of {b.steps} steps "
+        f"after {b.warmup} warm-up (slowest rank per step); peak: extra memory during a step (median of "
+        f"{MEMORY_STEPS} steps, max over ranks); DistributedMuon's paths: {', '.join(paths)}"
+    )
+    head = (
+        f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'sent B/rank':>11} {'x dist':>6} "
+        f"{'max B':>9} {'bound B':>9} {'control B':>9} {'colls':>5} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         spread = f"[{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}]"
-        bytes_ratio = r["sent_per_rank"] / base["sent_per_rank"] if base["sent_per_rank"] else float("nan")
-        print(f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
-              f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
-              f"{r['control_per_rank']:>9.0f} {r['collectives']:>5} {r['peak_bytes'] / 1024:>9.1f} "
-              f"{r['peak_bytes'] / padded:>8.2f} "
-              f"{'bitwise' if r['equal_muon_ref'] else 'DIFFERS':>10}")
+        bytes_ratio = (
+            r["sent_per_rank"] / base["sent_per_rank"] if base["sent_per_rank"] else float("nan")
+        )
+        print(
+            f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
+            f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
+            f"{r['control_per_rank']:>9.0f} {r['collectives']:>5} {r['peak_bytes'] / 1024:>9.1f} "
+            f"{r['peak_bytes'] / padded:>8.2f} "
+            f"{'bitwise' if r['equal_muon_ref'] else 'DIFFERS':>10}"
+        )
 
 
 def load_average() -> str:
@@ -257,10 +305,16 @@ def load_average() -> str:
 def main(argv: list[str] | None = None) -> int:
     from muon_dist.harness.launch import RankPool
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke size: tiny_moe, W = 2, 1 + 2 steps, W <= 64")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke size: tiny_moe, W = 2, 1 + 2 steps, W <= 64"
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sets", nargs="+", choices=sorted(SETS), default=["tiny_moe", "scaled_moe"])
+    parser.add_argument(
+        "--sets", nargs="+", choices=sorted(SETS), default=["tiny_moe", "scaled_moe"]
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -268,13 +322,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.world_sizes, args.sets, args.warmup, args.steps = [2], ["tiny_moe"], 1, 2
-    balance_sizes = [2 ** k for k in range(3, 7 if args.quick else 11)]
+    balance_sizes = [2**k for k in range(3, 7 if args.quick else 11)]
     torch.set_num_threads(1)
     start = time.perf_counter()
-    print(f"muon_dist benchmarks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
-          f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, 1 intra-op thread per rank; load average "
-          f"{load_average()} (other jobs share the cores: step times are noisy, compare ratios within a run)")
-    print(f"memory method validated on a known allocation pattern: peak {memory.validate()} B of 6,000 B")
+    print(
+        f"muon_dist benchmarks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, 1 intra-op thread per rank; load average "
+        f"{load_average()} (other jobs share the cores: step times are noisy, compare ratios within a run)"
+    )
+    print(
+        f"memory method validated on a known allocation pattern: peak {memory.validate()} B of 6,000 B"
+    )
     step_rows, failures = [], []
     for W in args.world_sizes:
         pool = RankPool(W)
@@ -284,14 +342,18 @@ def main(argv: list[str] | None = None) -> int:
                 results = pool.run(rank_bench, b, timeout=args.timeout)
                 rows = summarise(b, results, reference(b))
                 print_steps(b, rows, results[0]["paths"])
-                failures += [f"{table} W={W} {r['method']}" for r in rows if not r["equal_muon_ref"]]
+                failures += [
+                    f"{table} W={W} {r['method']}" for r in rows if not r["equal_muon_ref"]
+                ]
                 step_rows += rows
         finally:
             pool.close()
     load_rows = balance_table.rows(balance_sizes)
     balance_table.print_rows(load_rows)
-    print(f"\nwall time {time.perf_counter() - start:.1f} s; load average at the end {load_average()}; "
-          f"results differing from muon_ref: {failures or 'none'}")
+    print(
+        f"\nwall time {time.perf_counter() - start:.1f} s; load average at the end {load_average()}; "
+        f"results differing from muon_ref: {failures or 'none'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": step_rows, "balance": load_rows}, f, indent=1)

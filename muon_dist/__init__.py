@@ -17,7 +17,23 @@ from .paths import PATHS
 from .plan import Entry, Options, Plan, expected_bytes, plan
 
 __all__ = [
-    "PATHS", "Batch", "Box", "Comm", "DistributedMuon", "Entry", "Geometry", "Group", "Options", "ParamLayout",
-    "Plan", "StepReport", "ThreadComm", "ThreadWorld", "TorchComm", "chunk_bounds", "expected_bytes", "plan",
+    "PATHS",
+    "Batch",
+    "Box",
+    "Comm",
+    "DistributedMuon",
+    "Entry",
+    "Geometry",
+    "Group",
+    "Options",
+    "ParamLayout",
+    "Plan",
+    "StepReport",
+    "ThreadComm",
+    "ThreadWorld",
+    "TorchComm",
+    "chunk_bounds",
+    "expected_bytes",
+    "plan",
     "read_layout",
 ]

@@ -35,10 +35,16 @@ from .optim import DistributedMuon
 
 def _params(opt: DistributedMuon) -> list[tuple[Tensor, dict[str, Any], str]]:
     """(param, its group, its name) in state-dict index order (torch.optim numbers params across groups in order)."""
-    return [(p, group, param_name(group, i)) for group in opt.param_groups for i, p in enumerate(group["params"])]
+    return [
+        (p, group, param_name(group, i))
+        for group in opt.param_groups
+        for i, p in enumerate(group["params"])
+    ]
 
 
-def _full(opt: DistributedMuon, t: Tensor, param: Tensor, group: dict[str, Any], name: str) -> Tensor:
+def _full(
+    opt: DistributedMuon, t: Tensor, param: Tensor, group: dict[str, Any], name: str
+) -> Tensor:
     """The global tensor of `t`, a tensor placed like `param`: a collective over param's shard group."""
     if not hasattr(t, "device_mesh"):
         return t.detach().clone()
@@ -48,16 +54,18 @@ def _full(opt: DistributedMuon, t: Tensor, param: Tensor, group: dict[str, Any],
         return local.clone()
     width = max(geo.sizes)
     mine = torch.zeros(width, dtype=local.dtype, device=local.device)
-    mine[:local.numel()] = local.reshape(-1)
+    mine[: local.numel()] = local.reshape(-1)
     group = opt.shard_group(geo, param.device_mesh)
     pieces = opt.comm.all_gather(mine, group, "checkpoint").reshape(len(geo.boxes), width)
     full = torch.empty(geo.global_shape, dtype=local.dtype, device=local.device)
     for piece, box in zip(pieces, geo.boxes):
-        full[box.index] = piece[:box.numel].reshape(box.shape)
+        full[box.index] = piece[: box.numel].reshape(box.shape)
     return full
 
 
-def _like_param(opt: DistributedMuon, full: Tensor, param: Tensor, group: dict[str, Any], name: str) -> Tensor:
+def _like_param(
+    opt: DistributedMuon, full: Tensor, param: Tensor, group: dict[str, Any], name: str
+) -> Tensor:
     """This rank's box of `full`, placed like `param` (a copy of full for a plain param). Local."""
     if not hasattr(param, "device_mesh"):
         return full.detach().clone()
@@ -70,8 +78,12 @@ def _like_param(opt: DistributedMuon, full: Tensor, param: Tensor, group: dict[s
 def to_reference_state_dict(opt: DistributedMuon) -> dict[str, Any]:
     """A muon_ref.Muon state dict (full tensors) of opt's state. Collective: call on every rank."""
     state, params = opt.state_dict(), _params(opt)
-    full = {index: {key: _full(opt, value, *params[index]) for key, value in state["state"][index].items()}
-            for index in sorted(state["state"])}  # sorted: _full is a collective, same order on every rank
+    full = {
+        index: {
+            key: _full(opt, value, *params[index]) for key, value in state["state"][index].items()
+        }
+        for index in sorted(state["state"])
+    }  # sorted: _full is a collective, same order on every rank
     return {"state": full, "param_groups": copy.deepcopy(state["param_groups"])}
 
 
@@ -80,15 +92,22 @@ def from_reference_state_dict(ref_state: dict[str, Any], opt: DistributedMuon) -
     order). Local: every rank takes its own box. A param muon_ref never stepped gets a zero buffer."""
     params = _params(opt)
     if len(params) != sum(len(g["params"]) for g in ref_state["param_groups"]):
-        raise ValueError(f"the reference state dict has {sum(len(g['params']) for g in ref_state['param_groups'])} "
-                         f"params, the optimizer {len(params)}")
+        raise ValueError(
+            f"the reference state dict has {sum(len(g['params']) for g in ref_state['param_groups'])} "
+            f"params, the optimizer {len(params)}"
+        )
     state = {}
     for index, (param, group, name) in enumerate(params):
         saved = ref_state["state"].get(index, {})
         buf = saved.get("momentum_buffer")
         if buf is not None and tuple(buf.shape) != tuple(param.shape):
-            raise ValueError(f"{name} (param {index}) of shape {tuple(param.shape)}: the reference momentum buffer has "
-                             f"shape {tuple(buf.shape)}")
-        state[index] = {"momentum_buffer": torch.zeros_like(param) if buf is None
-                        else _like_param(opt, buf, param, group, name)}
+            raise ValueError(
+                f"{name} (param {index}) of shape {tuple(param.shape)}: the reference momentum buffer has "
+                f"shape {tuple(buf.shape)}"
+            )
+        state[index] = {
+            "momentum_buffer": torch.zeros_like(param)
+            if buf is None
+            else _like_param(opt, buf, param, group, name)
+        }
     return {"state": state, "param_groups": copy.deepcopy(ref_state["param_groups"])}

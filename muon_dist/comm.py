@@ -41,10 +41,14 @@ class Comm:
 
     rank: int
     world_size: int
-    device: torch.device = torch.device("cpu")  # where the step's small control tensors (digests, flags) live
+    device: torch.device = torch.device(
+        "cpu"
+    )  # where the step's small control tensors (digests, flags) live
 
     def __init__(self) -> None:
-        self.ledger: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # path -> [sent, received] bytes
+        self.ledger: dict[str, list[int]] = defaultdict(
+            lambda: [0, 0]
+        )  # path -> [sent, received] bytes
         self.calls: list[tuple[str, str, int, int]] = []  # (path, collective, sent, received)
 
     def _record(self, path: str, op: str, sent: int, received: int) -> None:
@@ -56,11 +60,23 @@ class Comm:
         self.ledger.clear()
         self.calls.clear()
 
-    def all_to_all(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group, path: str) -> Tensor:
+    def all_to_all(
+        self,
+        x: Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        group: Group,
+        path: str,
+    ) -> Tensor:
         """all_to_all_single: x is cut by in_splits (one piece per member); piece j of the result came from member j."""
         me = group.ranks.index(self.rank)
         size = x.element_size()
-        self._record(path, "all_to_all", size * (sum(in_splits) - in_splits[me]), size * (sum(out_splits) - out_splits[me]))
+        self._record(
+            path,
+            "all_to_all",
+            size * (sum(in_splits) - in_splits[me]),
+            size * (sum(out_splits) - out_splits[me]),
+        )
         if group.size == 1:  # a group of one: the result is the input (no backend call)
             return x.reshape(-1)
         return self._all_to_all(x, list(out_splits), list(in_splits), group)
@@ -88,7 +104,7 @@ class Comm:
         world = self.world_group()
         mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(self.device)
         gathered = self.all_gather(mine, world, what).cpu()
-        return [bytes(gathered[32 * r: 32 * (r + 1)].tolist()) for r in range(self.world_size)]
+        return [bytes(gathered[32 * r : 32 * (r + 1)].tolist()) for r in range(self.world_size)]
 
     def world_group(self) -> Group:
         return Group(tuple(range(self.world_size)), self._world_handle())
@@ -139,12 +155,16 @@ class TorchComm(Comm):
         if key not in _SUBGROUPS:
             for part in parts:  # new_group orders members by global rank; ours are in mesh order
                 if list(part) != sorted(part):
-                    raise ValueError(f"DistributedMuon: mesh ranks {part} of one shard group do not increase in "
-                                     "mesh order; use a mesh whose ranks increase along its sharding axes")
+                    raise ValueError(
+                        f"DistributedMuon: mesh ranks {part} of one shard group do not increase in "
+                        "mesh order; use a mesh whose ranks increase along its sharding axes"
+                    )
             _SUBGROUPS[key] = {part: self.dist.new_group(list(part)) for part in parts}
         return _SUBGROUPS[key]
 
-    def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
+    def _all_to_all(
+        self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group
+    ) -> Tensor:
         out = x.new_empty(sum(out_splits))
         self.dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.handle)
         return out
@@ -158,7 +178,9 @@ class TorchComm(Comm):
     def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(x.numel() // group.size)
         with older_collective_names():
-            self.dist.reduce_scatter_tensor(out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle)
+            self.dist.reduce_scatter_tensor(
+                out, x.contiguous(), op=self.dist.ReduceOp.SUM, group=group.handle
+            )
         return out
 
 
@@ -167,8 +189,11 @@ def older_collective_names() -> Any:
     """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (FutureWarning) for names that torch
     2.9-2.12 lack; we call the older names on purpose, so their deprecation warning is not the user's to see."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`",
+            category=FutureWarning,
+        )
         yield
 
 
@@ -206,8 +231,12 @@ class ThreadWorld:
         with self.cv:
             self.slots.setdefault(key, {})[rank] = value
             self.cv.notify_all()
-            if not self.cv.wait_for(lambda: len(self.slots[key]) == len(ranks), timeout=self.timeout_s):
-                raise TimeoutError(f"rank {rank}: collective {key} timed out; arrived {sorted(self.slots[key])}")
+            if not self.cv.wait_for(
+                lambda: len(self.slots[key]) == len(ranks), timeout=self.timeout_s
+            ):
+                raise TimeoutError(
+                    f"rank {rank}: collective {key} timed out; arrived {sorted(self.slots[key])}"
+                )
             values = [self.slots[key][r] for r in ranks]
             self.reads[key] += 1
             if self.reads[key] == len(ranks):
@@ -227,9 +256,13 @@ class ThreadComm(Comm):
 
     def _exchange(self, x: Any, group: Group) -> list[Any]:
         self.sequence[group.ranks] += 1
-        return self.world.exchange((group.ranks, self.sequence[group.ranks]), group.ranks, self.rank, x)
+        return self.world.exchange(
+            (group.ranks, self.sequence[group.ranks]), group.ranks, self.rank, x
+        )
 
-    def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
+    def _all_to_all(
+        self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group
+    ) -> Tensor:
         pieces = self._exchange(list(x.split(in_splits)), group)
         me = group.ranks.index(self.rank)
         return torch.cat([p[me] for p in pieces]) if pieces else x.new_empty(0)

@@ -44,13 +44,16 @@ def tail_positions(global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, Ten
     numel = math.prod(global_shape)
     start = numel - numel % BLOCK
     flat = torch.arange(start, numel)
-    coords = (torch.stack(torch.unravel_index(flat, global_shape)) if flat.numel()
-              else torch.empty(len(global_shape), 0, dtype=torch.long))
+    coords = (
+        torch.stack(torch.unravel_index(flat, global_shape))
+        if flat.numel()
+        else torch.empty(len(global_shape), 0, dtype=torch.long)
+    )
     offset = torch.tensor(box.offsets).unsqueeze(1)
     size = torch.tensor(box.shape).unsqueeze(1)
     inside = ((coords >= offset) & (coords < offset + size)).all(dim=0)
     local = coords[:, inside] - offset
-    strides = torch.tensor([math.prod(box.shape[d + 1:]) for d in range(len(box.shape))])
+    strides = torch.tensor([math.prod(box.shape[d + 1 :]) for d in range(len(box.shape))])
     return (local * strides.unsqueeze(1)).sum(dim=0), flat[inside] - start, numel - start
 
 
@@ -60,7 +63,9 @@ def _padded(x: Tensor, length: int) -> Tensor:
     return out
 
 
-def run_stage(stage: Stage, inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, ...]:
+def run_stage(
+    stage: Stage, inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box
+) -> tuple[Tensor, ...]:
     """stage(*inputs) on the shard `box` of a tensor of `global_shape`, each element with the bits that
     stage(*full_inputs) gives it (see module doc). A box that is the whole tensor is the reference's own call
     (the same values, shape, strides and dtype): the stage runs on it as it is, without padding."""

@@ -49,8 +49,15 @@ class Box:
     def intersect(self, other: Box | Block) -> Box | None:
         """The common part of two boxes (None when it is empty)."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.shape, other.offsets, other.shape))
-        return None if any(h <= low for low, h in zip(lo, hi)) else Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        hi = tuple(
+            min(a + s, b + t)
+            for a, s, b, t in zip(self.offsets, self.shape, other.offsets, other.shape)
+        )
+        return (
+            None
+            if any(h <= low for low, h in zip(lo, hi))
+            else Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        )
 
     def within(self, outer: Box | Block) -> Box:
         """This box in the coordinates of `outer` (which contains it)."""
@@ -130,8 +137,11 @@ class Geometry:
 
     def blocks_of(self, component: tuple[int, ...]) -> tuple[int, ...]:
         """Indices of the blocks that the component's members hold pieces of."""
-        return tuple(i for i, block in enumerate(self.blocks)
-                     if any(self.boxes[j].numel and self.boxes[j].intersect(block) for j in component))
+        return tuple(
+            i
+            for i, block in enumerate(self.blocks)
+            if any(self.boxes[j].numel and self.boxes[j].intersect(block) for j in component)
+        )
 
 
 def mesh_groups(mesh_ranks: Sequence, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -153,7 +163,9 @@ def parse_placement(code: str) -> tuple[str, int | None, int]:
     return "S", int(dim), int(factor or 1)
 
 
-def boxes_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[Box, ...]:
+def boxes_of(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[str, ...]
+) -> tuple[Box, ...]:
     """Every shard-group member's box, in member order (module docstring). ValueError for a _StridedShard whose
     split factor is not the product of the later axes that shard its dim (no such sharding is derived here)."""
     parsed = [parse_placement(p) for p in placements]
@@ -165,9 +177,11 @@ def boxes_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placeme
         if strided:
             first, later = cutting[0], cutting[1:]
             if strided != [first] or parsed[first][2] != math.prod(mesh_shape[a] for a in later):
-                raise ValueError(f"placements {placements} on a mesh of shape {mesh_shape}: a _StridedShard must be "
-                                 f"the first axis to shard dim {dim}, with split_factor equal to the product of the "
-                                 f"later axes' sizes that shard it (FSDP2 over tensor parallelism)")
+                raise ValueError(
+                    f"placements {placements} on a mesh of shape {mesh_shape}: a _StridedShard must be "
+                    f"the first axis to shard dim {dim}, with split_factor equal to the product of the "
+                    f"later axes' sizes that shard it (FSDP2 over tensor parallelism)"
+                )
             cutting = later + [first]  # right to left: the later axes cut first
         order[dim] = cutting
     sizes = [mesh_shape[a] for a in axes]
@@ -192,13 +206,21 @@ def _unravel(index: int, sizes: list[int]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def geometry(global_shape: tuple[int, ...], mesh_ranks: tuple, placements: tuple[str, ...],
-             blocks: tuple[Block, ...]) -> Geometry:
+def geometry(
+    global_shape: tuple[int, ...],
+    mesh_ranks: tuple,
+    placements: tuple[str, ...],
+    blocks: tuple[Block, ...],
+) -> Geometry:
     """The Geometry of a param (cached: every call with the same layout returns the same object)."""
     import torch
 
     mesh_shape = tuple(torch.tensor(mesh_ranks).shape)
     axes = tuple(a for a, p in enumerate(placements) if p != "R")
     groups = mesh_groups(mesh_ranks, axes)
-    boxes = boxes_of(global_shape, mesh_shape, placements) if axes else (whole(global_shape),) * len(groups[0])
+    boxes = (
+        boxes_of(global_shape, mesh_shape, placements)
+        if axes
+        else (whole(global_shape),) * len(groups[0])
+    )
     return Geometry(global_shape, groups, boxes, axes, blocks)

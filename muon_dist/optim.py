@@ -30,8 +30,8 @@ from muon_ref.presets import preset_defaults, split_arguments
 
 from .batch import Batch
 from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
-from .kernels import backend
 from .geometry import Geometry
+from .kernels import backend
 from .layout import ParamLayout, read_layout
 from .plan import Entry, Options, Plan
 from .step import ParamInput, execute, prepare
@@ -74,12 +74,30 @@ class DistributedMuon(torch.optim.Optimizer):
     nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
-    def __init__(self, params: Iterable[Any], *args: Any, comm: Comm | None = None,
-                 remainder: str = "agrs", force_path: str | None = None, dispatch: str = "batched",
-                 ns_backend: str = "torch", atomic: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *args: Any,
+        comm: Comm | None = None,
+        remainder: str = "agrs",
+        force_path: str | None = None,
+        dispatch: str = "batched",
+        ns_backend: str = "torch",
+        atomic: bool = False,
+        **kwargs: Any,
+    ) -> None:
         preset, overrides = split_arguments(args, kwargs)
-        self._configure(comm, dict(preset=preset, remainder=remainder, force_path=force_path,
-                                   dispatch=dispatch, ns_backend=ns_backend, atomic=atomic))
+        self._configure(
+            comm,
+            dict(
+                preset=preset,
+                remainder=remainder,
+                force_path=force_path,
+                dispatch=dispatch,
+                ns_backend=ns_backend,
+                atomic=atomic,
+            ),
+        )
         super().__init__(params, preset_defaults(preset, overrides))
 
     def _configure(self, comm: Comm | None, construction: dict[str, Any]) -> None:
@@ -90,14 +108,19 @@ class DistributedMuon(torch.optim.Optimizer):
         self.construction = construction
         self.comm = comm if comm is not None else default_comm()
         self.backend = backend(construction["ns_backend"])
-        self.options = Options(construction["remainder"], construction["force_path"],
-                               construction["dispatch"])
+        self.options = Options(
+            construction["remainder"], construction["force_path"], construction["dispatch"]
+        )
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]
         self.last_report: StepReport | None = None
         self.last_plan: Plan | None = None
-        self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}  # id(param) -> (what it was read from, layout)
-        self._groups: dict[tuple, Group] = {}  # (partition, sharding axes, mesh) -> this rank's process group
+        self._layouts: dict[
+            int, tuple[tuple, ParamLayout]
+        ] = {}  # id(param) -> (what it was read from, layout)
+        self._groups: dict[
+            tuple, Group
+        ] = {}  # (partition, sharding axes, mesh) -> this rank's process group
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "construction": self.construction}
@@ -122,7 +145,9 @@ class DistributedMuon(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
             check_param(p, name)
-            self.layout(p, group, name).geometry  # ValueError naming the param for a non-matrix or bad layout
+            self.layout(
+                p, group, name
+            ).geometry  # ValueError naming the param for a non-matrix or bad layout
         self._own_group_params()
 
     def _own_group_params(self) -> None:
@@ -143,16 +168,25 @@ class DistributedMuon(torch.optim.Optimizer):
         stay the same."""
         keys = {k: group.get(k, LAYOUT_DEFAULTS.get(k)) for k in (*LAYOUT_DEFAULTS, "flatten")}
         split = keys.get("split_sizes")
-        seen = (name, tuple(p.shape), p.dtype, getattr(p, "placements", None), getattr(p, "device_mesh", None),
-                tuple(_local(p).shape), tuple(split) if split is not None else None,
-                *(keys[k] for k in ("num_experts", "num_heads", "split_dim", "flatten")))
+        seen = (
+            name,
+            tuple(p.shape),
+            p.dtype,
+            getattr(p, "placements", None),
+            getattr(p, "device_mesh", None),
+            tuple(_local(p).shape),
+            tuple(split) if split is not None else None,
+            *(keys[k] for k in ("num_experts", "num_heads", "split_dim", "flatten")),
+        )
         cached = self._layouts.get(id(p))
         if cached is None or cached[0] != seen:
             cached = (seen, read_layout(p, name, keys, self.comm.world_size, self.comm.rank))
             self._layouts[id(p)] = cached
         return cached[1]
 
-    def _collect(self, configs: list[MuonConfig]) -> tuple[tuple[Entry, ...], list[ParamInput], list, str | None]:
+    def _collect(
+        self, configs: list[MuonConfig]
+    ) -> tuple[tuple[Entry, ...], list[ParamInput], list, str | None]:
         """Every param in param-group order: its entry, local shards, param object; the first local error."""
         entries, inputs, params, error = [], [], [], None
         for gi, group in enumerate(self.param_groups):
@@ -163,15 +197,23 @@ class DistributedMuon(torch.optim.Optimizer):
                     try:
                         check_gradient(grad, p, name)
                         if getattr(grad, "placements", None) != getattr(p, "placements", None):
-                            raise ValueError(f"{name} of shape {tuple(p.shape)}: gradient placements "
-                                             f"{getattr(grad, 'placements', None)} differ from the param's "
-                                             f"{getattr(p, 'placements', None)} (torch 2.9's autograd stores a "
-                                             f"Replicate gradient when an uneven shard's gradient is passed to "
-                                             f"backward() on the leaf itself)")
+                            raise ValueError(
+                                f"{name} of shape {tuple(p.shape)}: gradient placements "
+                                f"{getattr(grad, 'placements', None)} differ from the param's "
+                                f"{getattr(p, 'placements', None)} (torch 2.9's autograd stores a "
+                                f"Replicate gradient when an uneven shard's gradient is passed to "
+                                f"backward() on the leaf itself)"
+                            )
                     except ValueError as e:
                         error = str(e)
-                entries.append(Entry(self.layout(p, group, name), gi, str(update_dtype or p.dtype),
-                                     grad is not None))
+                entries.append(
+                    Entry(
+                        self.layout(p, group, name),
+                        gi,
+                        str(update_dtype or p.dtype),
+                        grad is not None,
+                    )
+                )
                 buf = _local(self.state[p]["momentum_buffer"])
                 inputs.append(ParamInput(_local(p), None if grad is None else _local(grad), buf))
                 params.append(p)
@@ -187,15 +229,21 @@ class DistributedMuon(torch.optim.Optimizer):
             if mesh is None:
                 self._groups[key] = self.comm.group(ranks)
             elif len(geometry.axes) <= 1:  # one sharding axis, or a replicated DTensor's 1-D mesh
-                self._groups[key] = self.comm.group(ranks, mesh.get_group(geometry.axes[0] if geometry.axes else 0))
+                self._groups[key] = self.comm.group(
+                    ranks, mesh.get_group(geometry.axes[0] if geometry.axes else 0)
+                )
             else:
                 self._groups[key] = self.comm.subgroups(geometry.groups)[ranks]
         return self._groups[key]
 
     def _group_for(self, params: list[Tensor]) -> Callable[[Batch], Group]:
         """The process group of a batch (shard_group of its first param; every rank calls this in plan order)."""
+
         def group_for(batch: Batch) -> Group:
-            return self.shard_group(batch.geometries[0], getattr(params[batch.params[0]], "device_mesh", None))
+            return self.shard_group(
+                batch.geometries[0], getattr(params[batch.params[0]], "device_mesh", None)
+            )
+
         return group_for
 
     @torch.no_grad()
@@ -210,15 +258,25 @@ class DistributedMuon(torch.optim.Optimizer):
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)
-        for i, new_param, new_buf in execute(self.comm, step_plan, inputs, per_param, self.backend,
-                                             self._group_for(params), self.atomic, skipped):
+        for i, new_param, new_buf in execute(
+            self.comm,
+            step_plan,
+            inputs,
+            per_param,
+            self.backend,
+            self._group_for(params),
+            self.atomic,
+            skipped,
+        ):
             p = params[i]
             _local(p).copy_(new_param)
             self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)
         self._own_group_params()
         self.last_plan = step_plan
-        self.last_report = StepReport(tuple((e.layout.name, path) for e, path in zip(entries, step_plan.path_of())),
-                                      {k: (v[0], v[1]) for k, v in self.comm.ledger.items()})
+        self.last_report = StepReport(
+            tuple((e.layout.name, path) for e, path in zip(entries, step_plan.path_of())),
+            {k: (v[0], v[1]) for k, v in self.comm.ledger.items()},
+        )
         return loss
 
     @staticmethod
@@ -227,4 +285,6 @@ class DistributedMuon(torch.optim.Optimizer):
             return local
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )

@@ -49,13 +49,17 @@ class Options:
         if self.remainder not in REMAINDER_PATHS:
             raise ValueError(f"remainder must be one of {REMAINDER_PATHS}, got {self.remainder!r}")
         if self.force_path is not None and self.force_path not in REMAINDER_PATHS:
-            raise ValueError(f"force_path must be None or one of {REMAINDER_PATHS} (the paths that take any batch "
-                             f"size; all_to_all is the default for full batches), got {self.force_path!r}")
+            raise ValueError(
+                f"force_path must be None or one of {REMAINDER_PATHS} (the paths that take any batch "
+                f"size; all_to_all is the default for full batches), got {self.force_path!r}"
+            )
         if self.dispatch not in ("batched", "global"):
             raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
         if self.dispatch == "global" and self.force_path is not None:
-            raise ValueError(f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
-                             f"got {self.force_path!r}")
+            raise ValueError(
+                f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
+                f"got {self.force_path!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,14 @@ class Plan:
 
     @functools.cached_property
     def _digest(self) -> bytes:
-        canon = (tuple((e.layout, e.group_index, e.update_dtype, e.active) for e in self.entries), self.options,
-                 tuple((b.path, b.params, b.owners, b.direction_dtype, b.update_dtype) for b in self.batches))
+        canon = (
+            tuple((e.layout, e.group_index, e.update_dtype, e.active) for e in self.entries),
+            self.options,
+            tuple(
+                (b.path, b.params, b.owners, b.direction_dtype, b.update_dtype)
+                for b in self.batches
+            ),
+        )
         return hashlib.sha256(repr(canon).encode()).digest()
 
 
@@ -112,7 +122,7 @@ def is_expert_stack(layout: ParamLayout) -> bool:
 
 
 def expert_path(layout: ParamLayout) -> str | None:
-    """"local" or "subgroup_all_gather" for an expert stack whose boxes allow it; None for the all-to-all family."""
+    """ "local" or "subgroup_all_gather" for an expert stack whose boxes allow it; None for the all-to-all family."""
     if not is_expert_stack(layout):
         return None
     geometry = layout.geometry
@@ -149,15 +159,30 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
         first = entries[members[0]]
         geometry = first.layout.geometry
         if geometry.sharded and first.layout.matrices.separate and options.force_path is None:
-            batches.append(Batch("blocks", tuple(members), (geometry,) * len(members), (), first.layout.dtype,
-                                 first.update_dtype))
+            batches.append(
+                Batch(
+                    "blocks",
+                    tuple(members),
+                    (geometry,) * len(members),
+                    (),
+                    first.layout.dtype,
+                    first.update_dtype,
+                )
+            )
             continue
         for start in range(0, len(members), geometry.group_size):
-            chunk = tuple(members[start:start + geometry.group_size])
+            chunk = tuple(members[start : start + geometry.group_size])
             path = _batch_path(first, len(chunk), options)
-            batches.append(Batch(path, chunk, (geometry,) * len(chunk),
-                                 PATHS[path].owners(len(chunk), geometry.group_size), first.layout.dtype,
-                                 first.update_dtype))
+            batches.append(
+                Batch(
+                    path,
+                    chunk,
+                    (geometry,) * len(chunk),
+                    PATHS[path].owners(len(chunk), geometry.group_size),
+                    first.layout.dtype,
+                    first.update_dtype,
+                )
+            )
     if options.dispatch == "global":
         batches = _global(entries, batches)
     return Plan(tuple(entries), options, tuple(batches))
@@ -175,14 +200,28 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch]) -> list[Batch]:
         merged.setdefault(key, []).extend(batch.params)
     for (_, direction_dtype, update_dtype), params in merged.items():
         params.sort()
-        costs = [sum(ns_flops(b.fan_out, b.fan_in) for b in entries[i].layout.matrices.blocks) for i in params]
+        costs = [
+            sum(ns_flops(b.fan_out, b.fan_in) for b in entries[i].layout.matrices.blocks)
+            for i in params
+        ]
         geometries = tuple(entries[i].layout.geometry for i in params)
         owners = tuple(lpt(costs, geometries[0].group_size))
-        kept.append(Batch("global_all_to_all", tuple(params), geometries, owners, direction_dtype, update_dtype))
+        kept.append(
+            Batch(
+                "global_all_to_all",
+                tuple(params),
+                geometries,
+                owners,
+                direction_dtype,
+                update_dtype,
+            )
+        )
     return kept
 
 
-def expected_bytes(plan: Plan, rank: int, itemsizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+def expected_bytes(
+    plan: Plan, rank: int, itemsizes: Mapping[str, int]
+) -> dict[str, tuple[int, int]]:
     """This rank's bytes (sent, received) by path, from each path's formula; a path whose batches call no
     collective on this rank has no entry (as in the comm's ledger)."""
     totals: dict[str, list[int]] = {}

@@ -42,9 +42,8 @@ from .comm import Comm, Group
 from .elementwise import run_stage
 from .geometry import Box
 from .kernels import Backend
-from .plan import Entry, Options, Plan, plan
 from .paths import PATHS
-
+from .plan import Entry, Options, Plan, plan
 
 # the step's control collectives, each logged under its own name (every other name in the ledger is a path's)
 CHECKS: tuple[str, ...] = ("plan_digest", "nonfinite_check", "failure_check")
@@ -71,12 +70,16 @@ def agree(comm: Comm, step_plan: Plan, error: str | None) -> None:
         raise ValueError(error)
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        mine = [(e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
-                for e in step_plan.entries]
-        raise ValueError(f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
-                         f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
-                         f"error on that rank); rank {comm.rank} sees (name, shape, placements, dtype, has grad): "
-                         f"{mine}")
+        mine = [
+            (e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
+            for e in step_plan.entries
+        ]
+        raise ValueError(
+            f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
+            f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
+            f"error on that rank); rank {comm.rank} sees (name, shape, placements, dtype, has grad): "
+            f"{mine}"
+        )
 
 
 def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
@@ -86,11 +89,18 @@ def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
     box = geometry.boxes[geometry.member(rank)]
     if not entry.layout.matrices.separate:
         return [Box((0,) * len(box.shape), box.shape)]
-    return [part.within(box) if (part := box.intersect(b)) else None for b in entry.layout.matrices.blocks]
+    return [
+        part.within(box) if (part := box.intersect(b)) else None
+        for b in entry.layout.matrices.blocks
+    ]
 
 
-def nonfinite(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput],
-              configs: Sequence[MuonConfig]) -> tuple[set[int], dict[int, tuple[int, ...]]]:
+def nonfinite(
+    comm: Comm,
+    entries: Sequence[Entry],
+    inputs: Sequence[ParamInput],
+    configs: Sequence[MuonConfig],
+) -> tuple[set[int], dict[int, tuple[int, ...]]]:
     """Step 2: the params whose gradient is non-finite on any rank (one small all-gather over the world, one
     device-to-host copy): (params skipped whole, {param: its skipped blocks} for separate layouts with some finite
     blocks, whose other blocks step as muon_ref steps them); ValueError naming the first such param whose group
@@ -100,22 +110,30 @@ def nonfinite(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput]
     for x, parts in zip(inputs, units):
         for part in parts:
             present = x.grad is not None and part is not None
-            flags.append(torch.isfinite(x.grad[part.index]).all().logical_not() if present else None)
+            flags.append(
+                torch.isfinite(x.grad[part.index]).all().logical_not() if present else None
+            )
     local = torch.zeros(len(flags), dtype=torch.uint8, device=comm.device)
     present = [i for i, f in enumerate(flags) if f is not None]
     if present:
         local[present] = torch.stack([flags[i] for i in present]).to(comm.device, torch.uint8)
-    gathered = comm.all_gather(local, comm.world_group(), "nonfinite_check").cpu().reshape(comm.world_size, -1)
+    gathered = (
+        comm.all_gather(local, comm.world_group(), "nonfinite_check")
+        .cpu()
+        .reshape(comm.world_size, -1)
+    )
     bad = gathered.amax(dim=0).tolist()
     skip, partial, start = set(), {}, 0
     for i, parts in enumerate(units):
-        blocks = tuple(b for b, flag in enumerate(bad[start:start + len(parts)]) if flag)
+        blocks = tuple(b for b, flag in enumerate(bad[start : start + len(parts)]) if flag)
         start += len(parts)
         if not blocks:
             continue
         if configs[i].nonfinite == "raise":
             layout = entries[i].layout
-            raise ValueError(f"{layout.name} of shape {layout.global_shape} has a non-finite gradient (NaN or Inf)")
+            raise ValueError(
+                f"{layout.name} of shape {layout.global_shape} has a non-finite gradient (NaN or Inf)"
+            )
         if len(blocks) == len(parts) or not entries[i].layout.matrices.separate:
             skip.add(i)
         else:
@@ -123,14 +141,21 @@ def nonfinite(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput]
     return skip, partial
 
 
-def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]]], inputs: Sequence[Tensor],
-                matrices: MatrixLayout, global_shape: tuple[int, ...], box: Box) -> tuple[Tensor, ...]:
+def elementwise(
+    stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]]],
+    inputs: Sequence[Tensor],
+    matrices: MatrixLayout,
+    global_shape: tuple[int, ...],
+    box: Box,
+) -> tuple[Tensor, ...]:
     """An elementwise stage on this rank's box with the reference's bits: on the whole param for a shared layout;
     for a separate layout (split_sizes, num_heads) on each block's part of the box, as the block's own tensor
     (muon_ref steps each block as a param of its own: muon_ref.functional.map_blocks)."""
     if not matrices.separate:
         return run_stage(stage(matrices), inputs, global_shape, box)
-    if not box.numel:  # nothing here: any block's stage on the empty inputs gives the empty outputs' dtypes
+    if (
+        not box.numel
+    ):  # nothing here: any block's stage on the empty inputs gives the empty outputs' dtypes
         return run_stage(stage(matrices.blocks[0].as_param()), inputs, global_shape, box)
     outs: list[Tensor] = []
     for block in matrices.blocks:
@@ -138,8 +163,12 @@ def elementwise(stage: Callable[[MatrixLayout], Callable[..., tuple[Tensor, ...]
         if part is None:
             continue
         mine = part.within(box)
-        results = run_stage(stage(block.as_param()), [x[mine.index].contiguous() for x in inputs], block.shape,
-                            part.within(block))
+        results = run_stage(
+            stage(block.as_param()),
+            [x[mine.index].contiguous() for x in inputs],
+            block.shape,
+            part.within(block),
+        )
         if not outs:
             outs = [torch.empty(box.shape, dtype=r.dtype, device=r.device) for r in results]
         for out, r in zip(outs, results):
@@ -152,8 +181,10 @@ def within(matrices: MatrixLayout, box: Box) -> MatrixLayout:
     if box.shape == matrices.shape:  # the whole param
         return matrices
     inside = [b for b in matrices.blocks if box.intersect(b) == Box(b.offsets, b.shape)]
-    shifted = tuple(type(b)(tuple(o - q for o, q in zip(b.offsets, box.offsets)), b.shape, b.fan_out, b.fan_in)
-                    for b in inside)
+    shifted = tuple(
+        type(b)(tuple(o - q for o, q in zip(b.offsets, box.offsets)), b.shape, b.fan_out, b.fan_in)
+        for b in inside
+    )
     if matrices.separate:
         return MatrixLayout(len(shifted), None, None, shifted, separate=True)
     return MatrixLayout(len(shifted), matrices.fan_out, matrices.fan_in, shifted)
@@ -161,24 +192,32 @@ def within(matrices: MatrixLayout, box: Box) -> MatrixLayout:
 
 def kernel_for(backend: Backend, matrices: MatrixLayout, cfg: MuonConfig) -> Kernel:
     """The param's kernel: the backend's orthogonalize on the whole blocks of any box of the param."""
+
     def kernel(x: Tensor, box: Box) -> Tensor:
         if not box.numel:
             return x.to(cfg.ns_dtype or x.dtype)
         return backend.orthogonalize(x, within(matrices, box), cfg)
+
     return kernel
 
 
-def _guarded(failures: list[tuple[str, Exception]], what: str, fn: Callable[..., Any],
-             fallback: Callable[..., Any]) -> Callable[..., Any]:
+def _guarded(
+    failures: list[tuple[str, Exception]],
+    what: str,
+    fn: Callable[..., Any],
+    fallback: Callable[..., Any],
+) -> Callable[..., Any]:
     """fn, except that an exception is recorded in `failures` and answered with fallback(*args) (zeros): the rank
     keeps taking part in the step's remaining collectives instead of leaving its peers blocked in them, and
     step 5 then raises on every rank before anything is written."""
+
     def run(*args: Any) -> Any:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - re-raised by agree_no_failure, with its rank
             failures.append((what, e))
             return fallback(*args)
+
     return run
 
 
@@ -187,21 +226,36 @@ def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]], written:
     of any rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins).
     `written`: the batches of the plan that earlier write groups wrote on every rank."""
     ok = hashlib.sha256(b"step ok").digest()
-    digests = comm.check_agreement(hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check")
+    digests = comm.check_agreement(
+        hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check"
+    )
     failed = [r for r, d in enumerate(digests) if d != ok]
-    state = ("no param or momentum buffer was written on any rank" if not written else
-             f"the first {written} batches of the step's plan were written on every rank, no other param or buffer")
+    state = (
+        "no param or momentum buffer was written on any rank"
+        if not written
+        else f"the first {written} batches of the step's plan were written on every rank, no other param or buffer"
+    )
     if failures:
         what, e = failures[0]
-        raise RuntimeError(f"DistributedMuon: rank {comm.rank} failed mid-step in {what} ({type(e).__name__}: {e}); "
-                           f"failed ranks {failed}; {state}") from e
+        raise RuntimeError(
+            f"DistributedMuon: rank {comm.rank} failed mid-step in {what} ({type(e).__name__}: {e}); "
+            f"failed ranks {failed}; {state}"
+        ) from e
     if failed:
-        raise RuntimeError(f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
-                           f"{state}")
+        raise RuntimeError(
+            f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
+            f"{state}"
+        )
 
 
-def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
-            options: Options, error: str | None = None) -> tuple[Plan, dict[int, tuple[int, ...]]]:
+def prepare(
+    comm: Comm,
+    entries: tuple[Entry, ...],
+    inputs: Sequence[ParamInput],
+    configs: Sequence[MuonConfig],
+    options: Options,
+    error: str | None = None,
+) -> tuple[Plan, dict[int, tuple[int, ...]]]:
     """Steps 1-2: the plan every rank agreed on, without the params skipped as non-finite, and the blocks skipped
     inside params that step (nonfinite()). `entries` say which params have a gradient on this rank (active);
     `error` is this rank's first local error (raised on every rank)."""
@@ -209,8 +263,13 @@ def prepare(comm: Comm, entries: tuple[Entry, ...], inputs: Sequence[ParamInput]
     skip, partial = nonfinite(comm, entries, inputs, configs)
     if not skip:
         return plan(entries, options), partial
-    return plan(tuple(e if i not in skip else Entry(e.layout, e.group_index, e.update_dtype, False)
-                      for i, e in enumerate(entries)), options), partial
+    return plan(
+        tuple(
+            e if i not in skip else Entry(e.layout, e.group_index, e.update_dtype, False)
+            for i, e in enumerate(entries)
+        ),
+        options,
+    ), partial
 
 
 def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
@@ -220,7 +279,9 @@ def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
     same groups, or their failure checks would not match (a collective mismatch)."""
     if atomic:
         return [step_plan.batches]
-    sizes = [sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches]
+    sizes = [
+        sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches
+    ]
     share, groups, current, held = sum(sizes) / WRITE_GROUPS, [], [], 0
     for batch, size in zip(step_plan.batches, sizes):
         current.append(batch)
@@ -231,9 +292,16 @@ def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
     return groups + ([tuple(current)] if current else [])
 
 
-def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: Sequence[MuonConfig],
-            backend: Backend, group_for: Callable[[Batch], Group], atomic: bool = False,
-            skipped: Mapping[int, tuple[int, ...]] | None = None) -> Iterator[tuple[int, Tensor, Tensor]]:
+def execute(
+    comm: Comm,
+    step_plan: Plan,
+    inputs: Sequence[ParamInput],
+    configs: Sequence[MuonConfig],
+    backend: Backend,
+    group_for: Callable[[Batch], Group],
+    atomic: bool = False,
+    skipped: Mapping[int, tuple[int, ...]] | None = None,
+) -> Iterator[tuple[int, Tensor, Tensor]]:
     """Steps 3-6 on an agreed plan, one write group at a time (write_groups): its momentum, its paths, the failure
     check, then it yields (param index, new local param, new local buffer) for each of its params, for the caller
     to write. So a step holds the new buffers and updates of one write group at a time, not of the whole step;
@@ -248,25 +316,45 @@ def execute(comm: Comm, step_plan: Plan, inputs: Sequence[ParamInput], configs: 
             for i, geometry in zip(batch.params, batch.geometries):
                 layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
                 box = geometry.boxes[geometry.member(comm.rank)]
-                momentum = _guarded(failures, f"the momentum of {layout.name}",
-                                    lambda g, b: elementwise(lambda m: _momentum(cfg), [g, b], layout.matrices,
-                                                             layout.global_shape, box),
-                                    lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)))
+                momentum = _guarded(
+                    failures,
+                    f"the momentum of {layout.name}",
+                    lambda g, b: elementwise(
+                        lambda m: _momentum(cfg), [g, b], layout.matrices, layout.global_shape, box
+                    ),
+                    lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
+                )
                 buffers[i], directions[i] = momentum(x.grad, x.buf)
             update_dtype = batch.update_torch_dtype
-            kernels = [_guarded(failures, f"the kernel of a batch from {step_plan.entries[i].layout.name}",
-                                kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
-                                lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype))
-                       for i in batch.params]
-            outs = PATHS[batch.path].run(comm, group_for(batch), batch, [directions.pop(i) for i in batch.params],
-                                         kernels)
-            pending += [(i, geometry, buffers[i], out) for i, geometry, out in zip(batch.params, batch.geometries, outs)]
+            kernels = [
+                _guarded(
+                    failures,
+                    f"the kernel of a batch from {step_plan.entries[i].layout.name}",
+                    kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
+                    lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype),
+                )
+                for i in batch.params
+            ]
+            outs = PATHS[batch.path].run(
+                comm, group_for(batch), batch, [directions.pop(i) for i in batch.params], kernels
+            )
+            pending += [
+                (i, geometry, buffers[i], out)
+                for i, geometry, out in zip(batch.params, batch.geometries, outs)
+            ]
         agree_no_failure(comm, failures, written)
         for i, geometry, buf, update in pending:
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
-            (new,) = elementwise(lambda m, cfg=configs[i]: _apply(m, cfg), [inputs[i].param, update],
-                                 layout.matrices, layout.global_shape, box)
-            for b in (skipped or {}).get(i, ()):  # exact copies: a skipped block keeps its param and buffer bits
+            (new,) = elementwise(
+                lambda m, cfg=configs[i]: _apply(m, cfg),
+                [inputs[i].param, update],
+                layout.matrices,
+                layout.global_shape,
+                box,
+            )
+            for b in (skipped or {}).get(
+                i, ()
+            ):  # exact copies: a skipped block keeps its param and buffer bits
                 if (part := box.intersect(layout.matrices.blocks[b])) is not None:
                     mine = part.within(box).index
                     new[mine], buf[mine] = inputs[i].param[mine], inputs[i].buf[mine]

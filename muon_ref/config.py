@@ -114,17 +114,34 @@ class MuonConfig:
         _check(bool(self.lr >= 0), "lr", self.lr, ">= 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
         _check(0 <= self.momentum, "momentum", self.momentum, ">= 0")
-        _check(self.momentum_style in ("ema", "sum"), "momentum_style", self.momentum_style, "'ema' or 'sum'")
+        _check(
+            self.momentum_style in ("ema", "sum"),
+            "momentum_style",
+            self.momentum_style,
+            "'ema' or 'sum'",
+        )
         allowed = ("lerp",) if self.momentum_style == "ema" else ("add_alpha", "mul_add")
-        _check(self.nesterov_form in allowed, "nesterov_form", self.nesterov_form, f"one of {allowed} for {self.momentum_style}")
-        _check(self.weight_decay_form in ("mul", "add_self"), "weight_decay_form", self.weight_decay_form, "'mul' or 'add_self'")
+        _check(
+            self.nesterov_form in allowed,
+            "nesterov_form",
+            self.nesterov_form,
+            f"one of {allowed} for {self.momentum_style}",
+        )
+        _check(
+            self.weight_decay_form in ("mul", "add_self"),
+            "weight_decay_form",
+            self.weight_decay_form,
+            "'mul' or 'add_self'",
+        )
         lr_scale(self.lr_scale, 1, 1, self.scale_sqrt)  # raises on an unknown name or sqrt
         applies = ("alpha", "update", "update_lr", "update_lr_cast")
         _check(self.scale_apply in applies, "scale_apply", self.scale_apply, f"one of {applies}")
         _check(self.step_form in STEP_FORMS, "step_form", self.step_form, f"one of {STEP_FORMS}")
         _check(self.eps_mode in EPS_MODES, "eps_mode", self.eps_mode, f"one of {EPS_MODES}")
         _check(self.eps >= 0, "eps", self.eps, ">= 0")
-        _check(self.nonfinite in ("raise", "skip"), "nonfinite", self.nonfinite, "'raise' or 'skip'")
+        _check(
+            self.nonfinite in ("raise", "skip"), "nonfinite", self.nonfinite, "'raise' or 'skip'"
+        )
         sched = get_schedule(self.schedule)
         sched.steps_for(self.ns_steps)  # raises when a fixed schedule gets another step count
 

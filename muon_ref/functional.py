@@ -25,10 +25,14 @@ from torch import Tensor
 from .config import MuonConfig, lr_scale
 from .newton_schulz import newton_schulz
 
-
 # The param-group keys that describe a parameter's layout (not an update convention), with their defaults
 # (muon_ref.Muon passes them to matrix_layout); split_dim 0 is the only dim of Dion's split_sizes/num_heads.
-LAYOUT_DEFAULTS: dict[str, Any] = {"num_experts": None, "split_sizes": None, "num_heads": None, "split_dim": 0}
+LAYOUT_DEFAULTS: dict[str, Any] = {
+    "num_experts": None,
+    "split_sizes": None,
+    "num_heads": None,
+    "split_dim": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -91,25 +95,38 @@ class MatrixLayout:
     separate: bool = False
 
     def __post_init__(self) -> None:
-        assert self.blocks and sum(math.prod(b.shape) for b in self.blocks) == math.prod(self.shape), self
+        assert self.blocks and sum(math.prod(b.shape) for b in self.blocks) == math.prod(
+            self.shape
+        ), self
         if self.separate:
-            assert (self.num_matrices, self.fan_out, self.fan_in) == (len(self.blocks), None, None), self
+            assert (self.num_matrices, self.fan_out, self.fan_in) == (
+                len(self.blocks),
+                None,
+                None,
+            ), self
             return
         # The batch view relies on this: equal slabs of dim 0, in order, are equal consecutive flat ranges.
         first = self.blocks[0]
         for i, b in enumerate(self.blocks):
-            assert b.shape == first.shape and b.offsets == (i * first.shape[0],) + (0,) * (len(b.shape) - 1), self
+            assert b.shape == first.shape and b.offsets == (i * first.shape[0],) + (0,) * (
+                len(b.shape) - 1
+            ), self
             assert (b.fan_out, b.fan_in) == (self.fan_out, self.fan_in), self
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The param's shape: the box that the blocks tile."""
-        return tuple(max(b.offsets[d] + b.shape[d] for b in self.blocks) for d in range(len(self.blocks[0].shape)))
+        return tuple(
+            max(b.offsets[d] + b.shape[d] for b in self.blocks)
+            for d in range(len(self.blocks[0].shape))
+        )
 
     @property
     def matrices_shape(self) -> tuple[int, int, int]:
         if self.separate:
-            raise ValueError(f"a separate layout of shape {self.shape} has no batch view: step each of its blocks")
+            raise ValueError(
+                f"a separate layout of shape {self.shape} has no batch view: step each of its blocks"
+            )
         return (self.num_matrices, self.fan_out, self.fan_in)
 
 
@@ -138,31 +155,52 @@ def matrix_layout(
     """
     shape = tuple(shape)
     if len(shape) < 2:
-        raise ValueError(f"{name} of shape {shape} is not a matrix: Muon needs ndim >= 2 (route it to AdamW)")
+        raise ValueError(
+            f"{name} of shape {shape} is not a matrix: Muon needs ndim >= 2 (route it to AdamW)"
+        )
     if any(d == 0 for d in shape):
         raise ValueError(f"{name} of shape {shape} is empty")
     if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r} for {name} of shape {shape}")
+        raise ValueError(
+            f"num_experts must be a positive int, got {num_experts!r} for {name} of shape {shape}"
+        )
     if split_sizes is not None or num_heads is not None or split_dim != 0:
-        return _separate_layout(shape, f"{name} of shape {shape}", num_experts, flatten, split_sizes, num_heads,
-                                split_dim)
+        return _separate_layout(
+            shape,
+            f"{name} of shape {shape}",
+            num_experts,
+            flatten,
+            split_sizes,
+            num_heads,
+            split_dim,
+        )
     if flatten and len(shape) >= 3:
         if num_experts not in (None, 1):
-            raise ValueError(f"{name} of shape {shape}: flatten=True merges experts; num_experts must be 1")
+            raise ValueError(
+                f"{name} of shape {shape}: flatten=True merges experts; num_experts must be 1"
+            )
         return _shared_layout(shape, 1, shape[0], math.prod(shape[1:]))
     if len(shape) >= 4:
-        raise ValueError(f"{name} of shape {shape} has ndim {len(shape)}: pass flatten=True for conv weights")
+        raise ValueError(
+            f"{name} of shape {shape} has ndim {len(shape)}: pass flatten=True for conv weights"
+        )
     if len(shape) == 3:
         if num_experts not in (None, shape[0]):
-            raise ValueError(f"{name} of shape {shape}: num_experts={num_experts} differs from dim 0 ({shape[0]})")
+            raise ValueError(
+                f"{name} of shape {shape}: num_experts={num_experts} differs from dim 0 ({shape[0]})"
+            )
         return _shared_layout(shape, shape[0], shape[1], shape[2])
     experts = num_experts or 1
     if shape[0] % experts:
-        raise ValueError(f"{name} of shape {shape}: num_experts={experts} does not divide {shape[0]} rows")
+        raise ValueError(
+            f"{name} of shape {shape}: num_experts={experts} does not divide {shape[0]} rows"
+        )
     return _shared_layout(shape, experts, shape[0] // experts, shape[1])
 
 
-def _slabs(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _slabs(
+    shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, box shape) of consecutive slabs of these sizes along `dim`, each whole along the other dims."""
     boxes, start = [], 0
     for size in sizes:
@@ -172,7 +210,9 @@ def _slabs(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> list[tup
     return boxes
 
 
-def _shared_layout(shape: tuple[int, ...], num_matrices: int, fan_out: int, fan_in: int) -> MatrixLayout:
+def _shared_layout(
+    shape: tuple[int, ...], num_matrices: int, fan_out: int, fan_in: int
+) -> MatrixLayout:
     return _slab_layout(shape, 0, (shape[0] // num_matrices,) * num_matrices, (fan_out, fan_in))
 
 
@@ -187,7 +227,9 @@ def _slab_layout(
     Block per expert (measured on an x86 CPU: 2.5 ms to build the 128 blocks of a (128, 16, 16) stack)."""
     boxes = _slabs(shape, dim, sizes)
     if matrix is None:
-        return MatrixLayout(len(boxes), None, None, tuple(Block(o, box, *box) for o, box in boxes), separate=True)
+        return MatrixLayout(
+            len(boxes), None, None, tuple(Block(o, box, *box) for o, box in boxes), separate=True
+        )
     return MatrixLayout(len(boxes), *matrix, tuple(Block(o, box, *matrix) for o, box in boxes))
 
 
@@ -196,12 +238,19 @@ def _is_count(x: object) -> bool:
 
 
 def _separate_layout(
-    shape: tuple[int, ...], where: str, num_experts: int | None, flatten: bool,
-    split_sizes: tuple[int, ...] | list[int] | None, num_heads: int | None, split_dim: int,
+    shape: tuple[int, ...],
+    where: str,
+    num_experts: int | None,
+    flatten: bool,
+    split_sizes: tuple[int, ...] | list[int] | None,
+    num_heads: int | None,
+    split_dim: int,
 ) -> MatrixLayout:
     """split_sizes or num_heads blocks along split_dim of a 2-D param, each its own param (validated)."""
     if split_sizes is not None and num_heads is not None:
-        raise ValueError(f"{where}: split_sizes and num_heads are exclusive (uneven blocks or equal heads, not both)")
+        raise ValueError(
+            f"{where}: split_sizes and num_heads are exclusive (uneven blocks or equal heads, not both)"
+        )
     if split_sizes is None and num_heads is None:
         raise ValueError(f"{where}: split_dim={split_dim!r} needs split_sizes or num_heads")
     key = "split_sizes" if split_sizes is not None else "num_heads"
@@ -216,23 +265,35 @@ def _separate_layout(
         if not _is_count(num_heads):
             raise ValueError(f"{where}: num_heads must be a positive int, got {num_heads!r}")
         if extent % num_heads:
-            raise ValueError(f"{where}: num_heads={num_heads} does not divide dim {split_dim} ({extent})")
+            raise ValueError(
+                f"{where}: num_heads={num_heads} does not divide dim {split_dim} ({extent})"
+            )
         sizes = (extent // num_heads,) * num_heads
     else:
         sizes = tuple(split_sizes) if isinstance(split_sizes, (tuple, list)) else ()
         if not sizes or not all(_is_count(s) for s in sizes):
-            raise ValueError(f"{where}: split_sizes must be a non-empty tuple of positive ints, got {split_sizes!r}")
+            raise ValueError(
+                f"{where}: split_sizes must be a non-empty tuple of positive ints, got {split_sizes!r}"
+            )
         if sum(sizes) != extent:
-            raise ValueError(f"{where}: split_sizes {sizes} sum to {sum(sizes)}, not to dim {split_dim} ({extent})")
+            raise ValueError(
+                f"{where}: split_sizes {sizes} sum to {sum(sizes)}, not to dim {split_dim} ({extent})"
+            )
     return _slab_layout(shape, split_dim, sizes, None)
 
 
 def read_block(t: Tensor, block: Block) -> Tensor:
     """The block's box of t as a new contiguous (fan_out, fan_in) tensor: a copy, never a view of t."""
-    return t[block.index].reshape(block.fan_out, block.fan_in).clone(memory_format=torch.contiguous_format)
+    return (
+        t[block.index]
+        .reshape(block.fan_out, block.fan_in)
+        .clone(memory_format=torch.contiguous_format)
+    )
 
 
-def map_blocks(stage: Callable[..., tuple[Tensor, ...]], layout: MatrixLayout, *tensors: Tensor) -> tuple[Tensor, ...]:
+def map_blocks(
+    stage: Callable[..., tuple[Tensor, ...]], layout: MatrixLayout, *tensors: Tensor
+) -> tuple[Tensor, ...]:
     """`stage` on each block of the layout as its own tensor, its outputs written back into whole tensors.
 
     Reference equation, for every block b of the layout and every output k:
@@ -245,8 +306,10 @@ def map_blocks(stage: Callable[..., tuple[Tensor, ...]], layout: MatrixLayout, *
     """
     for t in tensors:
         if tuple(t.shape) != layout.shape:
-            raise ValueError(f"map_blocks needs whole tensors of the param's shape {layout.shape}, "
-                             f"got {tuple(t.shape)}")
+            raise ValueError(
+                f"map_blocks needs whole tensors of the param's shape {layout.shape}, "
+                f"got {tuple(t.shape)}"
+            )
     outs: list[Tensor] = []
     for block in layout.blocks:
         results = stage(block, *(read_block(t, block) for t in tensors))
@@ -307,7 +370,9 @@ def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonC
     its own scale, on its own tensor (map_blocks), so param and update are whole tensors.
     """
     if layout.separate:
-        return map_blocks(lambda b, p, u: (apply_update(p, u, b.as_param(), cfg),), layout, param, update)[0]
+        return map_blocks(
+            lambda b, p, u: (apply_update(p, u, b.as_param(), cfg),), layout, param, update
+        )[0]
     ratio = lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt)
     p = decay(param, cfg)
     O = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
@@ -322,7 +387,9 @@ def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonC
     else:
         step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
         if cfg.scale_apply == "update_lr_cast":
-            step = torch.tensor(step, dtype=O.dtype)  # the scalar rounded to O's dtype, as _foreach_mul_ does
+            step = torch.tensor(
+                step, dtype=O.dtype
+            )  # the scalar rounded to O's dtype, as _foreach_mul_ does
         new = p.sub(O * step)
     return new.to(param.dtype)
 
@@ -330,11 +397,17 @@ def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonC
 def check_gradient(grad: Tensor, param: Tensor, name: str) -> None:
     """ValueError naming the parameter for a gradient Muon cannot use (before anything is written)."""
     if grad.is_sparse:
-        raise ValueError(f"{name} of shape {tuple(param.shape)}: sparse gradients are not supported")
+        raise ValueError(
+            f"{name} of shape {tuple(param.shape)}: sparse gradients are not supported"
+        )
     if grad.shape != param.shape:
-        raise ValueError(f"{name} of shape {tuple(param.shape)} has a gradient of shape {tuple(grad.shape)}")
+        raise ValueError(
+            f"{name} of shape {tuple(param.shape)} has a gradient of shape {tuple(grad.shape)}"
+        )
     if grad.is_complex() or not grad.is_floating_point():
-        raise ValueError(f"{name} of shape {tuple(param.shape)}: gradient dtype {grad.dtype} is not real floating")
+        raise ValueError(
+            f"{name} of shape {tuple(param.shape)}: gradient dtype {grad.dtype} is not real floating"
+        )
 
 
 def is_finite(grad: Tensor) -> bool:
@@ -352,7 +425,9 @@ def muon_step(
     with X_b = read_block(X, b); so a split or per-head param is bitwise the same blocks given as separate params.
     """
     if layout.separate:
-        return map_blocks(lambda b, p, g, m: muon_step(p, g, m, cfg, b.as_param()), layout, param, grad, buf)
+        return map_blocks(
+            lambda b, p, g, m: muon_step(p, g, m, cfg, b.as_param()), layout, param, grad, buf
+        )
     new_buf, direction = momentum_direction(grad, buf, cfg)
     update = orthogonalize(direction, layout, cfg)
     return apply_update(param, update, layout, cfg), new_buf

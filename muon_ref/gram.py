@@ -38,7 +38,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from .newton_schulz import EpsMode, _check_matrices, _map_matrices, initial_iterate, resolve_ns_options
+from .newton_schulz import (
+    EpsMode,
+    _check_matrices,
+    _map_matrices,
+    initial_iterate,
+    resolve_ns_options,
+)
 from .schedules import Coefficients, Schedule
 
 # Dao-AILab/gram-newton-schulz 0.1.6 gram_newton_schulz.py: GramNewtonSchulz's default reset iterations
@@ -53,7 +59,9 @@ def restart_segments(num_steps: int, restarts: Iterable[int]) -> tuple[tuple[int
     """
     restarts = tuple(restarts)
     if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in restarts):
-        raise ValueError(f"restarts must be integers >= 1 (restart after that many steps), got {restarts!r}")
+        raise ValueError(
+            f"restarts must be integers >= 1 (restart after that many steps), got {restarts!r}"
+        )
     cuts = sorted({0, num_steps} | {r for r in restarts if r < num_steps})
     return tuple(zip(cuts[:-1], cuts[1:]))
 
@@ -102,7 +110,9 @@ def gram_newton_schulz_matrix(
     """Gram NS on one 2-D matrix, all options explicit (segments: restart_segments). Returns the compute dtype."""
     transpose = G.size(0) > G.size(1)  # newton_schulz's decision, on this matrix's own shape
     X = G.mT if transpose else G
-    X = initial_iterate(X, G.dtype if dtype is None else dtype, eps, eps_mode, safety, normalize_before_cast)
+    X = initial_iterate(
+        X, G.dtype if dtype is None else dtype, eps, eps_mode, safety, normalize_before_cast
+    )
     for start, end in segments:
         X = gram_segment(X, coefficients[start:end])
     return X.mT if transpose else X
@@ -155,7 +165,9 @@ def gram_newton_schulz(
     _check_matrices(G, eps_mode, "gram_newton_schulz")
     options = resolve_ns_options(schedule, steps, eps, safety)
     if options.precondition is not None:
-        raise ValueError(f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here")
+        raise ValueError(
+            f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here"
+        )
     kernel = functools.partial(
         gram_newton_schulz_matrix,
         coefficients=options.coefficients,

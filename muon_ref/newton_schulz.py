@@ -80,11 +80,15 @@ def _step(X: Tensor, a: float, b: float, c: float, step_form: StepForm) -> Tenso
     return a * X + B @ X
 
 
-def _aol_first_step(X: Tensor, a: float, b: float, c: float, step_form: StepForm, eps: float) -> Tensor:
+def _aol_first_step(
+    X: Tensor, a: float, b: float, c: float, step_form: StepForm, eps: float
+) -> Tensor:
     """AOL preconditioning fused with step 1, reusing the Gram (thib-s/flash-newton-schulz NS_ours)."""
     A = X @ X.mT
     row_sums = A.abs().sum(dim=-1).clamp_min(eps)
-    row_sums = torch.where(row_sums == 0, torch.ones_like(row_sums), row_sums)  # zero rows stay zero
+    row_sums = torch.where(
+        row_sums == 0, torch.ones_like(row_sums), row_sums
+    )  # zero rows stay zero
     s = torch.rsqrt(row_sums)
     X = X * s.unsqueeze(-1)
     A = A * s.unsqueeze(-1) * s.unsqueeze(-2)
@@ -124,7 +128,12 @@ def newton_schulz_matrix(
 
 
 def initial_iterate(
-    X: Tensor, compute_dtype: torch.dtype, eps: float, eps_mode: EpsMode, safety: float, normalize_before_cast: bool
+    X: Tensor,
+    compute_dtype: torch.dtype,
+    eps: float,
+    eps_mode: EpsMode,
+    safety: float,
+    normalize_before_cast: bool,
 ) -> Tensor:
     """X_0: normalised then cast (normalize_before_cast), or cast then normalised (the default), each trailing matrix
     by its own norm (normalise). Contract: the kernel's own ops, so a fast kernel that calls this on the same view
@@ -137,14 +146,18 @@ def initial_iterate(
 def _check_matrices(G: Tensor, eps_mode: str, caller: str) -> None:
     """ValueError for the caller's mistakes common to the kernels on [..., m, n] stacks."""
     if G.ndim < 2:
-        raise ValueError(f"{caller} needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+        raise ValueError(
+            f"{caller} needs a matrix or a stack of matrices, got shape {tuple(G.shape)}"
+        )
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"{caller} needs a real floating tensor, got dtype {G.dtype}")
     if eps_mode not in EPS_MODES:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
 
 
-def _map_matrices(kernel: Callable[[Tensor], Tensor], G: Tensor, compute_dtype: torch.dtype) -> Tensor:
+def _map_matrices(
+    kernel: Callable[[Tensor], Tensor], G: Tensor, compute_dtype: torch.dtype
+) -> Tensor:
     """kernel(M) for each trailing matrix M of G [..., m, n], stacked back to G's leading dims: each matrix takes
     its own transpose decision and norm inside the kernel. An empty stack gives an empty tensor of G's shape."""
     if G.ndim == 2:
@@ -200,15 +213,22 @@ def resolve_ns_options(
 
 
 @functools.lru_cache(maxsize=256)
-def _resolved(sched: Schedule, steps: int | None, eps: float | None, safety: float | None,
-              precondition: str | None) -> NSOptions:
+def _resolved(
+    sched: Schedule,
+    steps: int | None,
+    eps: float | None,
+    safety: float | None,
+    precondition: str | None,
+) -> NSOptions:
     """resolve_ns_options on the schedule object (not its name: register_schedule may rebind a name), cached: a
     pure function that every kernel call asks for."""
     return NSOptions(
         coefficients=sched.steps_for(steps),
         eps=(sched.eps if sched.eps is not None else DEFAULT_EPS) if eps is None else eps,
         safety=sched.safety if safety is None else safety,
-        precondition=sched.precondition if precondition is None else (None if precondition == "none" else "aol"),
+        precondition=sched.precondition
+        if precondition is None
+        else (None if precondition == "none" else "aol"),
     )
 
 

@@ -153,7 +153,9 @@ def schedule_band(
     if not 0.0 <= lower <= upper:
         raise ValueError(f"need 0 <= lower <= upper, got [{lower}, {upper}]")
     if safety <= 0 or headroom < 0:
-        raise ValueError(f"need safety > 0 and headroom >= 0, got safety={safety}, headroom={headroom}")
+        raise ValueError(
+            f"need safety > 0 and headroom >= 0, got safety={safety}, headroom={headroom}"
+        )
     lo, hi = lower / safety, upper / safety
     per_step = []
     for coefficients in get_schedule(schedule).steps_for(steps):
@@ -169,7 +171,9 @@ def fixed_points(coefficients: Coefficients) -> list[float]:
         ys = [(1 - a) / b] if b != 0.0 else []
     else:
         disc = b * b - 4 * c * (a - 1)
-        ys = [] if disc < 0 else [(-b - math.sqrt(disc)) / (2 * c), (-b + math.sqrt(disc)) / (2 * c)]
+        ys = (
+            [] if disc < 0 else [(-b - math.sqrt(disc)) / (2 * c), (-b + math.sqrt(disc)) / (2 * c)]
+        )
     return sorted({math.sqrt(y) for y in ys if y > 0})
 
 

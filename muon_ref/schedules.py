@@ -44,13 +44,17 @@ class Schedule:
             raise ValueError(f"schedule {self.name!r}: no coefficients")
         for t, step in enumerate(self.coefficients):
             if len(step) != 3 or not all(isinstance(v, float) for v in step):
-                raise ValueError(f"schedule {self.name!r}: step {t} must be three floats, got {step!r}")
+                raise ValueError(
+                    f"schedule {self.name!r}: step {t} must be three floats, got {step!r}"
+                )
         if self.policy not in ("cycle", "repeat_last", "fixed"):
             raise ValueError(f"schedule {self.name!r}: unknown policy {self.policy!r}")
         if self.default_steps < 1:
             raise ValueError(f"schedule {self.name!r}: default_steps must be >= 1")
         if self.policy == "fixed" and self.default_steps != len(self.coefficients):
-            raise ValueError(f"schedule {self.name!r}: a fixed schedule runs exactly its {len(self.coefficients)} steps")
+            raise ValueError(
+                f"schedule {self.name!r}: a fixed schedule runs exactly its {len(self.coefficients)} steps"
+            )
 
     def steps_for(self, steps: int | None = None) -> tuple[Coefficients, ...]:
         """The coefficients of each of `steps` steps (default: default_steps) under the step policy."""
@@ -59,7 +63,9 @@ class Schedule:
             raise ValueError(f"steps must be >= 0, got {k}")
         L = len(self.coefficients)
         if self.policy == "fixed" and k != L:
-            raise ValueError(f"schedule {self.name!r} is tuned for exactly {L} steps, got steps={k}")
+            raise ValueError(
+                f"schedule {self.name!r} is tuned for exactly {L} steps, got steps={k}"
+            )
         if self.policy == "cycle":
             return tuple(self.coefficients[t % L] for t in range(k))
         return tuple(self.coefficients[min(t, L - 1)] for t in range(k))
@@ -73,7 +79,8 @@ class Schedule:
 def _scaled(steps: list[Coefficients], factor: float, upto: int) -> tuple[Coefficients, ...]:
     """Evaluate each of the first `upto` polynomials at x / factor: (a/f, b/f^3, c/f^5), as shipped."""
     return tuple(
-        (a / factor, b / factor**3, c / factor**5) if t < upto else (a, b, c) for t, (a, b, c) in enumerate(steps)
+        (a / factor, b / factor**3, c / factor**5) if t < upto else (a, b, c)
+        for t, (a, b, c) in enumerate(steps)
     )
 
 
@@ -279,7 +286,9 @@ def register_schedule(schedule: Schedule, *, overwrite: bool = False) -> Schedul
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if schedule.name in SCHEDULES and not overwrite and SCHEDULES[schedule.name] != schedule:
-        raise ValueError(f"a different schedule named {schedule.name!r} is registered; pass overwrite=True")
+        raise ValueError(
+            f"a different schedule named {schedule.name!r} is registered; pass overwrite=True"
+        )
     SCHEDULES[schedule.name] = schedule
     return schedule
 

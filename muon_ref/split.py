@@ -59,8 +59,16 @@ class MuonWithAdamW(Muon):
         if isinstance(params, nn.Module):
             muon_named, adamw_named = split_params(params, adamw_patterns)
             params = [
-                {"params": [p for _, p in muon_named], "param_names": [n for n, _ in muon_named], "algorithm": "muon"},
-                {"params": [p for _, p in adamw_named], "param_names": [n for n, _ in adamw_named], "algorithm": "adamw"},
+                {
+                    "params": [p for _, p in muon_named],
+                    "param_names": [n for n, _ in muon_named],
+                    "algorithm": "muon",
+                },
+                {
+                    "params": [p for _, p in adamw_named],
+                    "param_names": [n for n, _ in adamw_named],
+                    "algorithm": "adamw",
+                },
             ]
             params = [g for g in params if g["params"]]
         super().__init__(params, preset, **overrides)
@@ -115,7 +123,19 @@ class MuonWithAdamW(Muon):
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         functional_adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, decoupled_weight_decay=True,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )

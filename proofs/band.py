@@ -20,7 +20,9 @@ from functools import lru_cache
 
 from muon_ref.schedules import Coefficients, Schedule, get_schedule
 
-CRITICAL_BITS = 110  # square roots enclosed to width <= 2^-110 ~ 7.7e-34, critical points on that grid
+CRITICAL_BITS = (
+    110  # square roots enclosed to width <= 2^-110 ~ 7.7e-34, critical points on that grid
+)
 GRID_BITS = 200  # band endpoints rounded outward to multiples of 2^-200 after each step
 
 Exact = tuple[Fraction, Fraction, Fraction]
@@ -131,7 +133,12 @@ class BandEnclosure:
     @property
     def width(self) -> float:
         """The wider end's width, relative to its magnitude where that exceeds 1 (a diverging band is huge)."""
-        return float(max((hi - lo) / max(1, abs(hi)) for lo, hi in ((self.m_lo, self.m_hi), (self.M_lo, self.M_hi))))
+        return float(
+            max(
+                (hi - lo) / max(1, abs(hi))
+                for lo, hi in ((self.m_lo, self.m_hi), (self.M_lo, self.M_hi))
+            )
+        )
 
 
 def _step(enc: BandEnclosure, coefficients: Coefficients) -> BandEnclosure:
@@ -142,9 +149,12 @@ def _step(enc: BandEnclosure, coefficients: Coefficients) -> BandEnclosure:
     outer = range_bounds(enc.m_lo, enc.M_hi, coefficients)
     inner = range_bounds(enc.m_hi, enc.M_lo, coefficients)
     return BandEnclosure(
-        lower=enc.lower, upper=enc.upper,
-        m_lo=_floor_grid(outer.min_lo, GRID_BITS), m_hi=_ceil_grid(inner.min_hi, GRID_BITS),
-        M_lo=_floor_grid(inner.max_lo, GRID_BITS), M_hi=_ceil_grid(outer.max_hi, GRID_BITS),
+        lower=enc.lower,
+        upper=enc.upper,
+        m_lo=_floor_grid(outer.min_lo, GRID_BITS),
+        m_hi=_ceil_grid(inner.min_hi, GRID_BITS),
+        M_lo=_floor_grid(inner.max_lo, GRID_BITS),
+        M_hi=_ceil_grid(outer.max_hi, GRID_BITS),
     )
 
 

@@ -29,29 +29,48 @@ NamedCheck = tuple[str, Callable[[], list[str]]]
 LOWER = 1e-3  # the catalogue's interval [1e-3, 1] (docs/schedules.md, the bands table)
 # a float band must lie this close to the exact enclosure (relative beyond 1); measured: <= 7.1e-14 (cans)
 CLAIM_TOL = 1e-12
-WIDTH_LIMIT = 1e-12  # the enclosure itself must be narrower than this (relative where the band exceeds 1)
-OVERSHOOT_TOL = 2.0**-8  # bf16's unit roundoff at 1: a smaller overshoot is invisible after the cast
+WIDTH_LIMIT = (
+    1e-12  # the enclosure itself must be narrower than this (relative where the band exceeds 1)
+)
+OVERSHOOT_TOL = (
+    2.0**-8
+)  # bf16's unit roundoff at 1: a smaller overshoot is invisible after the cast
 
 # ---------------------------------------------------------------------------------------------------
 # Schedule certificates
 
 
 def check_schedule_claim(
-    schedule: str | Schedule, claimed_band: Band | tuple[float, float], l: float, *, steps: int | None = None
+    schedule: str | Schedule,
+    claimed_band: Band | tuple[float, float],
+    l: float,
+    *,
+    steps: int | None = None,
 ) -> list[str]:
     """Failures of the claim "the band of the schedule over [l, 1] is claimed_band" against the exact enclosure."""
     name = schedule if isinstance(schedule, str) else schedule.name
-    claimed = (claimed_band.min, claimed_band.max) if isinstance(claimed_band, Band) else tuple(claimed_band)
+    claimed = (
+        (claimed_band.min, claimed_band.max)
+        if isinstance(claimed_band, Band)
+        else tuple(claimed_band)
+    )
     enc = certified_band(schedule, l, steps=steps)
     where = f"{name} over [{l:g}, 1], {steps or 'default'} steps"
     failures = []
     if enc.width >= WIDTH_LIMIT:
         failures.append(f"{where}: enclosure width {enc.width:.3g} >= {WIDTH_LIMIT:g}")
-    for label, value, lo, hi in (("min", claimed[0], enc.m_lo, enc.m_hi), ("max", claimed[1], enc.M_lo, enc.M_hi)):
-        tol = Fraction(CLAIM_TOL) * max(1, abs(Fraction(value)))  # relative for a band beyond 1 (diverging)
+    for label, value, lo, hi in (
+        ("min", claimed[0], enc.m_lo, enc.m_hi),
+        ("max", claimed[1], enc.M_lo, enc.M_hi),
+    ):
+        tol = Fraction(CLAIM_TOL) * max(
+            1, abs(Fraction(value))
+        )  # relative for a band beyond 1 (diverging)
         if not lo - tol <= Fraction(value) <= hi + tol:
             exact = f"[{float(lo)!r}, {float(hi)!r}]"
-            failures.append(f"{where}: claimed {label} {value!r} outside the exact {exact} +- {CLAIM_TOL:g}")
+            failures.append(
+                f"{where}: claimed {label} {value!r} outside the exact {exact} +- {CLAIM_TOL:g}"
+            )
     return failures
 
 
@@ -76,17 +95,25 @@ def _step_counts(sched: Schedule) -> list[int]:
 def check_schedule_certificates() -> list[str]:
     """Every registered schedule (iterated at run time): exact band enclosure, float band inside it, hazards."""
     failures = []
-    print(f"  {'schedule':22s} {'l':>6s} {'k':>3s}  exact band [min, max] (6 d.p., enclosure width)   hazards")
+    print(
+        f"  {'schedule':22s} {'l':>6s} {'k':>3s}  exact band [min, max] (6 d.p., enclosure width)   hazards"
+    )
     for name, sched in list(SCHEDULES.items()):
-        lowers = [LOWER] + ([sched.design_lower_bound] if sched.design_lower_bound not in (None, LOWER) else [])
+        lowers = [LOWER] + (
+            [sched.design_lower_bound] if sched.design_lower_bound not in (None, LOWER) else []
+        )
         for l in lowers:
             for k in _step_counts(sched):
                 steps = None if k == sched.default_steps else k
-                failures += check_schedule_claim(sched, schedule_band(sched, l, steps=steps), l, steps=steps)
+                failures += check_schedule_claim(
+                    sched, schedule_band(sched, l, steps=steps), l, steps=steps
+                )
                 enc = certified_band(sched, l, steps=steps)
                 design = "" if steps is None else " (off design)"
-                print(f"  {name:22s} {l:6g} {k:3d}  [{float(enc.m_lo):9.6f}, {float(enc.M_hi):9.6f}] "
-                      f"(w {enc.width:.0e}){design:13s} {', '.join(hazards(enc))}")
+                print(
+                    f"  {name:22s} {l:6g} {k:3d}  [{float(enc.m_lo):9.6f}, {float(enc.M_hi):9.6f}] "
+                    f"(w {enc.width:.0e}){design:13s} {', '.join(hazards(enc))}"
+                )
     return failures
 
 
@@ -109,13 +136,21 @@ def check_catalogue_figures() -> list[str]:
     """The catalogue's printed bands agree with the exact enclosures to the precision they are printed at."""
     failures = []
     for label, name, l, steps, policy, (lo, hi), half_unit in CATALOGUE_FIGURES:
-        sched = SCHEDULES[name] if policy is None else dataclasses.replace(SCHEDULES[name], policy=policy)
+        sched = (
+            SCHEDULES[name]
+            if policy is None
+            else dataclasses.replace(SCHEDULES[name], policy=policy)
+        )
         enc = certified_band(sched, l, steps=steps)
         ok = abs(float(enc.m_lo) - lo) <= half_unit and abs(float(enc.M_hi) - hi) <= half_unit
-        print(f"  {label:38s} catalogue [{lo}, {hi}]  exact [{float(enc.m_lo):.6f}, {float(enc.M_hi):.6f}]"
-              f"  {'agrees' if ok else 'DIFFERS'}")
+        print(
+            f"  {label:38s} catalogue [{lo}, {hi}]  exact [{float(enc.m_lo):.6f}, {float(enc.M_hi):.6f}]"
+            f"  {'agrees' if ok else 'DIFFERS'}"
+        )
         if not ok:
-            failures.append(f"{label}: catalogue [{lo}, {hi}] vs exact [{float(enc.m_lo)!r}, {float(enc.M_hi)!r}]")
+            failures.append(
+                f"{label}: catalogue [{lo}, {hi}] vs exact [{float(enc.m_lo)!r}, {float(enc.M_hi)!r}]"
+            )
     return failures
 
 
@@ -134,12 +169,22 @@ def broken_claims() -> list[tuple[str, Schedule, tuple[float, float]]]:
     keller = SCHEDULES["keller"]
     keller_band = schedule_band(keller, LOWER)
     claims = []
-    for label, a in (("keller with a x 1.05", 3.4445 * 1.05), ("keller with a + 1e-9", 3.4445 + 1e-9)):
+    for label, a in (
+        ("keller with a x 1.05", 3.4445 * 1.05),
+        ("keller with a + 1e-9", 3.4445 + 1e-9),
+    ):
         broken = dataclasses.replace(keller, name=label, coefficients=((a, -4.7750, 2.0315),))
-        claims.append((f"{label}, claimed keller's band", broken, (keller_band.min, keller_band.max)))
+        claims.append(
+            (f"{label}, claimed keller's band", broken, (keller_band.min, keller_band.max))
+        )
     aol_old = SCHEDULES["aol_old"]
-    claims.append(("aol_old, band without negative critical points", aol_old,
-                   _positive_critical_points_only_band(aol_old, LOWER)))
+    claims.append(
+        (
+            "aol_old, band without negative critical points",
+            aol_old,
+            _positive_critical_points_only_band(aol_old, LOWER),
+        )
+    )
     return claims
 
 
@@ -148,7 +193,9 @@ def check_negative_controls() -> list[str]:
     failures = []
     for label, sched, claimed in broken_claims():
         rejected = check_schedule_claim(sched, claimed, LOWER)
-        print(f"  {label:58s} {'rejected' if rejected else 'ACCEPTED'}: {rejected[0] if rejected else ''}")
+        print(
+            f"  {label:58s} {'rejected' if rejected else 'ACCEPTED'}: {rejected[0] if rejected else ''}"
+        )
         if not rejected:
             failures.append(f"negative control accepted: {label}")
     return failures
@@ -162,7 +209,9 @@ def _proportional(u: list[Fraction], v: list[Fraction]) -> bool:
     return all(u[i] * v[j] == u[j] * v[i] for i in range(len(u)) for j in range(len(u)))
 
 
-def momentum_runs(mus: Sequence[Fraction], grads: Sequence[list[Fraction]]) -> list[dict[str, list[Fraction]]]:
+def momentum_runs(
+    mus: Sequence[Fraction], grads: Sequence[list[Fraction]]
+) -> list[dict[str, list[Fraction]]]:
     """Exact EMA, sum and optax buffers and Nesterov inputs after each step (muon_ref/functional.py forms)."""
     ema = total = [Fraction(0)] * len(grads[0])
     out = []
@@ -170,8 +219,15 @@ def momentum_runs(mus: Sequence[Fraction], grads: Sequence[list[Fraction]]) -> l
         ema = [m + (1 - mu) * (x - m) for m, x in zip(ema, g)]  # M.lerp(G, 1 - mu)
         total = [m * mu + x for m, x in zip(total, g)]  # M * mu + G
         optax = [mu * m / (1 - mu ** (t + 1)) + (1 - mu) * x / (1 - mu**t) for m, x in zip(ema, g)]
-        out.append(dict(ema=ema, sum=total, ema_nesterov=[x + mu * (m - x) for m, x in zip(ema, g)],
-                        sum_nesterov=[x + mu * m for m, x in zip(total, g)], optax_nesterov=optax))
+        out.append(
+            dict(
+                ema=ema,
+                sum=total,
+                ema_nesterov=[x + mu * (m - x) for m, x in zip(ema, g)],
+                sum_nesterov=[x + mu * m for m, x in zip(total, g)],
+                optax_nesterov=optax,
+            )
+        )
     return out
 
 
@@ -179,7 +235,9 @@ def check_momentum_identity() -> list[str]:
     """Constant mu: EMA = (1 - mu) * sum for buffers and Nesterov inputs, exactly; varying mu and optax's bias
     correction break the proportionality (controls: the check can fail)."""
     rng = random.Random(0)
-    grads = [[Fraction(rng.randint(-99, 99), rng.randint(1, 99)) for _ in range(4)] for _ in range(8)]
+    grads = [
+        [Fraction(rng.randint(-99, 99), rng.randint(1, 99)) for _ in range(4)] for _ in range(8)
+    ]
     mu = Fraction(0.95)  # every preset's momentum (muon_ref/presets.py), as its exact binary value
     failures = []
     for t, run in enumerate(momentum_runs([mu] * len(grads), grads), start=1):
@@ -188,10 +246,15 @@ def check_momentum_identity() -> list[str]:
                 failures.append(f"step {t}: {ema} != (1 - mu) * {total}")
     varying = momentum_runs([Fraction(0.9), Fraction(0.95), Fraction(0.99)] * 3, grads)[-1]
     constant = momentum_runs([mu] * len(grads), grads)[-1]
-    controls = {"varying mu: ema vs sum": _proportional(varying["ema"], varying["sum"]),
-                "optax bias-corrected Nesterov vs EMA Nesterov": _proportional(constant["optax_nesterov"],
-                                                                               constant["ema_nesterov"])}
-    print(f"  constant mu = 0.95, {len(grads)} steps, 4 entries: EMA = (1 - mu) sum exactly: {not failures}")
+    controls = {
+        "varying mu: ema vs sum": _proportional(varying["ema"], varying["sum"]),
+        "optax bias-corrected Nesterov vs EMA Nesterov": _proportional(
+            constant["optax_nesterov"], constant["ema_nesterov"]
+        ),
+    }
+    print(
+        f"  constant mu = 0.95, {len(grads)} steps, 4 entries: EMA = (1 - mu) sum exactly: {not failures}"
+    )
     for label, proportional in controls.items():
         print(f"  control, {label}: proportional = {proportional} (expected False)")
         if proportional:
@@ -227,7 +290,9 @@ def _formula_mismatch(name: str, formula: str, sqrt: str) -> tuple[int, int] | N
     code = compile(formula, str(LR_TABLE), "eval")
     for fo in range(1, 41):
         for fi in range(1, 41):
-            if lr_scale(name, fo, fi, sqrt) != eval(code, {"sqrt": root, "max": max}, {"fo": fo, "fi": fi}):
+            if lr_scale(name, fo, fi, sqrt) != eval(
+                code, {"sqrt": root, "max": max}, {"fo": fo, "fi": fi}
+            ):
                 return fo, fi
     return None
 
@@ -243,10 +308,16 @@ def check_lr_scale_table() -> list[str]:
             for sqrt in ("sqrt", "pow"):
                 bad = _formula_mismatch(name, formula, sqrt)
                 if bad:
-                    failures.append(f"lr_scale({name!r}, sqrt={sqrt!r}) != {formula} at (fan_out, fan_in) = {bad}")
+                    failures.append(
+                        f"lr_scale({name!r}, sqrt={sqrt!r}) != {formula} at (fan_out, fan_in) = {bad}"
+                    )
     if sorted(seen) != sorted(LR_SCALE_ALIASES):
-        failures.append(f"muon_ref names in proofs/lr_scale.md {sorted(seen)} != {sorted(LR_SCALE_ALIASES)}")
-    print(f"  {len(rows)} formulas, {len(seen)} muon_ref names, bitwise on 1600 shapes with either square root")
+        failures.append(
+            f"muon_ref names in proofs/lr_scale.md {sorted(seen)} != {sorted(LR_SCALE_ALIASES)}"
+        )
+    print(
+        f"  {len(rows)} formulas, {len(seen)} muon_ref names, bitwise on 1600 shapes with either square root"
+    )
     return failures
 
 
@@ -255,28 +326,40 @@ def check_sqrt_vs_pow() -> list[str]:
     x = 145 / 9  # the ratio pinned in tests/test_presets.py
     by_sqrt, by_pow = math.sqrt(x), x**0.5
     one_ulp = by_pow in (math.nextafter(by_sqrt, math.inf), math.nextafter(by_sqrt, -math.inf))
-    print(f"  145/9: math.sqrt {by_sqrt!r} correctly rounded: {_correctly_rounded_sqrt(x, by_sqrt)}; "
-          f"** 0.5 {by_pow!r} correctly rounded: {_correctly_rounded_sqrt(x, by_pow)}, one ulp away: {one_ulp}")
+    print(
+        f"  145/9: math.sqrt {by_sqrt!r} correctly rounded: {_correctly_rounded_sqrt(x, by_sqrt)}; "
+        f"** 0.5 {by_pow!r} correctly rounded: {_correctly_rounded_sqrt(x, by_pow)}, one ulp away: {one_ulp}"
+    )
     if _correctly_rounded_sqrt(x, by_sqrt) and not _correctly_rounded_sqrt(x, by_pow) and one_ulp:
         return []
-    return [f"145/9: math.sqrt {by_sqrt!r}, ** 0.5 {by_pow!r}: not (correctly rounded, one ulp off)"]
+    return [
+        f"145/9: math.sqrt {by_sqrt!r}, ** 0.5 {by_pow!r}: not (correctly rounded, one ulp off)"
+    ]
 
 
 def check_broken_planner() -> list[str]:
     """A planner that drops the remainder batch must fail the plan checker (or the checker proves nothing)."""
     failures = check_case(BROKEN_CASE, dropping_remainder_planner)
     print(f"  a planner that drops the remainder: {len(failures)} invariant failures reported")
-    return [] if failures else ["the plan checker accepted a planner that drops the remainder batch"]
+    return (
+        [] if failures else ["the plan checker accepted a planner that drops the remainder batch"]
+    )
 
 
 CHECKS: list[NamedCheck] = [
-    ("schedule certificates: exact band enclosures contain schedule_band", check_schedule_certificates),
+    (
+        "schedule certificates: exact band enclosures contain schedule_band",
+        check_schedule_certificates,
+    ),
     ("catalogue figures agree with the exact bands", check_catalogue_figures),
     ("negative controls: broken band claims are rejected", check_negative_controls),
     ("momentum: EMA = (1 - mu) * sum for constant mu, exactly", check_momentum_identity),
     ("lr scale: proofs/lr_scale.md's table is muon_ref's", check_lr_scale_table),
     ("lr scale: math.sqrt vs ** 0.5, exactly", check_sqrt_vs_pow),
-    ("plan checker: muon_dist's planner and paths route every element (proofs/plan_check.py)", check_plans),
+    (
+        "plan checker: muon_dist's planner and paths route every element (proofs/plan_check.py)",
+        check_plans,
+    ),
     ("negative control: a broken planner is rejected by the plan checker", check_broken_planner),
 ]
 
@@ -295,8 +378,12 @@ def main(checks: Sequence[NamedCheck] = CHECKS) -> int:
         failed += bool(failures)
         for failure in failures:
             print(f"  FAIL: {failure}")
-        print(f"  -> {'ok' if not failures else f'{len(failures)} failure(s)'} ({time.perf_counter() - t0:.2f} s)")
-    print(f"proofs.check: {len(checks) - failed}/{len(checks)} checks hold ({time.perf_counter() - start:.1f} s)")
+        print(
+            f"  -> {'ok' if not failures else f'{len(failures)} failure(s)'} ({time.perf_counter() - t0:.2f} s)"
+        )
+    print(
+        f"proofs.check: {len(checks) - failed}/{len(checks)} checks hold ({time.perf_counter() - start:.1f} s)"
+    )
     return 1 if failed else 0
 
 

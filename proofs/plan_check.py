@@ -32,7 +32,10 @@ from muon_dist import plan as real_plan
 from muon_dist.paths import PATHS
 
 DTYPE = torch.float64
-PARTIAL_PATHS = ("local", "subgroup_all_gather")  # their kernel calls see whole experts, not the whole param
+PARTIAL_PATHS = (
+    "local",
+    "subgroup_all_gather",
+)  # their kernel calls see whole experts, not the whole param
 ITEMSIZES = {str(DTYPE): 8}
 
 
@@ -51,7 +54,9 @@ class Case:
         """Elements of one matrix: one expert of an expert stack, else the whole param."""
         if self.num_experts:
             return self.shape[0] * self.shape[1] // self.num_experts
-        return self.shape[1] * self.shape[2] if len(self.shape) == 3 else self.shape[0] * self.shape[1]
+        return (
+            self.shape[1] * self.shape[2] if len(self.shape) == 3 else self.shape[0] * self.shape[1]
+        )
 
 
 def cases(max_world: int = 8) -> Iterator[Case]:
@@ -62,7 +67,11 @@ def cases(max_world: int = 8) -> Iterator[Case]:
         for shape in itertools.product(dims, dims):
             for placement in ("S0", "S1", "R"):
                 for count in sorted({1, W + 1}):
-                    remainders = ("agrs", "padded_all_to_all") if count % W and placement != "R" else ("agrs",)
+                    remainders = (
+                        ("agrs", "padded_all_to_all")
+                        if count % W and placement != "R"
+                        else ("agrs",)
+                    )
                     for remainder in remainders:
                         yield Case(W, shape, placement, count, Options(remainder=remainder))
     yield from expert_cases(max_world)
@@ -76,7 +85,9 @@ def expert_cases(max_world: int = 8) -> Iterator[Case]:
         W = ep * fsdp
         if W > max_world or W == 1:
             continue
-        for E, m, fused, count in itertools.product((1, 3, 4, 16), (2, 4), (False, True), (1, W + 1)):
+        for E, m, fused, count in itertools.product(
+            (1, 3, 4, 16), (2, 4), (False, True), (1, W + 1)
+        ):
             shape = (E * m, 2) if fused else (E, m, 2)
             yield Case(W, shape, "S0", count, Options(), ep=ep, num_experts=E if fused else None)
 
@@ -84,10 +95,14 @@ def expert_cases(max_world: int = 8) -> Iterator[Case]:
 def layout_for(name: str, case: Case) -> ParamLayout:
     W = case.world_size
     if case.ep is None:
-        return ParamLayout(name, case.shape, str(DTYPE), tuple(range(W)), (case.placement,), ("fsdp",))
+        return ParamLayout(
+            name, case.shape, str(DTYPE), tuple(range(W)), (case.placement,), ("fsdp",)
+        )
     fsdp = W // case.ep
     mesh = tuple(tuple(range(i * fsdp, (i + 1) * fsdp)) for i in range(case.ep))
-    return ParamLayout(name, case.shape, str(DTYPE), mesh, ("S0", "S0"), ("ep", "fsdp"), case.num_experts)
+    return ParamLayout(
+        name, case.shape, str(DTYPE), mesh, ("S0", "S0"), ("ep", "fsdp"), case.num_experts
+    )
 
 
 def label(k: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -101,9 +116,16 @@ def whole_matrices(full: torch.Tensor, case: Case) -> tuple[int, range] | None:
     numel = math.prod(case.shape)
     k, offset = divmod(first, numel) if first >= 0 else (-1, 0)
     unit = case.matrix_numel
-    if not 0 <= k < case.count or offset % unit or full.numel() % unit or offset + full.numel() > numel:
+    if (
+        not 0 <= k < case.count
+        or offset % unit
+        or full.numel() % unit
+        or offset + full.numel() > numel
+    ):
         return None
-    if not torch.equal(full.reshape(-1), label(k, case.shape).reshape(-1)[offset: offset + full.numel()]):
+    if not torch.equal(
+        full.reshape(-1), label(k, case.shape).reshape(-1)[offset : offset + full.numel()]
+    ):
         return None
     return k, range(offset // unit, (offset + full.numel()) // unit)
 
@@ -113,42 +135,59 @@ def box(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     return full[geometry.boxes[geometry.member(rank)].index].contiguous()
 
 
-def _rank_main(case: Case, rank: int, world: ThreadWorld, planner: Callable, calls: Counter, out: dict) -> None:
+def _rank_main(
+    case: Case, rank: int, world: ThreadWorld, planner: Callable, calls: Counter, out: dict
+) -> None:
     comm = ThreadComm(world, rank)
     layouts = [layout_for(f"p{k}", case) for k in range(case.count)]
     step_plan = planner(tuple(Entry(lay, 0, str(DTYPE), True) for lay in layouts), case.options)
     failures, updates = [], {}
     for batch in step_plan.batches:
         lay = layouts[batch.params[0]]
-        num_padding = batch.group_size - len(batch.params) if batch.path == "padded_all_to_all" else 0
+        num_padding = (
+            batch.group_size - len(batch.params) if batch.path == "padded_all_to_all" else 0
+        )
 
         def kernel(full: torch.Tensor, frame, batch=batch, num_padding=num_padding) -> torch.Tensor:
-            if full.numel() == 0 and batch.path in PARTIAL_PATHS:  # a rank holding no expert of this param
+            if (
+                full.numel() == 0 and batch.path in PARTIAL_PATHS
+            ):  # a rank holding no expert of this param
                 return 2 * full + 1
             run = whole_matrices(full, case)
             whole = run is not None and (batch.path in PARTIAL_PATHS or full.shape == case.shape)
             if not whole and num_padding and torch.count_nonzero(full) == 0:
                 calls["padding"] += 1
             elif not whole or run[0] not in batch.params:
-                failures.append(f"I3: rank {rank} ({batch.path}) got {tuple(full.shape)} that is not whole "
-                                f"matrices of a param of its batch: {full.reshape(-1)[:8].tolist()}")
+                failures.append(
+                    f"I3: rank {rank} ({batch.path}) got {tuple(full.shape)} that is not whole "
+                    f"matrices of a param of its batch: {full.reshape(-1)[:8].tolist()}"
+                )
             else:
                 calls.update((run[0], e, batch.path) for e in run[1])
             return 2 * full + 1
 
         group = Group(lay.geometry.group_of(rank))
-        outs = PATHS[batch.path].run(comm, group, batch, [box(label(i, case.shape), layouts[i], rank)
-                                                          for i in batch.params], [kernel] * len(batch.params))
+        outs = PATHS[batch.path].run(
+            comm,
+            group,
+            batch,
+            [box(label(i, case.shape), layouts[i], rank) for i in batch.params],
+            [kernel] * len(batch.params),
+        )
         updates.update(zip(batch.params, outs))
     for k, lay in enumerate(layouts):
-        if k not in updates or not torch.equal(updates[k], box(2 * label(k, case.shape) + 1, lay, rank)):
+        if k not in updates or not torch.equal(
+            updates[k], box(2 * label(k, case.shape) + 1, lay, rank)
+        ):
             failures.append(f"I4: rank {rank} did not get back its box of param {k}")
     want = expected_bytes(step_plan, rank, ITEMSIZES)
     got = {path: (sent, received) for path, (sent, received) in comm.ledger.items()}
     if got != want:
         failures.append(f"I5: rank {rank} counted {got}, the formula says {want}")
     out[rank] = (step_plan.digest(), failures)
-    out["num_padding"] = sum(b.group_size - len(b.params) for b in step_plan.batches if b.path == "padded_all_to_all")
+    out["num_padding"] = sum(
+        b.group_size - len(b.params) for b in step_plan.batches if b.path == "padded_all_to_all"
+    )
 
 
 def check_case(case: Case, planner: Callable = real_plan) -> list[str]:
@@ -182,9 +221,13 @@ def check_case(case: Case, planner: Callable = real_plan) -> list[str]:
             failures.append(f"I2: matrix {e} of param {k} orthogonalised {n} times on {path}")
     missing = [(k, e) for k in range(case.count) for e in range(matrices) if not per_matrix[k, e]]
     if missing or len(per_matrix) != case.count * matrices:
-        failures.append(f"I2: matrices never orthogonalised: {missing[:5]} (or foreign ones: {len(per_matrix)})")
+        failures.append(
+            f"I2: matrices never orthogonalised: {missing[:5]} (or foreign ones: {len(per_matrix)})"
+        )
     if padding != out.get("num_padding", padding):
-        failures.append(f"I2: {padding} kernel calls on padding, the plan pads {out['num_padding']}")
+        failures.append(
+            f"I2: {padding} kernel calls on padding, the plan pads {out['num_padding']}"
+        )
     return [f"{case}: {f}" for f in failures]
 
 
@@ -194,9 +237,11 @@ def check_plans(planner: Callable = real_plan, max_world: int = 8) -> list[str]:
     for case in cases(max_world):
         failures += check_case(case, planner)
         n += 1
-    print(f"  plan checker: {n} cases (W <= {max_world}; matrices on S0/S1/R with even, uneven and empty shards "
-          f"and remainders via agrs and padded_all_to_all; experts E in 1, 3, 4, 16 on (ep, fsdp) meshes, 3-D "
-          f"and fused): {len(failures)} failures")
+    print(
+        f"  plan checker: {n} cases (W <= {max_world}; matrices on S0/S1/R with even, uneven and empty shards "
+        f"and remainders via agrs and padded_all_to_all; experts E in 1, 3, 4, 16 on (ep, fsdp) meshes, 3-D "
+        f"and fused): {len(failures)} failures"
+    )
     return failures[:20]
 
 

@@ -10,13 +10,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_COMMON = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 settings.register_profile("dev", max_examples=10, **_COMMON)
-settings.register_profile("ci", max_examples=40, derandomize=True, database=None, print_blob=True, **_COMMON)
+settings.register_profile(
+    "ci", max_examples=40, derandomize=True, database=None, print_blob=True, **_COMMON
+)
 settings.register_profile("thorough", max_examples=500, print_blob=True, **_COMMON)
 # tests/mutation/run.py: ci's examples, not shrunk (a mutant is killed by any failing example; shrinking one only
 # makes its report shorter, and it can take longer than the whole test)
-settings.register_profile("mutation", parent=settings.get_profile("ci"), phases=(Phase.explicit, Phase.generate))
+settings.register_profile(
+    "mutation", parent=settings.get_profile("ci"), phases=(Phase.explicit, Phase.generate)
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Two cores: intra-op threads only add scheduling noise to these small matrices.
@@ -31,4 +37,6 @@ def examples(fraction: float) -> int:
 def require(module: str, distribution: str, extra: str = "dev") -> ModuleType:
     """An optional package, imported; or a skip that names it: an environment condition (GPU nodes run the node's
     torch without reinstalling the extras), never a stand-in for a feature."""
-    return pytest.importorskip(module, reason=f"{distribution} is not installed (pip install -e .[{extra}])")
+    return pytest.importorskip(
+        module, reason=f"{distribution} is not installed (pip install -e .[{extra}])"
+    )

@@ -12,11 +12,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun_verify(world_size: int, backend: str, tmp_path: Path, *extra: str, timeout: float = 540) -> dict:
+def torchrun_verify(
+    world_size: int, backend: str, tmp_path: Path, *extra: str, timeout: float = 540
+) -> dict:
     """Exit code 0 and the JSON report of `torchrun --nproc-per-node W -m muon_dist.harness.verify --backend B`."""
     out = tmp_path / f"verify_{backend}_{world_size}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-           "-m", "muon_dist.harness.verify", "--backend", backend, "--json", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        "-m",
+        "muon_dist.harness.verify",
+        "--backend",
+        backend,
+        "--json",
+        str(out),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,8 +14,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("comm", "geometry", "layout", "batch", "balance", "paths", "plan", "elementwise", "kernels", "step",
-        "optim", "checkpoint")
+CORE = (
+    "comm",
+    "geometry",
+    "layout",
+    "batch",
+    "balance",
+    "paths",
+    "plan",
+    "elementwise",
+    "kernels",
+    "step",
+    "optim",
+    "checkpoint",
+)
 DIST = "torch.distributed"
 
 # importer part -> the parts it may import (a part always may import itself)
@@ -27,18 +39,46 @@ RULES: dict[str, set[str]] = {
     "muon_dist.batch": {"muon_dist.geometry"},
     "muon_dist.balance": set(),
     "muon_dist.paths": {"muon_dist.batch", "muon_dist.comm", "muon_dist.geometry"},
-    "muon_dist.plan": {"muon_dist.balance", "muon_dist.batch", "muon_dist.geometry", "muon_dist.layout",
-                       "muon_dist.paths"},
+    "muon_dist.plan": {
+        "muon_dist.balance",
+        "muon_dist.batch",
+        "muon_dist.geometry",
+        "muon_dist.layout",
+        "muon_dist.paths",
+    },
     "muon_dist.elementwise": {"muon_dist.geometry"},
     "muon_dist.kernels": {"muon_ref"},
-    "muon_dist.step": {"muon_ref", "muon_dist.batch", "muon_dist.comm", "muon_dist.elementwise",
-                       "muon_dist.geometry", "muon_dist.kernels", "muon_dist.plan", "muon_dist.paths"},
-    "muon_dist.optim": {"muon_ref", "muon_dist.batch", "muon_dist.comm", "muon_dist.geometry", "muon_dist.kernels",
-                        "muon_dist.layout", "muon_dist.plan", "muon_dist.step", DIST},
+    "muon_dist.step": {
+        "muon_ref",
+        "muon_dist.batch",
+        "muon_dist.comm",
+        "muon_dist.elementwise",
+        "muon_dist.geometry",
+        "muon_dist.kernels",
+        "muon_dist.plan",
+        "muon_dist.paths",
+    },
+    "muon_dist.optim": {
+        "muon_ref",
+        "muon_dist.batch",
+        "muon_dist.comm",
+        "muon_dist.geometry",
+        "muon_dist.kernels",
+        "muon_dist.layout",
+        "muon_dist.plan",
+        "muon_dist.step",
+        DIST,
+    },
     "muon_dist.checkpoint": {"muon_ref", "muon_dist.optim", DIST},
     "muon_dist": {f"muon_dist.{m}" for m in CORE},  # the package's __init__: its public names
     "muon_dist.harness": {"muon_ref", "muon_dist", *(f"muon_dist.{m}" for m in CORE), DIST},
-    "benchmarks": {"muon_ref", "muon_dist", "muon_dist.harness", *(f"muon_dist.{m}" for m in CORE), DIST},
+    "benchmarks": {
+        "muon_ref",
+        "muon_dist",
+        "muon_dist.harness",
+        *(f"muon_dist.{m}" for m in CORE),
+        DIST,
+    },
     "proofs": {"muon_ref", "muon_dist", *(f"muon_dist.{m}" for m in CORE)},
 }
 
@@ -91,7 +131,11 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
 
 
 def python_files() -> list[Path]:
-    return sorted(p for top in ("muon_ref", "muon_dist", "benchmarks", "proofs") for p in (ROOT / top).rglob("*.py"))
+    return sorted(
+        p
+        for top in ("muon_ref", "muon_dist", "benchmarks", "proofs")
+        for p in (ROOT / top).rglob("*.py")
+    )
 
 
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -105,7 +149,10 @@ def test_every_part_of_the_repository_has_a_rule() -> None:
 
 
 FORBIDDEN = [  # negative controls: one forbidden import per rule of the issue
-    ("import torch.distributed as dist", "muon_ref.functional"),  # the oracle imports no distribution
+    (
+        "import torch.distributed as dist",
+        "muon_ref.functional",
+    ),  # the oracle imports no distribution
     ("from muon_dist import DistributedMuon", "muon_ref.optim"),  # ... and no muon_dist
     ("from .harness.fixtures import bits", "muon_dist.plan"),  # the core imports no harness
     ("from tests.conftest import examples", "muon_dist.step"),  # ... no tests
@@ -123,5 +170,10 @@ def test_a_forbidden_import_is_caught(source: str, module: str) -> None:
 
 
 def test_allowed_imports_pass() -> None:
-    assert violations("from ..comm import Comm\nfrom .shards import cut\nimport torch", "muon_dist.paths.agrs") == []
+    assert (
+        violations(
+            "from ..comm import Comm\nfrom .shards import cut\nimport torch", "muon_dist.paths.agrs"
+        )
+        == []
+    )
     assert violations("from muon_ref import newton_schulz", "muon_dist.kernels.triton_ns") == []

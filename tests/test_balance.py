@@ -14,7 +14,9 @@ costs_st = st.lists(st.integers(1, 10**6), min_size=1, max_size=60)
 
 def test_ns_flops_counts_the_three_products_of_each_step_on_the_wide_orientation():
     m, n = 3, 7  # A = X X^T: 2*9*7, A A: 2*27, B X: 2*9*7 per step
-    assert ns_flops(n, m, steps=2) == ns_flops(m, n, steps=2) == 2 * (2 * 9 * 7 + 2 * 27 + 2 * 9 * 7)
+    assert (
+        ns_flops(n, m, steps=2) == ns_flops(m, n, steps=2) == 2 * (2 * 9 * 7 + 2 * 27 + 2 * 9 * 7)
+    )
 
 
 @given(costs=costs_st, world_size=st.integers(1, 16))
@@ -39,7 +41,9 @@ def test_a_lopsided_assignment_scores_above_one_negative_control():
 
 
 def test_per_shape_batching_puts_remainders_on_the_first_ranks():
-    specs = [ParamSpec(f"p{i}", (4, 4), "matrix") for i in range(5)] + [ParamSpec("q", (3, 4), "matrix")]
+    specs = [ParamSpec(f"p{i}", (4, 4), "matrix") for i in range(5)] + [
+        ParamSpec("q", (3, 4), "matrix")
+    ]
     assert per_shape(specs, 4) == [0, 1, 2, 3, 0, 0]
 
 
@@ -53,4 +57,6 @@ def test_lpt_balances_the_moe_table_at_every_world_size_and_never_goes_below_the
 def test_shape_tables_route_matrices_to_muon_and_the_rest_to_adamw():
     for name, table in SHAPE_TABLES.items():
         specs = table()
-        assert all(s.is_muon == (len(s.shape) >= 2 and s.kind not in ("embedding", "head")) for s in specs), name
+        assert all(
+            s.is_muon == (len(s.shape) >= 2 and s.kind not in ("embedding", "head")) for s in specs
+        ), name

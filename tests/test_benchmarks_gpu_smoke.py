@@ -17,11 +17,19 @@ import torch
 
 import muon_ref
 from benchmarks import gpu
-from muon_dist.kernels import BACKENDS
 from muon_dist.harness.shapes import ParamSpec
+from muon_dist.kernels import BACKENDS
 
 SETS = ("dense", "moe")
-STEP_COLUMNS = ("optimizer", "step ms", "[min, max]", "x torch", "peak GiB", "of floor", "= muon_ref")
+STEP_COLUMNS = (
+    "optimizer",
+    "step ms",
+    "[min, max]",
+    "x torch",
+    "peak GiB",
+    "of floor",
+    "= muon_ref",
+)
 KERNEL_COLUMNS = ("shape", "kernel", "ms", "[min, max]", "of peak", "max |diff|")
 
 
@@ -45,13 +53,19 @@ def test_the_tiny_cpu_run_prints_the_header_both_step_tables_and_the_kernel_tabl
     out, data = tiny
     assert out.startswith("benchmarks gpu: CPU") and "UTC" in out
     assert f"torch {torch.__version__}, triton " in out
-    assert data["header"]["command"].startswith("python -m benchmarks gpu --device cpu --tiny --json ")
+    assert data["header"]["command"].startswith(
+        "python -m benchmarks gpu --device cpu --tiny --json "
+    )
     assert all(column in out for column in STEP_COLUMNS + KERNEL_COLUMNS)
     names = [c.name for c in gpu.contenders(None)]
-    assert [(r["set"], r["optimizer"]) for r in data["steps"]] == [(s, n) for s in SETS for n in names]
+    assert [(r["set"], r["optimizer"]) for r in data["steps"]] == [
+        (s, n) for s in SETS for n in names
+    ]
     shapes = ["x".join(map(str, s)) for s in gpu.parse_shapes(gpu.TINY_SHAPES)]
     kernels = [k.name for k in gpu.kernels(gpu.MuonConfig(), [(128, 64, 8)], None)]
-    assert [(r["shape"], r["kernel"]) for r in data["kernels"]] == [(s, k) for s in shapes for k in kernels]
+    assert [(r["shape"], r["kernel"]) for r in data["kernels"]] == [
+        (s, k) for s in shapes for k in kernels
+    ]
     assert all(f"muon_dist.kernels backend {b}" in kernels for b in BACKENDS)
 
 
@@ -64,7 +78,11 @@ def test_every_muon_that_runs_on_cpu_equals_muon_ref_bitwise(tiny):
         for optimizer in (gpu.TORCH_MUON, "DistributedMuon W=1 ns_backend=torch"):
             assert rows[name, optimizer]["equal_muon_ref"] is True, rows[name, optimizer]
         adamw = rows[name, "torch.optim.AdamW(fused=True)"]
-        assert adamw["error"] is None and adamw["equal_muon_ref"] is None and adamw["floor_fraction"] is None
+        assert (
+            adamw["error"] is None
+            and adamw["equal_muon_ref"] is None
+            and adamw["floor_fraction"] is None
+        )
         assert rows[name, gpu.TORCH_MUON]["x_torch"] == 1.0
 
 
@@ -84,7 +102,9 @@ class OneBitOff(torch.optim.Optimizer):
 @pytest.mark.timeout(60)
 def test_a_one_bit_perturbed_optimizer_is_reported_as_not_bitwise():
     specs = gpu.step_sets(tiny=True)["dense"][1][:3]
-    run = gpu.StepRun("dense", "three tiny matrices", tuple(specs), warmup=1, steps=1, device=torch.device("cpu"))
+    run = gpu.StepRun(
+        "dense", "three tiny matrices", tuple(specs), warmup=1, steps=1, device=torch.device("cpu")
+    )
     oracle = gpu.contenders(None)[0]
     again = dataclasses.replace(oracle, name="the oracle again")
     rows = gpu.step_table(run, [oracle, again, gpu.Contender("one bit off", OneBitOff)], 989.0, 5)
@@ -95,7 +115,9 @@ def test_a_one_bit_perturbed_optimizer_is_reported_as_not_bitwise():
 def test_the_ns_floor_is_the_reference_flops_at_the_peak(tiny):
     # per matrix with m <= n: 5 (4 m^2 n + 2 m^3); (2, 3) and each of the 4 experts (3, 2): 5 (48 + 16) = 320
     specs = [ParamSpec("w", (2, 3), "matrix"), ParamSpec("e", (4, 3, 2), "experts")]
-    assert gpu.ns_floor_ms(specs, peak_tflops=1e-9, steps=5) == pytest.approx(1600.0)  # 1,600 FLOPs at 1,000 FLOP/s
+    assert gpu.ns_floor_ms(specs, peak_tflops=1e-9, steps=5) == pytest.approx(
+        1600.0
+    )  # 1,600 FLOPs at 1,000 FLOP/s
     assert gpu.kernel_flops((8, 1024, 1024), 5) == 8 * 5 * 6 * 1024**3
     # the hand-measured H100 tables (2026-11-23): floors 76 ms (dense, 0.93 B params) and 24 ms (MoE, 1.25 B)
     full = gpu.step_sets(tiny=False)
@@ -107,11 +129,17 @@ def test_the_ns_floor_is_the_reference_flops_at_the_peak(tiny):
     for r in data["steps"]:
         if r["floor_fraction"] is not None:
             tiny_specs = gpu.step_sets(tiny=True)[r["set"]][1]
-            assert r["floor_fraction"] * r["ms"] == pytest.approx(gpu.ns_floor_ms(tiny_specs, 989.0, 5))
+            assert r["floor_fraction"] * r["ms"] == pytest.approx(
+                gpu.ns_floor_ms(tiny_specs, 989.0, 5)
+            )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_without_cuda_python_m_benchmarks_gpu_says_the_gpu_tables_are_skipped_and_exits_0(monkeypatch, capsys):
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without CUDA"
+)
+def test_without_cuda_python_m_benchmarks_gpu_says_the_gpu_tables_are_skipped_and_exits_0(
+    monkeypatch, capsys
+):
     monkeypatch.setattr(sys, "argv", ["benchmarks", "gpu"])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_module("benchmarks", run_name="__main__")
@@ -129,10 +157,12 @@ def dion_checkout(tmp_path):
         "import torch\n"
         "class Muon(torch.optim.SGD):\n"
         "    def __init__(self, params, lr, mu, weight_decay, nesterov, **options):\n"
-        "        super().__init__(params, lr=lr, momentum=mu, weight_decay=weight_decay, nesterov=nesterov)\n")
+        "        super().__init__(params, lr=lr, momentum=mu, weight_decay=weight_decay, nesterov=nesterov)\n"
+    )
     ns = "def {}(G, epsilon=1e-7):\n    return G.bfloat16()\n"
     (package / "newton_schulz_triton.py").write_text(
-        ns.format("newton_schulz_triton") + ns.format("zeropower_via_newtonschulz5"))
+        ns.format("newton_schulz_triton") + ns.format("zeropower_via_newtonschulz5")
+    )
     (package / "polar_express.py").write_text(ns.format("polar_express"))
     before = set(sys.modules)
     yield str(tmp_path)
@@ -142,13 +172,35 @@ def dion_checkout(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_dion_checkout_adds_its_muon_variants_and_its_ns_functions_as_rows(dion_checkout, tmp_path):
+def test_a_dion_checkout_adds_its_muon_variants_and_its_ns_functions_as_rows(
+    dion_checkout, tmp_path
+):
     path = tmp_path / "rows.json"
-    code, out = run_main(["--device", "cpu", "--tiny", "--sets", "dense", "--shapes", "8x12", "--triton-tiles",
-                          "--dion", dion_checkout, "--json", str(path)])
+    code, out = run_main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--sets",
+            "dense",
+            "--shapes",
+            "8x12",
+            "--triton-tiles",
+            "--dion",
+            dion_checkout,
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     steps = {r["optimizer"]: r for r in data["steps"]}
-    assert code == 0 and steps["dion.Muon"]["error"] is None and "dion.Muon use_triton=True" in steps
+    assert (
+        code == 0 and steps["dion.Muon"]["error"] is None and "dion.Muon use_triton=True" in steps
+    )
     assert steps["dion.Muon"]["equal_muon_ref"] is None  # another update rule: not compared
     kernels = [r["kernel"] for r in data["kernels"]]
-    assert kernels[-3:] == ["dion newton_schulz_triton", "dion zeropower_via_newtonschulz5", "dion polar_express"]
+    assert kernels[-3:] == [
+        "dion newton_schulz_triton",
+        "dion zeropower_via_newtonschulz5",
+        "dion polar_express",
+    ]

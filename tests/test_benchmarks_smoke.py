@@ -12,8 +12,8 @@ import torch
 
 from benchmarks import balance_table, memory
 from benchmarks.run import METHODS, Bench, equals_reference, main, muon_specs, rank_bench, reference
-from muon_dist.harness.launch import RankPool
 from muon_dist.geometry import chunk_bounds
+from muon_dist.harness.launch import RankPool
 
 BENCH = Bench("tiny_moe", world_size=2, warmup=1, steps=1)
 
@@ -54,11 +54,21 @@ def test_baseline_bytes_are_the_bytes_their_collectives_send(results):
     shapes = [s.shape for s in muon_specs(BENCH.table)]
     full_tensor = sum((W - 1) * padded_box_elements(s, W) * fp32 for s in shapes)
     for rank, r in enumerate(results):
-        assert r["bytes"]["full_tensor"] == (full_tensor, 0, len(shapes))  # (data, control, collectives)
+        assert r["bytes"]["full_tensor"] == (
+            full_tensor,
+            0,
+            len(shapes),
+        )  # (data, control, collectives)
         # owner i mod W scatters W - 1 padded bf16 boxes; every other rank sends it one padded fp32 box
-        gather_scatter = sum(padded_box_elements(s, W) * ((W - 1) * bf16 if i % W == rank else fp32)
-                             for i, s in enumerate(shapes))
-        assert r["bytes"]["gather_scatter"] == (gather_scatter, 0, 2 * len(shapes))  # a gather and a scatter each
+        gather_scatter = sum(
+            padded_box_elements(s, W) * ((W - 1) * bf16 if i % W == rank else fp32)
+            for i, s in enumerate(shapes)
+        )
+        assert r["bytes"]["gather_scatter"] == (
+            gather_scatter,
+            0,
+            2 * len(shapes),
+        )  # a gather and a scatter each
 
 
 @pytest.mark.timeout(30)
@@ -70,7 +80,9 @@ def test_memory_method_reads_a_known_allocation_pattern(results):
 @pytest.mark.timeout(30)
 def test_no_assignment_beats_the_bound_in_the_load_balance_table():
     for row in balance_table.rows([8, 64]):
-        assert all(row[rule] >= row["bound"] - 1e-12 for rule in ("round_robin", "per_shape", "lpt"))
+        assert all(
+            row[rule] >= row["bound"] - 1e-12 for rule in ("round_robin", "per_shape", "lpt")
+        )
 
 
 @pytest.mark.timeout(60)

@@ -12,10 +12,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from muon_ref import (
-    PRESETS, Block, Muon, MuonConfig, apply_update, matrix_layout, momentum_direction, muon_step, orthogonalize,
+    PRESETS,
+    Block,
+    Muon,
+    MuonConfig,
+    apply_update,
+    functional,
+    matrix_layout,
+    momentum_direction,
+    muon_step,
+    orthogonalize,
     read_block,
 )
-from muon_ref import functional
 from muon_ref.split import MuonWithAdamW
 from tests.conftest import examples
 
@@ -70,20 +78,39 @@ def bitwise(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 
 
 # (16, 7, 1) rows of 8 columns: "original" scales the blocks by sqrt(2), 1, 1 and the whole matrix by sqrt(3)
-@example(case=((24, 8), {"split_sizes": (16, 7, 1)}, (16, 7, 1), 0), preset="torch", dtype="bf16", seed=0)
-@example(case=((6, 12), {"num_heads": 3, "split_dim": 1}, (4, 4, 4), 1), preset="moonlight", dtype="bf16", seed=1)
+@example(
+    case=((24, 8), {"split_sizes": (16, 7, 1)}, (16, 7, 1), 0), preset="torch", dtype="bf16", seed=0
+)
+@example(
+    case=((6, 12), {"num_heads": 3, "split_dim": 1}, (4, 4, 4), 1),
+    preset="moonlight",
+    dtype="bf16",
+    seed=1,
+)
 @settings(max_examples=examples(1.0))
-@given(case=split_cases(), preset=st.sampled_from(sorted(PRESETS)), dtype=st.sampled_from(sorted(DTYPES)),
-       seed=st.integers(0, 2**16))
-def test_a_split_or_per_head_param_equals_its_blocks_given_as_separate_params_bitwise(case, preset, dtype, seed):
+@given(
+    case=split_cases(),
+    preset=st.sampled_from(sorted(PRESETS)),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**16),
+)
+def test_a_split_or_per_head_param_equals_its_blocks_given_as_separate_params_bitwise(
+    case, preset, dtype, seed
+):
     shape, keys, sizes, split_dim = case
     fused, separate = fused_and_separate(shape, keys, sizes, split_dim, preset, DTYPES[dtype], seed)
     assert bitwise(fused, separate)
 
 
 @settings(max_examples=examples(0.5))
-@given(case=split_cases(), preset=st.sampled_from(sorted(PRESETS)), dtype=st.sampled_from(sorted(DTYPES)))
-def test_each_functional_stage_of_a_separate_layout_is_that_stage_on_each_block_alone(case, preset, dtype):
+@given(
+    case=split_cases(),
+    preset=st.sampled_from(sorted(PRESETS)),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
+def test_each_functional_stage_of_a_separate_layout_is_that_stage_on_each_block_alone(
+    case, preset, dtype
+):
     shape, keys, _, _ = case
     layout, cfg = matrix_layout(shape, **keys), MuonConfig(**PRESETS[preset])
     P, G, M = gaussians(shape, 7, 3, DTYPES[dtype])
@@ -94,17 +121,23 @@ def test_each_functional_stage_of_a_separate_layout_is_that_stage_on_each_block_
         own, (p, g, m, o) = b.as_param(), (read_block(t, b) for t in (P, G, M, O))
         assert torch.equal(o, orthogonalize(g, own, cfg))
         assert torch.equal(read_block(new_p, b), apply_update(p, o, own, cfg))
-        assert all(torch.equal(read_block(x, b), y) for x, y in zip(step, muon_step(p, g, m, cfg, own)))
+        assert all(
+            torch.equal(read_block(x, b), y) for x, y in zip(step, muon_step(p, g, m, cfg, own))
+        )
     assert all(torch.equal(t, c) for t, c in zip((P, G, M), inputs))  # pure: no input written
 
 
 def whole_matrix_lr_scale(monkeypatch, shape):
     real = functional.lr_scale
-    monkeypatch.setattr(functional, "lr_scale", lambda name, fo, fi, sqrt: real(name, shape[0], shape[1], sqrt))
+    monkeypatch.setattr(
+        functional, "lr_scale", lambda name, fo, fi, sqrt: real(name, shape[0], shape[1], sqrt)
+    )
 
 
 def layout_keys_ignored(monkeypatch, shape):  # NS and one scale on the whole matrix
-    monkeypatch.setattr(Muon, "layout_of", staticmethod(lambda p, group, name="param": matrix_layout(p.shape)))
+    monkeypatch.setattr(
+        Muon, "layout_of", staticmethod(lambda p, group, name="param": matrix_layout(p.shape))
+    )
 
 
 def momentum_on_the_whole_tensor(monkeypatch, shape):
@@ -125,8 +158,12 @@ PLANTED = [
 ]
 
 
-@pytest.mark.parametrize("plant, preset, dtype, shape, sizes", PLANTED, ids=[p[0].__name__ for p in PLANTED])
-def test_a_planted_bug_in_the_split_step_fails_the_equality_check(plant, preset, dtype, shape, sizes, monkeypatch):
+@pytest.mark.parametrize(
+    "plant, preset, dtype, shape, sizes", PLANTED, ids=[p[0].__name__ for p in PLANTED]
+)
+def test_a_planted_bug_in_the_split_step_fails_the_equality_check(
+    plant, preset, dtype, shape, sizes, monkeypatch
+):
     keys = {"split_sizes": sizes}
     fused, separate = fused_and_separate(shape, keys, sizes, 0, preset, DTYPES[dtype], seed=3)
     assert bitwise(fused, separate)  # the control: no bug, same case
@@ -138,9 +175,12 @@ def test_a_planted_bug_in_the_split_step_fails_the_equality_check(plant, preset,
 layouts = st.one_of(
     st.tuples(st.integers(1, 6), st.integers(1, 6)).map(lambda s: (s, {})),
     st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 5)).map(
-        lambda s: ((s[0] * s[1], s[2]), {"num_experts": s[0]})),
+        lambda s: ((s[0] * s[1], s[2]), {"num_experts": s[0]})
+    ),
     st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 5)).map(lambda s: (s, {})),
-    st.lists(st.integers(1, 3), min_size=3, max_size=4).map(lambda s: (tuple(s), {"flatten": True})),
+    st.lists(st.integers(1, 3), min_size=3, max_size=4).map(
+        lambda s: (tuple(s), {"flatten": True})
+    ),
     split_cases().map(lambda c: (c[0], c[1])),
 )
 
@@ -164,19 +204,42 @@ def test_a_shared_layouts_batch_view_stacks_its_blocks_in_order(layout_case):
     layout = matrix_layout(shape, **keys)
     t = torch.arange(math.prod(shape)).reshape(shape)
     assert not layout.separate and layout.num_matrices == len(layout.blocks)
-    assert torch.equal(t.reshape(layout.matrices_shape), torch.stack([read_block(t, b) for b in layout.blocks]))
+    assert torch.equal(
+        t.reshape(layout.matrices_shape), torch.stack([read_block(t, b) for b in layout.blocks])
+    )
 
 
-@pytest.mark.parametrize("shape, keys, blocks, separate", [
-    ((5, 3), {}, [((0, 0), (5, 3), 5, 3)], False),
-    ((6, 3), {"num_experts": 2}, [((0, 0), (3, 3), 3, 3), ((3, 0), (3, 3), 3, 3)], False),
-    ((2, 4, 3), {}, [((0, 0, 0), (1, 4, 3), 4, 3), ((1, 0, 0), (1, 4, 3), 4, 3)], False),
-    ((4, 2, 3, 3), {"flatten": True}, [((0, 0, 0, 0), (4, 2, 3, 3), 4, 18)], False),
-    ((7, 3), {"split_sizes": (4, 2, 1)}, [((0, 0), (4, 3), 4, 3), ((4, 0), (2, 3), 2, 3), ((6, 0), (1, 3), 1, 3)],
-     True),
-    ((4, 3), {"num_heads": 2}, [((0, 0), (2, 3), 2, 3), ((2, 0), (2, 3), 2, 3)], True),
-    ((3, 4), {"num_heads": 2, "split_dim": 1}, [((0, 0), (3, 2), 3, 2), ((0, 2), (3, 2), 3, 2)], True),
-], ids=["matrix", "fused-experts", "3d-experts", "flatten", "split_sizes", "heads-dim0", "heads-dim1"])
+@pytest.mark.parametrize(
+    "shape, keys, blocks, separate",
+    [
+        ((5, 3), {}, [((0, 0), (5, 3), 5, 3)], False),
+        ((6, 3), {"num_experts": 2}, [((0, 0), (3, 3), 3, 3), ((3, 0), (3, 3), 3, 3)], False),
+        ((2, 4, 3), {}, [((0, 0, 0), (1, 4, 3), 4, 3), ((1, 0, 0), (1, 4, 3), 4, 3)], False),
+        ((4, 2, 3, 3), {"flatten": True}, [((0, 0, 0, 0), (4, 2, 3, 3), 4, 18)], False),
+        (
+            (7, 3),
+            {"split_sizes": (4, 2, 1)},
+            [((0, 0), (4, 3), 4, 3), ((4, 0), (2, 3), 2, 3), ((6, 0), (1, 3), 1, 3)],
+            True,
+        ),
+        ((4, 3), {"num_heads": 2}, [((0, 0), (2, 3), 2, 3), ((2, 0), (2, 3), 2, 3)], True),
+        (
+            (3, 4),
+            {"num_heads": 2, "split_dim": 1},
+            [((0, 0), (3, 2), 3, 2), ((0, 2), (3, 2), 3, 2)],
+            True,
+        ),
+    ],
+    ids=[
+        "matrix",
+        "fused-experts",
+        "3d-experts",
+        "flatten",
+        "split_sizes",
+        "heads-dim0",
+        "heads-dim1",
+    ],
+)
 def test_each_layout_has_its_documented_blocks(shape, keys, blocks, separate):
     layout = matrix_layout(shape, **keys)
     assert layout.blocks == tuple(Block(*b) for b in blocks) and layout.separate == separate
@@ -186,37 +249,87 @@ def test_each_layout_has_its_documented_blocks(shape, keys, blocks, separate):
             layout.matrices_shape
 
 
-@pytest.mark.parametrize("shape, keys, message", [
-    ((10, 4), {"split_sizes": (3, 3)}, r"\(10, 4\): split_sizes \(3, 3\) sum to 6, not to dim 0 \(10\)"),
-    ((4, 10), {"split_sizes": (3, 3), "split_dim": 1}, r"\(4, 10\): split_sizes \(3, 3\) sum to 6, not to dim 1"),
-    ((10, 4), {"split_sizes": (10, 0)}, r"\(10, 4\): split_sizes must be a non-empty tuple of positive ints"),
-    ((10, 4), {"split_sizes": ()}, r"\(10, 4\): split_sizes must be a non-empty tuple of positive ints"),
-    ((10, 4), {"num_heads": 3}, r"\(10, 4\): num_heads=3 does not divide dim 0 \(10\)"),
-    ((4, 10), {"num_heads": 4, "split_dim": 1}, r"\(4, 10\): num_heads=4 does not divide dim 1 \(10\)"),
-    ((10, 4), {"num_heads": True}, r"\(10, 4\): num_heads must be a positive int, got True"),
-    ((10, 4), {"num_heads": 2, "split_sizes": (5, 5)}, r"\(10, 4\): split_sizes and num_heads are exclusive"),
-    ((2, 10, 4), {"num_heads": 2}, r"\(2, 10, 4\): num_heads needs a 2-D param, got ndim 3"),
-    ((10, 4), {"num_heads": 2, "num_experts": 2}, r"\(10, 4\): num_heads is exclusive with num_experts"),
-    ((10, 4), {"split_sizes": (5, 5), "flatten": True}, r"\(10, 4\): split_sizes is exclusive with .* flatten"),
-    ((10, 4), {"num_heads": 2, "split_dim": 2}, r"\(10, 4\): split_dim must be 0 \(rows\) or 1 \(columns\)"),
-    ((10, 4), {"split_dim": 1}, r"\(10, 4\): split_dim=1 needs split_sizes or num_heads"),
-])
-def test_bad_layout_keys_raise_a_value_error_naming_the_parameter_and_its_shape(shape, keys, message):
+@pytest.mark.parametrize(
+    "shape, keys, message",
+    [
+        (
+            (10, 4),
+            {"split_sizes": (3, 3)},
+            r"\(10, 4\): split_sizes \(3, 3\) sum to 6, not to dim 0 \(10\)",
+        ),
+        (
+            (4, 10),
+            {"split_sizes": (3, 3), "split_dim": 1},
+            r"\(4, 10\): split_sizes \(3, 3\) sum to 6, not to dim 1",
+        ),
+        (
+            (10, 4),
+            {"split_sizes": (10, 0)},
+            r"\(10, 4\): split_sizes must be a non-empty tuple of positive ints",
+        ),
+        (
+            (10, 4),
+            {"split_sizes": ()},
+            r"\(10, 4\): split_sizes must be a non-empty tuple of positive ints",
+        ),
+        ((10, 4), {"num_heads": 3}, r"\(10, 4\): num_heads=3 does not divide dim 0 \(10\)"),
+        (
+            (4, 10),
+            {"num_heads": 4, "split_dim": 1},
+            r"\(4, 10\): num_heads=4 does not divide dim 1 \(10\)",
+        ),
+        ((10, 4), {"num_heads": True}, r"\(10, 4\): num_heads must be a positive int, got True"),
+        (
+            (10, 4),
+            {"num_heads": 2, "split_sizes": (5, 5)},
+            r"\(10, 4\): split_sizes and num_heads are exclusive",
+        ),
+        ((2, 10, 4), {"num_heads": 2}, r"\(2, 10, 4\): num_heads needs a 2-D param, got ndim 3"),
+        (
+            (10, 4),
+            {"num_heads": 2, "num_experts": 2},
+            r"\(10, 4\): num_heads is exclusive with num_experts",
+        ),
+        (
+            (10, 4),
+            {"split_sizes": (5, 5), "flatten": True},
+            r"\(10, 4\): split_sizes is exclusive with .* flatten",
+        ),
+        (
+            (10, 4),
+            {"num_heads": 2, "split_dim": 2},
+            r"\(10, 4\): split_dim must be 0 \(rows\) or 1 \(columns\)",
+        ),
+        ((10, 4), {"split_dim": 1}, r"\(10, 4\): split_dim=1 needs split_sizes or num_heads"),
+    ],
+)
+def test_bad_layout_keys_raise_a_value_error_naming_the_parameter_and_its_shape(
+    shape, keys, message
+):
     with pytest.raises(ValueError, match=r"qkv of shape " + message):
         Muon([{"params": [("qkv", torch.nn.Parameter(torch.zeros(shape)))], **keys}])
 
 
 def test_map_blocks_refuses_a_tensor_that_is_not_the_whole_param():
     layout = matrix_layout((6, 4), split_sizes=(4, 2))
-    with pytest.raises(ValueError, match=r"whole tensors of the param's shape \(6, 4\), got \(3, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"whole tensors of the param's shape \(6, 4\), got \(3, 4\)"
+    ):
         functional.map_blocks(lambda b, t: (t,), layout, torch.zeros(3, 4))
 
 
 def test_a_non_finite_gradient_in_one_block_skips_that_block_alone_as_separate_params_would():
     init, *grads = gaussians((7, 5), 4, 3, torch.float32)
     grads[1][5, 2] = float("nan")  # step 2, head 2 of rows 4..7
-    fused, separate = (torch.nn.Parameter(init.clone()),), [torch.nn.Parameter(h.clone()) for h in init.split((4, 3))]
-    train(fused, Muon([{"params": fused, "split_sizes": (4, 3)}], nonfinite="skip"), [[g] for g in grads])
+    fused, separate = (
+        (torch.nn.Parameter(init.clone()),),
+        [torch.nn.Parameter(h.clone()) for h in init.split((4, 3))],
+    )
+    train(
+        fused,
+        Muon([{"params": fused, "split_sizes": (4, 3)}], nonfinite="skip"),
+        [[g] for g in grads],
+    )
     train(separate, Muon(separate, nonfinite="skip"), [list(g.split((4, 3))) for g in grads])
     assert torch.equal(fused[0].detach(), torch.cat([p.detach() for p in separate]))
 
@@ -225,7 +338,10 @@ def test_the_state_dict_round_trips_the_layout_keys_and_resumes_bitwise():
     init, *grads = gaussians((6, 8), 5, 6, torch.float32)
     keys = {"num_heads": 4, "split_dim": 1}
     a, b = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
-    opt_a, opt_b = Muon([{"params": [a], **keys}], preset="dion"), Muon([{"params": [b], **keys}], preset="dion")
+    opt_a, opt_b = (
+        Muon([{"params": [a], **keys}], preset="dion"),
+        Muon([{"params": [b], **keys}], preset="dion"),
+    )
     train([a], opt_a, [[g] for g in grads])  # 5 uninterrupted steps
     train([b], opt_b, [[g] for g in grads[:2]])
     buffer = io.BytesIO()

@@ -26,13 +26,20 @@ class SumMomentum(Adapter):
     name, preset = "sum-momentum", "torch"
 
     def build(self, params: list[torch.Tensor], **hp: Any) -> torch.optim.Optimizer:
-        return muon_ref.Muon(params, preset="torch", momentum_style="sum", nesterov_form="add_alpha", **hp)
+        return muon_ref.Muon(
+            params, preset="torch", momentum_style="sum", nesterov_form="add_alpha", **hp
+        )
 
 
 @pytest.mark.timeout(60)
 def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
     out = tmp_path / "report.json"
-    assert conformance.main(["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]) == 0
+    assert (
+        conformance.main(
+            ["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]
+        )
+        == 0
+    )
     (report,) = json.loads(out.read_text())
     assert report["partial"] is False and report["provenance"]["torch"] == torch.__version__
     assert report["provenance"]["cpu_capability"] and "--json" in report["provenance"]["command"]
@@ -44,15 +51,22 @@ def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
 @pytest.mark.timeout(60)
 def test_wrong_momentum_style_is_diagnosed_as_that_convention(tmp_path) -> None:
     out = tmp_path / "report.json"
-    code = conformance.main(["--adapter", f"{__name__}:SumMomentum", *FAST, "--dtypes", "float32", "--json", str(out)])
+    code = conformance.main(
+        ["--adapter", f"{__name__}:SumMomentum", *FAST, "--dtypes", "float32", "--json", str(out)]
+    )
     (report,) = json.loads(out.read_text())
     assert code == 1 and not report["conforms"]
-    assert report["diagnosis"] == ("convention: matches claimed preset 'torch' with momentum_style='sum', "
-                                   "nesterov_form='add_alpha'"), report["diagnosis"]
+    assert report["diagnosis"] == (
+        "convention: matches claimed preset 'torch' with momentum_style='sum', "
+        "nesterov_form='add_alpha'"
+    ), report["diagnosis"]
     first = report["outcomes"][0]
     assert first["status"] == "differs" and first["first_step"] == 1 and first["max_diff"] > 0
     # shrunk to one step (the departure shows at step 1), keeping the failure kind
-    assert all(s["status"] == "differs" and s["to"].endswith(" 1 steps") for s in report["minimal_failing_cases"])
+    assert all(
+        s["status"] == "differs" and s["to"].endswith(" 1 steps")
+        for s in report["minimal_failing_cases"]
+    )
 
 
 @pytest.mark.timeout(30)
@@ -83,22 +97,37 @@ def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
         "class Muon(muon_ref.Muon):\n"
         "    def __init__(self, params, lr, weight_decay, momentum, nesterov):\n"
         "        super().__init__(params, preset='moonlight', lr=lr, weight_decay=weight_decay, momentum=momentum,\n"
-        "                         nesterov=nesterov)\n")
-    argv = ["--adapter", f"{tmp_path}:my_muon:Muon", "--preset", "moonlight", "--families", "tall", "wide"]
+        "                         nesterov=nesterov)\n"
+    )
+    argv = [
+        "--adapter",
+        f"{tmp_path}:my_muon:Muon",
+        "--preset",
+        "moonlight",
+        "--families",
+        "tall",
+        "wide",
+    ]
     assert conformance.main(argv) == 0
 
 
 @pytest.mark.timeout(30)
 def test_the_planted_suite_runs_alone_and_refuses_other_adapters() -> None:
-    assert conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"]) == 2
+    assert (
+        conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"])
+        == 2
+    )
 
 
-def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(tmp_path, monkeypatch):
+def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(
+    tmp_path, monkeypatch
+):
     # the console scripts start without the current directory on sys.path (python -m puts it first)
     from muon_dist.harness.adapters import load_adapter
 
     (tmp_path / "my_cwd_adapters.py").write_text(
-        "import torch\n\nclass MyMuon(torch.optim.SGD):\n    pass\n")
+        "import torch\n\nclass MyMuon(torch.optim.SGD):\n    pass\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "my_cwd_adapters", raising=False)
@@ -106,11 +135,16 @@ def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(tm
     assert adapter.name == "MyMuon" and sys.path[0] == str(tmp_path)
 
 
-@pytest.mark.parametrize("argv, names, valid", [
-    (["--all", "--families", "tal"], "--families tal unknown; valid: ", "tall"),
-    (["--all", "--preset", "kellr"], "--preset 'kellr' is unknown; valid: ", "keller"),
-])
-def test_an_unknown_name_is_a_usage_error_listing_the_valid_ones(argv, names, valid, capsys) -> None:
+@pytest.mark.parametrize(
+    "argv, names, valid",
+    [
+        (["--all", "--families", "tal"], "--families tal unknown; valid: ", "tall"),
+        (["--all", "--preset", "kellr"], "--preset 'kellr' is unknown; valid: ", "keller"),
+    ],
+)
+def test_an_unknown_name_is_a_usage_error_listing_the_valid_ones(
+    argv, names, valid, capsys
+) -> None:
     """Nothing vacuous: a misspelt family or preset exits 2 with one line naming it and the valid names,
     before any case runs. Negative control: a known family passes the same validation."""
     assert conformance.main(argv) == 2

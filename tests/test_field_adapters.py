@@ -15,8 +15,13 @@ import torch
 from muon_dist.harness import conformance
 from muon_dist.harness.adapters import Adapter
 from muon_dist.harness.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
-from muon_dist.harness.adapters.field import (DION_CHECKOUT_ENV, DionMuon, GramNewtonSchulzMuon, TorchtitanDistMuon,
-                                      TorchtitanDistMuonOnCpu)
+from muon_dist.harness.adapters.field import (
+    DION_CHECKOUT_ENV,
+    DionMuon,
+    GramNewtonSchulzMuon,
+    TorchtitanDistMuon,
+    TorchtitanDistMuonOnCpu,
+)
 from muon_dist.harness.adapters.oracle import claim_of
 from muon_ref import newton_schulz
 from muon_ref.config import CONFIG_KEYS, MuonConfig
@@ -31,13 +36,17 @@ def _importable(module: str) -> str | None:
         importlib.import_module(module)
         return None
     except ImportError as e:
-        return f"{module} does not import here ({e}); install: see muon_dist/harness/adapters/field.py"
+        return (
+            f"{module} does not import here ({e}); install: see muon_dist/harness/adapters/field.py"
+        )
 
 
 def _dion_checkout() -> str:
     path = os.environ.get(DION_CHECKOUT_ENV)
     if not path:
-        pytest.skip(f"${DION_CHECKOUT_ENV} is not set (a microsoft/dion checkout; this clone may have none)")
+        pytest.skip(
+            f"${DION_CHECKOUT_ENV} is not set (a microsoft/dion checkout; this clone may have none)"
+        )
     if not os.path.isdir(os.path.join(path, "dion")):
         pytest.skip(f"${DION_CHECKOUT_ENV}={path} holds no dion package")
     return path
@@ -45,8 +54,16 @@ def _dion_checkout() -> str:
 
 def _one_step(adapter: Adapter, family: str, world_size: int = 1) -> dict:
     """One step of one float32 case of `family` through `python -m muon_dist.harness.conformance`'s check."""
-    report = conformance.check(adapter, (world_size,), steps=1, timeout=120.0, shrink_budget=0.0,
-                               families=(family,), dtypes=("float32",), log=lambda *_: None)
+    report = conformance.check(
+        adapter,
+        (world_size,),
+        steps=1,
+        timeout=120.0,
+        shrink_budget=0.0,
+        families=(family,),
+        dtypes=("float32",),
+        log=lambda *_: None,
+    )
     (outcome,) = report["outcomes"]
     return outcome
 
@@ -87,7 +104,9 @@ def test_a_dion_adapter_without_a_checkout_names_the_environment_variable(monkey
         DionMuon().build([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02)
 
 
-def test_dion_orthogonalises_a_square_matrix_padded_to_a_tall_one_as_its_transpose(monkeypatch) -> None:
+def test_dion_orthogonalises_a_square_matrix_padded_to_a_tall_one_as_its_transpose(
+    monkeypatch,
+) -> None:
     """The uneven-shard departure: a (3, 3) param on W=2 reaches Polar Express padded to (4, 3)
     (megabatch_base.py:755-800), which is iterated in the tall form; the zero row changes nothing else."""
     monkeypatch.syspath_prepend(_dion_checkout())
@@ -104,14 +123,18 @@ def test_dion_orthogonalises_a_square_matrix_padded_to_a_tall_one_as_its_transpo
 
 
 @pytest.mark.timeout(120)
-def test_gram_newton_schulz_muon_steps_with_the_claimed_momentum_and_another_newton_schulz() -> None:
+def test_gram_newton_schulz_muon_steps_with_the_claimed_momentum_and_another_newton_schulz() -> (
+    None
+):
     if reason := _importable("gram_newton_schulz"):
         pytest.skip(reason)
     outcome = _one_step(GramNewtonSchulzMuon(), "square")
     assert outcome["status"] == "differs" and outcome["state_diff"] == 0.0, outcome
 
 
-def test_gram_newton_schulz_standard_ns_is_the_oracle_kernel_on_the_bf16_direction_normalised_in_fp32() -> None:
+def test_gram_newton_schulz_standard_ns_is_the_oracle_kernel_on_the_bf16_direction_normalised_in_fp32() -> (
+    None
+):
     """Its NS input: the direction rounded to bf16 (muon_opt_utils.py:53), then normalised in fp32 and cast to
     fp16 (gram_newton_schulz.py:84-86); no muon_ref option normalises in a wider dtype than the direction's."""
     if reason := _importable("gram_newton_schulz"):
@@ -120,8 +143,14 @@ def test_gram_newton_schulz_standard_ns_is_the_oracle_kernel_on_the_bf16_directi
 
     standard = StandardNewtonSchulz(ns_use_kernels=False, compile_kwargs=None)
     U = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
-    ns = dict(schedule="polar_express_dao", eps=1e-7, eps_mode="add", dtype=torch.float16, step_form="addmm",
-              normalize_before_cast=True)
+    ns = dict(
+        schedule="polar_express_dao",
+        eps=1e-7,
+        eps_mode="add",
+        dtype=torch.float16,
+        step_form="addmm",
+        normalize_before_cast=True,
+    )
     assert torch.equal(standard(U.unsqueeze(0))[0], newton_schulz(U.float(), **ns).bfloat16())
     assert not torch.equal(standard(U.unsqueeze(0))[0], newton_schulz(U, **ns).bfloat16())
 

@@ -37,8 +37,11 @@ def test_the_boxes_of_any_placements_tile_the_tensor(drawn) -> None:
         return
     seen = set()
     for box in boxes_of(shape, mesh, codes):
-        cells = {(i, j) for i in range(box.offsets[0], box.offsets[0] + box.shape[0])
-                 for j in range(box.offsets[1], box.offsets[1] + box.shape[1])}
+        cells = {
+            (i, j)
+            for i in range(box.offsets[0], box.offsets[0] + box.shape[0])
+            for j in range(box.offsets[1], box.offsets[1] + box.shape[1])
+        }
         assert not cells & seen, (shape, mesh, codes)  # disjoint
         seen |= cells
     assert len(seen) == math.prod(shape)  # covering
@@ -47,7 +50,10 @@ def test_the_boxes_of_any_placements_tile_the_tensor(drawn) -> None:
 def test_right_to_left_sharding_is_not_left_to_right() -> None:
     # (11, 7) on dp 4 x tp 2, FSDP2 over ColwiseParallel: rank (dp 1, tp 0) holds rows 2-3 of tp 0's rows 0-5,
     # where left-to-right sharding would give it rows 3-4 (dp 1's rows 3-5, then tp 0's first two of them)
-    strided, plain = boxes_of((11, 7), (4, 2), ("S0:2", "S0")), boxes_of((11, 7), (4, 2), ("S0", "S0"))
+    strided, plain = (
+        boxes_of((11, 7), (4, 2), ("S0:2", "S0")),
+        boxes_of((11, 7), (4, 2), ("S0", "S0")),
+    )
     assert strided[2].offsets == (chunk_bounds(6, 4, 1)[0], 0) and strided != plain
 
 
@@ -61,8 +67,10 @@ def test_an_unsharded_param_is_one_group_of_whole_replicas() -> None:
     assert g.groups == ((0, 1, 2, 3),) and g.boxes == (whole((5, 3)),) * 4 and not g.sharded
 
 
-@pytest.mark.parametrize("code, parsed", [("R", ("R", None, 1)), ("S0", ("S", 0, 1)), ("S1", ("S", 1, 1)),
-                                           ("S0:4", ("S", 0, 4))])
+@pytest.mark.parametrize(
+    "code, parsed",
+    [("R", ("R", None, 1)), ("S0", ("S", 0, 1)), ("S1", ("S", 1, 1)), ("S0:4", ("S", 0, 4))],
+)
 def test_placement_codes_parse_to_kind_dim_and_split_factor(code: str, parsed: tuple) -> None:
     """parse_placement's docstring: a Replicate has no dim and factor 1, as a plain Shard has."""
     assert parse_placement(code) == parsed

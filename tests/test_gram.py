@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 import muon_ref.gram
 from muon_dist.kernels.gram_ns import gram_newton_schulz_batched
 from muon_ref import (
-    DAO_RESTARTS, SCHEDULES, gram_newton_schulz, newton_schulz, normalise, resolve_ns_options, restart_segments,
+    DAO_RESTARTS,
+    SCHEDULES,
+    gram_newton_schulz,
+    newton_schulz,
+    normalise,
+    resolve_ns_options,
+    restart_segments,
     signed_singular_values,
 )
 from tests.conftest import examples
@@ -39,8 +45,11 @@ def gaussian(shape, seed, dtype=torch.float32):
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns (torch.equal says -0.0 == +0.0 and NaN != NaN; bits do not); as tests/dist/checks.py."""
     ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.element_size()]),
-                                                                     b.view(ints[b.element_size()]))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(ints[a.element_size()]), b.view(ints[b.element_size()]))
+    )
 
 
 def restarts_for(name: str, picks: list[bool]) -> tuple[int, ...]:
@@ -63,7 +72,9 @@ def test_resolve_ns_options_takes_each_unset_option_from_the_schedule(name):
     sched = SCHEDULES[name]
     options = resolve_ns_options(name)
     assert options.coefficients == sched.steps_for()
-    assert options.eps == (sched.eps if sched.eps is not None else 1e-7)  # DEFAULT_EPS, torch/optim/_muon.py
+    assert options.eps == (
+        sched.eps if sched.eps is not None else 1e-7
+    )  # DEFAULT_EPS, torch/optim/_muon.py
     assert (options.safety, options.precondition) == (sched.safety, sched.precondition)
     override = resolve_ns_options(name, None, 0.0, 2.0, "none")
     assert (override.eps, override.safety, override.precondition) == (0.0, 2.0, None)
@@ -71,18 +82,35 @@ def test_resolve_ns_options_takes_each_unset_option_from_the_schedule(name):
         resolve_ns_options(name, precondition="turbo")
 
 
-@pytest.mark.parametrize("eps, safety, match", [(-1e-7, None, "eps"), (float("nan"), None, "eps"),
-                                                 (None, 0.0, "safety"), (None, float("inf"), "safety")])
-def test_resolve_ns_options_refuses_a_negative_eps_and_a_safety_that_is_not_positive(eps, safety, match):
+@pytest.mark.parametrize(
+    "eps, safety, match",
+    [
+        (-1e-7, None, "eps"),
+        (float("nan"), None, "eps"),
+        (None, 0.0, "safety"),
+        (None, float("inf"), "safety"),
+    ],
+)
+def test_resolve_ns_options_refuses_a_negative_eps_and_a_safety_that_is_not_positive(
+    eps, safety, match
+):
     with pytest.raises(ValueError, match=match):
         resolve_ns_options("keller", eps=eps, safety=safety)
 
 
 @settings(max_examples=examples(0.5))
-@given(batch=st.integers(1, 4), m=dims, n=dims, transposed=st.booleans(), eps_mode=st.sampled_from(["add", "clamp"]),
-       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_normalise_of_a_stack_equals_each_matrix_normalised_on_its_own_bitwise(batch, m, n, transposed, eps_mode,
-                                                                               dtype, seed):
+@given(
+    batch=st.integers(1, 4),
+    m=dims,
+    n=dims,
+    transposed=st.booleans(),
+    eps_mode=st.sampled_from(["add", "clamp"]),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_normalise_of_a_stack_equals_each_matrix_normalised_on_its_own_bitwise(
+    batch, m, n, transposed, eps_mode, dtype, seed
+):
     stack = gaussian((batch, m, n), seed, dtype)
     X = stack.mT if transposed else stack
     want = torch.stack([normalise(X[i], 1e-7, eps_mode, 1.05) for i in range(batch)])
@@ -92,26 +120,48 @@ def test_normalise_of_a_stack_equals_each_matrix_normalised_on_its_own_bitwise(b
 # muon_ref.gram_newton_schulz: the exact identity with newton_schulz (proofs/newton_schulz.md#gram)
 
 
-@example(name="cans", m=9, n=3, picks=[True, False, False, False], seed=32742)  # 2.4e-11, the largest seen
+@example(
+    name="cans", m=9, n=3, picks=[True, False, False, False], seed=32742
+)  # 2.4e-11, the largest seen
 @settings(max_examples=examples(1.0))
-@given(name=st.sampled_from(FROBENIUS), m=dims, n=dims, picks=st.lists(st.booleans(), min_size=9, max_size=9),
-       seed=st.integers(0, 2**16))
-def test_gram_newton_schulz_equals_newton_schulz_in_float64_for_every_restart_schedule(name, m, n, picks, seed):
-    assert identity_gap(gaussian((m, n), seed, torch.float64), name, restarts_for(name, picks)) <= F64_IDENTITY_ATOL
+@given(
+    name=st.sampled_from(FROBENIUS),
+    m=dims,
+    n=dims,
+    picks=st.lists(st.booleans(), min_size=9, max_size=9),
+    seed=st.integers(0, 2**16),
+)
+def test_gram_newton_schulz_equals_newton_schulz_in_float64_for_every_restart_schedule(
+    name, m, n, picks, seed
+):
+    assert (
+        identity_gap(gaussian((m, n), seed, torch.float64), name, restarts_for(name, picks))
+        <= F64_IDENTITY_ATOL
+    )
 
 
 def test_updating_the_gram_as_p_a_instead_of_p_a_p_fails_the_identity_check(monkeypatch):
-    monkeypatch.setattr(muon_ref.gram, "gram_update", lambda A, Z, a: torch.addmm(A, A, Z, beta=a))  # A P only
+    monkeypatch.setattr(
+        muon_ref.gram, "gram_update", lambda A, Z, a: torch.addmm(A, A, Z, beta=a)
+    )  # A P only
     G = gaussian((16, 48), 0, torch.float64)
     # seed 0 verified: 1.1e30 apart (each Gram eigenvalue r becomes r z, not r z^2, and keeps growing)
     assert identity_gap(G, "polar_express_dao", DAO_RESTARTS) > 1e-2
 
 
 @settings(max_examples=examples(0.5))
-@given(name=st.sampled_from(FROBENIUS), m=dims, n=dims, eps_mode=st.sampled_from(["add", "clamp"]),
-       before=st.booleans(), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
-def test_restarting_after_every_step_is_newton_schulz_in_addmm_form_bitwise(name, m, n, eps_mode, before, dtype, seed):
+@given(
+    name=st.sampled_from(FROBENIUS),
+    m=dims,
+    n=dims,
+    eps_mode=st.sampled_from(["add", "clamp"]),
+    before=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_restarting_after_every_step_is_newton_schulz_in_addmm_form_bitwise(
+    name, m, n, eps_mode, before, dtype, seed
+):
     G = gaussian((m, n), seed)
     every_step = range(1, len(SCHEDULES[name].steps_for()))
     options = dict(dtype=dtype, eps_mode=eps_mode, normalize_before_cast=before)
@@ -122,7 +172,9 @@ def test_restarting_after_every_step_is_newton_schulz_in_addmm_form_bitwise(name
 def test_the_bitwise_check_tells_apart_a_step_form_that_is_the_same_map():
     G = gaussian((12, 20), 0)
     got = gram_newton_schulz(G, "keller", restarts=range(1, 5), eps_mode="clamp")
-    assert not same_bits(got, newton_schulz(G, "keller", step_form="keller"))  # seed 0 verified: 2.7e-2 apart
+    assert not same_bits(
+        got, newton_schulz(G, "keller", step_form="keller")
+    )  # seed 0 verified: 2.7e-2 apart
 
 
 # muon_ref.gram_newton_schulz: behaves as newton_schulz on the edges
@@ -138,7 +190,10 @@ def test_a_zero_matrix_maps_to_zero_never_nan(shape, eps):
 @given(m=dims, n=dims, seed=st.integers(0, 2**16))
 def test_zero_steps_return_newton_schulzs_normalised_input_bitwise(m, n, seed):
     G = gaussian((m, n), seed)
-    assert same_bits(gram_newton_schulz(G, "keller", steps=0), newton_schulz(G, "keller", steps=0, eps_mode="add"))
+    assert same_bits(
+        gram_newton_schulz(G, "keller", steps=0),
+        newton_schulz(G, "keller", steps=0, eps_mode="add"),
+    )
 
 
 @example(m=5, n=3, seed=0)
@@ -153,11 +208,15 @@ def test_transposing_the_input_transposes_the_output_bitwise_for_non_square_matr
 def test_leading_dims_are_independent_matrices_bitwise():
     G = gaussian((2, 3, 7, 5), 0)
     out = gram_newton_schulz(G)
-    assert all(same_bits(out[i, j], gram_newton_schulz(G[i, j])) for i in range(2) for j in range(3))
+    assert all(
+        same_bits(out[i, j], gram_newton_schulz(G[i, j])) for i in range(2) for j in range(3)
+    )
 
 
 def test_the_input_is_never_written():
-    G = gaussian((9, 4), 0, torch.bfloat16)  # bf16: the cast is a no-op, an in-place op would write G
+    G = gaussian(
+        (9, 4), 0, torch.bfloat16
+    )  # bf16: the cast is a no-op, an in-place op would write G
     before = G.clone()
     gram_newton_schulz(G)
     assert torch.equal(G, before)
@@ -175,7 +234,9 @@ def test_restarts_split_the_steps_and_a_restart_after_the_last_step_changes_noth
     assert restart_segments(5, (3, 1, 3, 5, 9)) == ((0, 1), (1, 3), (3, 5))
     assert restart_segments(0, DAO_RESTARTS) == ()
     G = gaussian((6, 20), 0)
-    assert same_bits(gram_newton_schulz(G, restarts=(2, 5, 7)), gram_newton_schulz(G, restarts=(2,)))
+    assert same_bits(
+        gram_newton_schulz(G, restarts=(2, 5, 7)), gram_newton_schulz(G, restarts=(2,))
+    )
 
 
 def test_bad_arguments_raise_value_errors_naming_them():
@@ -198,7 +259,9 @@ def test_bad_arguments_raise_value_errors_naming_them():
 
 
 @settings(max_examples=examples(0.5))
-@given(m=st.integers(4, 32), aspect=st.floats(2.0, 8.0), tall=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(4, 32), aspect=st.floats(2.0, 8.0), tall=st.booleans(), seed=st.integers(0, 2**16)
+)
 def test_bf16_singular_values_of_gaussians_stay_inside_the_measured_band(m, aspect, tall, seed):
     n = max(m + 1, round(m * aspect))
     G = gaussian((n, m) if tall else (m, n), seed)
@@ -207,17 +270,26 @@ def test_bf16_singular_values_of_gaussians_stay_inside_the_measured_band(m, aspe
 
 
 def test_bf16_without_restarts_leaves_the_band_on_a_low_rank_input():
-    G = gaussian((32, 4), 0) @ gaussian((4, 128), 1)  # rank 4: the Gram's null space is bf16 rounding noise
+    G = gaussian((32, 4), 0) @ gaussian(
+        (4, 128), 1
+    )  # rank 4: the Gram's null space is bf16 rounding noise
     d = signed_singular_values(gram_newton_schulz(G, restarts=()), G)
-    assert float(d.abs().max()) > 10 * BF16_BAND[1]  # seeds 0, 1 verified: 1.1e7; restart after step 2: 1.13
+    assert (
+        float(d.abs().max()) > 10 * BF16_BAND[1]
+    )  # seeds 0, 1 verified: 1.1e7; restart after step 2: 1.13
 
 
 # muon_dist.kernels.gram_ns: the batched tier against the reference
 
 
 @settings(max_examples=examples(0.5))
-@given(batch=st.integers(1, 4), m=st.integers(1, 32), n=st.integers(1, 32),
-       name=st.sampled_from(["polar_express_dao", "you5"]), seed=st.integers(0, 2**16))
+@given(
+    batch=st.integers(1, 4),
+    m=st.integers(1, 32),
+    n=st.integers(1, 32),
+    name=st.sampled_from(["polar_express_dao", "you5"]),
+    seed=st.integers(0, 2**16),
+)
 def test_batched_float32_is_within_the_measured_tolerance_of_the_reference(batch, m, n, name, seed):
     G = gaussian((batch, m, n), seed)
     got = gram_newton_schulz_batched(G, name, dtype=torch.float32)
@@ -226,21 +298,39 @@ def test_batched_float32_is_within_the_measured_tolerance_of_the_reference(batch
 
 
 @settings(max_examples=examples(0.25))
-@given(leading=st.lists(st.integers(1, 3), min_size=1, max_size=2), m=st.integers(8, 20), n=st.integers(8, 20),
-       restarts=st.sampled_from([(), DAO_RESTARTS, (1, 3)]), seed=st.integers(0, 2**16))
-def test_batched_bfloat16_equals_the_reference_bitwise_from_eight_rows_and_columns_on_this_cpu(leading, m, n, restarts,
-                                                                                               seed):
+@given(
+    leading=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    m=st.integers(8, 20),
+    n=st.integers(8, 20),
+    restarts=st.sampled_from([(), DAO_RESTARTS, (1, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_bfloat16_equals_the_reference_bitwise_from_eight_rows_and_columns_on_this_cpu(
+    leading, m, n, restarts, seed
+):
     G = gaussian((*leading, m, n), seed)
-    assert same_bits(gram_newton_schulz_batched(G, restarts=restarts), gram_newton_schulz(G, restarts=restarts))
+    assert same_bits(
+        gram_newton_schulz_batched(G, restarts=restarts), gram_newton_schulz(G, restarts=restarts)
+    )
 
 
 @settings(max_examples=examples(0.25))
-@given(batch=st.integers(1, 4), short=st.integers(1, 7), long=st.integers(1, 32), tall=st.booleans(),
-       restarts=st.sampled_from([(), DAO_RESTARTS, (1, 3)]), seed=st.integers(0, 2**16))
-def test_batched_bfloat16_is_within_the_measured_tolerance_below_eight_rows_or_columns(batch, short, long, tall,
-                                                                                       restarts, seed):
+@given(
+    batch=st.integers(1, 4),
+    short=st.integers(1, 7),
+    long=st.integers(1, 32),
+    tall=st.booleans(),
+    restarts=st.sampled_from([(), DAO_RESTARTS, (1, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_bfloat16_is_within_the_measured_tolerance_below_eight_rows_or_columns(
+    batch, short, long, tall, restarts, seed
+):
     G = gaussian((batch, long, short) if tall else (batch, short, long), seed)
-    got, want = gram_newton_schulz_batched(G, restarts=restarts), gram_newton_schulz(G, restarts=restarts)
+    got, want = (
+        gram_newton_schulz_batched(G, restarts=restarts),
+        gram_newton_schulz(G, restarts=restarts),
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=BATCHED_SMALL_BF16_ATOL)
 
 
@@ -248,4 +338,6 @@ def test_batched_float32_is_not_bitwise_on_small_matrices_on_this_cpu():
     # ATen's baddbmm loops in its own kernel below m * m * m < 400 (aten/src/ATen/native/LinearAlgebra.cpp)
     G = gaussian((3, 5, 10), 0)
     got = gram_newton_schulz_batched(G, dtype=torch.float32)
-    assert not same_bits(got, gram_newton_schulz(G, dtype=torch.float32))  # seed 0 verified: 2.0e-5 apart
+    assert not same_bits(
+        got, gram_newton_schulz(G, dtype=torch.float32)
+    )  # seed 0 verified: 2.0e-5 apart

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import contextmanager
 import subprocess
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_registered_backend_is_named_as_registered_and_only_torch_claims_bits():
-    for name in ("torch", "gram"):  # "triton" imports triton: its module is checked in tests/test_triton_kernel.py
+    for name in (
+        "torch",
+        "gram",
+    ):  # "triton" imports triton: its module is checked in tests/test_triton_kernel.py
         assert backend(name).name == name
     assert BACKENDS["triton"] == "muon_dist.kernels.triton_ns"
     assert [backend(name).bitwise for name in ("torch", "gram")] == [True, False]
@@ -43,7 +46,9 @@ def test_every_registered_backend_is_named_as_registered_and_only_torch_claims_b
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_backend_module_states_its_reference_equation_and_contract(name):
-    source = importlib.util.find_spec(BACKENDS[name]).loader.get_source(BACKENDS[name])  # read: triton not imported
+    source = importlib.util.find_spec(BACKENDS[name]).loader.get_source(
+        BACKENDS[name]
+    )  # read: triton not imported
     docstring = source.split('"""')[1]
     assert "Reference equation" in docstring and "Contract" in docstring
 
@@ -59,9 +64,12 @@ def onednn(enabled: bool | None):
         yield
         return
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # flags() warns about TF32 on Intel GPUs it does not have
-        context = torch.backends.mkldnn.flags(enabled=enabled,
-                                              deterministic=torch.backends.mkldnn.deterministic)
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # flags() warns about TF32 on Intel GPUs it does not have
+        context = torch.backends.mkldnn.flags(
+            enabled=enabled, deterministic=torch.backends.mkldnn.deterministic
+        )
         context.__enter__()
     try:
         yield
@@ -72,21 +80,47 @@ def onednn(enabled: bool | None):
 
 
 @settings(max_examples=examples(0.5))
-@given(num_matrices=st.integers(2, 4), short=st.integers(8, 24), long=st.integers(8, 40), tall=st.booleans(),
-       dtype=st.sampled_from(LOW_PRECISION), same_input_dtype=st.booleans(),
-       schedule=st.sampled_from(["keller", "you5", "polar_express"]), eps_mode=st.sampled_from(["add", "clamp"]),
-       before=st.booleans(), seed=st.integers(0, 2**16), onednn_enabled=st.sampled_from([None, False]))
+@given(
+    num_matrices=st.integers(2, 4),
+    short=st.integers(8, 24),
+    long=st.integers(8, 40),
+    tall=st.booleans(),
+    dtype=st.sampled_from(LOW_PRECISION),
+    same_input_dtype=st.booleans(),
+    schedule=st.sampled_from(["keller", "you5", "polar_express"]),
+    eps_mode=st.sampled_from(["add", "clamp"]),
+    before=st.booleans(),
+    seed=st.integers(0, 2**16),
+    onednn_enabled=st.sampled_from([None, False]),
+)
 def test_where_the_batch_is_chosen_it_gives_the_loops_bits_on_inputs_the_probe_never_saw(
-        num_matrices, short, long, tall, dtype, same_input_dtype, schedule, eps_mode, before, seed, onednn_enabled):
+    num_matrices,
+    short,
+    long,
+    tall,
+    dtype,
+    same_input_dtype,
+    schedule,
+    eps_mode,
+    before,
+    seed,
+    onednn_enabled,
+):
     shape = (num_matrices, long, short) if tall else (num_matrices, short, long)
-    G = gaussian(shape, seed + 1, dtype if same_input_dtype else torch.float32)  # the probe draws seed 0
+    G = gaussian(
+        shape, seed + 1, dtype if same_input_dtype else torch.float32
+    )  # the probe draws seed 0
     options = dict(schedule=schedule, dtype=dtype, eps_mode=eps_mode, normalize_before_cast=before)
     with onednn(onednn_enabled):
         chosen = reference.batched_is_bitwise(G.shape, G.dtype, CPU, **options)
         # chosen where the rule and the probe say so
-        assert chosen == (not reference.onednn_takes(dtype) and reference.probe(G.shape, G.dtype, CPU, options))
+        assert chosen == (
+            not reference.onednn_takes(dtype) and reference.probe(G.shape, G.dtype, CPU, options)
+        )
         if chosen:
-            assert same_bits(reference.newton_schulz_batched(G, **options), newton_schulz(G, **options))
+            assert same_bits(
+                reference.newton_schulz_batched(G, **options), newton_schulz(G, **options)
+            )
 
 
 def test_with_onednn_off_atens_own_kernel_runs_and_the_batch_is_chosen():
@@ -97,10 +131,19 @@ def test_with_onednn_off_atens_own_kernel_runs_and_the_batch_is_chosen():
         assert reference.batched_is_bitwise((3, 16, 24), torch.float32, CPU, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("changed", [
-    {"shape": (1, 8, 8)}, {"shape": (2, 7, 64)}, {"dtype": torch.float32}, {"dtype": torch.float64},
-    {"step_form": "gemm"}, {"schedule": "aol"}, {"device": "meta"},
-], ids=str)
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"shape": (1, 8, 8)},
+        {"shape": (2, 7, 64)},
+        {"dtype": torch.float32},
+        {"dtype": torch.float64},
+        {"step_form": "gemm"},
+        {"schedule": "aol"},
+        {"device": "meta"},
+    ],
+    ids=str,
+)
 def test_outside_the_static_rule_nothing_is_probed_or_batched(monkeypatch, changed):
     def no_probe(*args):
         raise AssertionError("probed a stack outside the rule")
@@ -126,20 +169,30 @@ def test_the_probe_is_made_once_per_key_and_the_key_holds_what_decides_the_kerne
     for _ in range(3):
         reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)
     assert len(verdicts) == 1
-    reference.batched_is_bitwise((2, 8, 16), torch.bfloat16, CPU, dtype=torch.bfloat16)  # another input dtype
-    reference.batched_is_bitwise((3, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)  # another shape
-    reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16, eps_mode="add")
+    reference.batched_is_bitwise(
+        (2, 8, 16), torch.bfloat16, CPU, dtype=torch.bfloat16
+    )  # another input dtype
+    reference.batched_is_bitwise(
+        (3, 8, 16), torch.float32, CPU, dtype=torch.bfloat16
+    )  # another shape
+    reference.batched_is_bitwise(
+        (2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16, eps_mode="add"
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        reference.batched_is_bitwise((2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16)  # another thread count
+        reference.batched_is_bitwise(
+            (2, 8, 16), torch.float32, CPU, dtype=torch.bfloat16
+        )  # another thread count
     finally:
         torch.set_num_threads(threads)
     assert len(verdicts) == 5 and len(reference.probed()) == 5
     reference.forget_probes()
 
 
-def test_negative_control_a_batched_kernel_that_is_not_bitwise_is_refused_and_the_loop_runs(monkeypatch):
+def test_negative_control_a_batched_kernel_that_is_not_bitwise_is_refused_and_the_loop_runs(
+    monkeypatch,
+):
     # a planted batched kernel that rounds otherwise (its result scaled by 1 + 2^-7, about one bf16 ulp): the probe
     # must refuse it, and the backend keep muon_ref's bits
     real = reference.newton_schulz_batched
@@ -154,8 +207,10 @@ def test_negative_control_a_batched_kernel_that_is_not_bitwise_is_refused_and_th
     D = gaussian(shape, 0)
     with onednn(False):
         assert not reference.batched_is_bitwise(shape, torch.float32, CPU, **cfg.ns_kwargs())
-        assert same_bits(backend("torch").orthogonalize(D, matrix_layout(shape), cfg),
-                         orthogonalize(D, matrix_layout(shape), cfg))
+        assert same_bits(
+            backend("torch").orthogonalize(D, matrix_layout(shape), cfg),
+            orthogonalize(D, matrix_layout(shape), cfg),
+        )
     reference.forget_probes()
 
 
@@ -182,12 +237,16 @@ def test_on_every_simulated_cpu_capability_the_backend_keeps_the_loops_bits(oned
     for capability in ("default", "avx2", "avx512"):
         env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(ROOT)}
         script = SIMULATED.format(onednn=onednn_enabled)
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         name, chosen = done.stdout.split()[-2:]
         seen[name] = chosen
     assert "DEFAULT" in seen, seen
-    if not onednn_enabled:  # ATen's own kernel on every capability: the batch is chosen (rule part 2)
+    if (
+        not onednn_enabled
+    ):  # ATen's own kernel on every capability: the batch is chosen (rule part 2)
         assert set(seen.values()) == {"True"}, seen
 
 
@@ -202,7 +261,11 @@ LAYOUTS = {  # shape, layout keys: a stack the rule may batch, one it does not, 
 }
 CONFIGS = {  # the default (torch.optim.Muon's) and one whose schedule's own preconditioner is switched off
     "default": {},
-    "aol schedule, no preconditioner": {"schedule": "aol", "precondition": "none", "eps_mode": "add"},
+    "aol schedule, no preconditioner": {
+        "schedule": "aol",
+        "precondition": "none",
+        "eps_mode": "add",
+    },
 }
 
 
@@ -210,21 +273,32 @@ CONFIGS = {  # the default (torch.optim.Muon's) and one whose schedule's own pre
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(monkeypatch, name, dtype, config, onednn_enabled):
+def test_the_torch_backend_equals_muon_ref_orthogonalize_bitwise(
+    monkeypatch, name, dtype, config, onednn_enabled
+):
     shape, keys = LAYOUTS[name]
     layout = matrix_layout(shape, **keys)
     cfg = MuonConfig(ns_dtype=dtype, **CONFIGS[config])
     reference.forget_probes()
     calls, batched, probes, real_probe = [], reference.newton_schulz_batched, [], reference.probe
-    monkeypatch.setattr(reference, "newton_schulz_batched", lambda G, **kw: calls.append(G.shape) or batched(G, **kw))
+    monkeypatch.setattr(
+        reference,
+        "newton_schulz_batched",
+        lambda G, **kw: calls.append(G.shape) or batched(G, **kw),
+    )
     monkeypatch.setattr(reference, "probe", lambda *a: probes.append(a[0]) or real_probe(*a))
     D = gaussian(shape, 0)
     with onednn(onednn_enabled):
-        assert same_bits(backend("torch").orthogonalize(D, layout, cfg), orthogonalize(D, layout, cfg))
+        assert same_bits(
+            backend("torch").orthogonalize(D, layout, cfg), orthogonalize(D, layout, cfg)
+        )
         # the probe ran exactly on the stacks inside the rule (bf16, min(m, n) >= 8, a stack, ATen's own kernel),
         # and the batch ran exactly where the probe said yes (after the probe's own batched run)
-        in_rule = (dtype == torch.bfloat16 and name in ("3-D stack", "fused experts")
-                   and not reference.onednn_takes(dtype))
+        in_rule = (
+            dtype == torch.bfloat16
+            and name in ("3-D stack", "fused experts")
+            and not reference.onednn_takes(dtype)
+        )
     assert probes == ([layout.matrices_shape] if in_rule else [])
     chosen = in_rule and list(reference.probed().values()) == [True]
     assert calls == ([layout.matrices_shape] * (in_rule + chosen) if in_rule else [])
@@ -251,7 +325,11 @@ GRAM_SCHEDULES = ["keller", "you5", "polar_express_dao"]
 GRAM_DIFFERENCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0.5}
 BF16_ULP = 2.0**-7  # of 1
 # measured bf16 bands (gram_ns.py), widened by 4 bf16 ulps of 1 on both sides
-GRAM_BF16_GAUSSIAN_BAND = {"keller": (0.6685, 1.134), "you5": (0.9548, 1.031), "polar_express_dao": (0.8384, 1.181)}
+GRAM_BF16_GAUSSIAN_BAND = {
+    "keller": (0.6685, 1.134),
+    "you5": (0.9548, 1.031),
+    "polar_express_dao": (0.8384, 1.181),
+}
 GRAM_BF16_HARD_BAND = (-0.497, 1.599)
 
 
@@ -281,6 +359,15 @@ def test_the_gram_backends_bf16_singular_values_stay_inside_the_measured_bands(s
 def test_an_eight_step_schedule_is_outside_the_gram_contract_and_fails_its_band(kind):
     # negative control: polar_express's 8 steps with the one restart blow up in bf16 (seed 1, measured: 1.2e36 on
     # the low-rank input, 3.6e17 on the ill-conditioned one; NaN on other seeds)
-    r = measure("gram", MuonConfig(schedule="polar_express", ns_dtype=torch.bfloat16), kind, range(1, 2), 64, CPU)
+    r = measure(
+        "gram",
+        MuonConfig(schedule="polar_express", ns_dtype=torch.bfloat16),
+        kind,
+        range(1, 2),
+        64,
+        CPU,
+    )
     assert not within(GRAM_BF16_HARD_BAND, r["low"], r["high"], 4 * BF16_ULP)
-    assert within(GRAM_BF16_HARD_BAND, r["ref_low"], r["ref_high"], 0.0)  # muon_ref.newton_schulz holds it
+    assert within(
+        GRAM_BF16_HARD_BAND, r["ref_low"], r["ref_high"], 0.0
+    )  # muon_ref.newton_schulz holds it

@@ -21,7 +21,9 @@ CONFIGS = sorted(HERE.glob("*.toml"))
 def default_targets() -> tuple[str, ...]:
     tree = ast.parse((HERE / "run.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["DEFAULT_TARGETS"]:
+        if isinstance(node, ast.Assign) and [
+            t.id for t in node.targets if isinstance(t, ast.Name)
+        ] == ["DEFAULT_TARGETS"]:
             return tuple(ast.literal_eval(node.value))
     raise AssertionError("tests/mutation/run.py has no DEFAULT_TARGETS")
 
@@ -51,7 +53,9 @@ def test_each_target_mutates_modules_that_exist_and_runs_tests_that_exist(config
 
 def test_the_command_parser_finds_files_inside_sh_c_and_would_catch_a_missing_one() -> None:
     """Negative control for the check above: a stage naming a file that does not exist is reported."""
-    missing = "tests/" + "nope.py"  # built, so that the repository's path check does not read it as a citation
+    missing = (
+        "tests/" + "nope.py"
+    )  # built, so that the repository's path check does not read it as a citation
     command = f"prlimit --as=1 sh -c 'python -m pytest -x tests/test_geometry.py && python -m pytest {missing} -k \"a b\"'"
     files = named_test_files(command)
     assert files == [missing, "tests/test_geometry.py"]

@@ -7,7 +7,13 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon_ref import SCHEDULES, newton_schulz, polar_error, polar_factor, schedule_band, signed_singular_values
+from muon_ref import (
+    SCHEDULES,
+    newton_schulz,
+    polar_error,
+    schedule_band,
+    signed_singular_values,
+)
 
 dims = st.integers(1, 24)
 F64 = dict(dtype=torch.float64)
@@ -30,16 +36,28 @@ def test_transposing_the_input_transposes_the_output_bitwise_for_non_square_matr
 def test_square_transpose_equivariance_holds_in_float64_to_rounding(n, seed):
     # bf16 differs by up to 1.2e-2 here (conventions.md): the product order differs, not the math
     G = gaussian((n, n), seed, torch.float64)
-    torch.testing.assert_close(newton_schulz(G.mT, **F64), newton_schulz(G, **F64).mT, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        newton_schulz(G.mT, **F64), newton_schulz(G, **F64).mT, rtol=0, atol=1e-12
+    )
 
 
-@given(m=dims, n=dims, zero_rows=st.integers(0, 4), zero_cols=st.integers(0, 4), seed=st.integers(0, 2**16))
-def test_zero_rows_and_columns_stay_zero_and_leave_the_rest_unchanged(m, n, zero_rows, zero_cols, seed):
+@given(
+    m=dims,
+    n=dims,
+    zero_rows=st.integers(0, 4),
+    zero_cols=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_zero_rows_and_columns_stay_zero_and_leave_the_rest_unchanged(
+    m, n, zero_rows, zero_cols, seed
+):
     G = gaussian((m, n), seed, torch.float64)
     padded = torch.zeros(m + zero_rows, n + zero_cols, dtype=torch.float64)
     padded[:m, :n] = G
     out = newton_schulz(padded, **F64)
-    assert torch.count_nonzero(out[m:, :]) == 0 and torch.count_nonzero(out[:, n:]) == 0  # exactly zero
+    assert (
+        torch.count_nonzero(out[m:, :]) == 0 and torch.count_nonzero(out[:, n:]) == 0
+    )  # exactly zero
     # the rest agrees to rounding; the transpose decision may differ between the two shapes
     torch.testing.assert_close(out[:m, :n], newton_schulz(G, **F64), rtol=0, atol=1e-10)
 
@@ -50,11 +68,15 @@ def test_orthogonal_invariance_holds_in_float64(m, n, seed):
     G = gaussian((m, n), seed, torch.float64)
     Q, _ = torch.linalg.qr(gaussian((m, m), seed + 1, torch.float64))
     R, _ = torch.linalg.qr(gaussian((n, n), seed + 2, torch.float64))
-    torch.testing.assert_close(newton_schulz(Q @ G @ R, **F64), Q @ newton_schulz(G, **F64) @ R, rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        newton_schulz(Q @ G @ R, **F64), Q @ newton_schulz(G, **F64) @ R, rtol=0, atol=1e-10
+    )
 
 
 @given(m=dims, n=dims, seed=st.integers(0, 2**16), power=st.integers(-20, 20))
-def test_scaling_by_a_power_of_two_leaves_the_output_bitwise_unchanged_with_eps_zero(m, n, seed, power):
+def test_scaling_by_a_power_of_two_leaves_the_output_bitwise_unchanged_with_eps_zero(
+    m, n, seed, power
+):
     G = gaussian((m, n), seed)
     assert torch.equal(newton_schulz(G * 2.0**power, eps=0.0), newton_schulz(G, eps=0.0))
 
@@ -62,15 +84,26 @@ def test_scaling_by_a_power_of_two_leaves_the_output_bitwise_unchanged_with_eps_
 @given(m=dims, n=dims, seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e3))
 def test_scale_invariance_holds_in_float64_with_eps_zero(m, n, seed, scale):
     G = gaussian((m, n), seed, torch.float64)
-    torch.testing.assert_close(newton_schulz(G * scale, eps=0.0, **F64), newton_schulz(G, eps=0.0, **F64),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        newton_schulz(G * scale, eps=0.0, **F64),
+        newton_schulz(G, eps=0.0, **F64),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 @settings(max_examples=20)
-@given(name=st.sampled_from(sorted(SCHEDULES)), m=st.integers(2, 16), n=st.integers(2, 16), seed=st.integers(0, 2**16))
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    m=st.integers(2, 16),
+    n=st.integers(2, 16),
+    seed=st.integers(0, 2**16),
+)
 def test_float64_singular_values_lie_inside_the_schedules_exact_band(name, m, n, seed):
     G = gaussian((m, n), seed, torch.float64)
-    if SCHEDULES[name].precondition is not None:  # AOL rescales rows, not by ||G||_F: the band is for its input
+    if (
+        SCHEDULES[name].precondition is not None
+    ):  # AOL rescales rows, not by ||G||_F: the band is for its input
         return
     sched = SCHEDULES[name]
     safety = sched.safety
@@ -83,7 +116,9 @@ def test_float64_singular_values_lie_inside_the_schedules_exact_band(name, m, n,
 
 @pytest.mark.parametrize("name, steps", [("polar_express", 12), ("quintic", 30), ("cubic", 60)])
 def test_float64_newton_schulz_with_a_converging_schedule_approaches_the_polar_factor(name, steps):
-    G = gaussian((24, 16), 0, torch.float64) + 3 * torch.eye(24, 16, dtype=torch.float64)  # condition ~ 5
+    G = gaussian((24, 16), 0, torch.float64) + 3 * torch.eye(
+        24, 16, dtype=torch.float64
+    )  # condition ~ 5
     assert polar_error(newton_schulz(G, name, steps=steps, **F64), G) < 1e-9
 
 
@@ -97,7 +132,9 @@ def test_a_zero_matrix_maps_to_zero_never_nan(name, eps):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("eps_mode", ["add", "clamp"])
 @pytest.mark.parametrize("eps", [1e-15, 1e-30, 1e-7])
-def test_a_zero_matrix_maps_to_zero_when_eps_rounds_to_zero_in_the_compute_dtype(dtype, eps_mode, eps):
+def test_a_zero_matrix_maps_to_zero_when_eps_rounds_to_zero_in_the_compute_dtype(
+    dtype, eps_mode, eps
+):
     # regression (found by notebooks/ns_numerics.py): 1e-15 is 0 in fp16, so d = 0 for a zero matrix although
     # eps > 0; the zero guard must depend on eps in the compute dtype, not on eps == 0
     out = newton_schulz(torch.zeros(6, 5), "polar_express", eps=eps, eps_mode=eps_mode, dtype=dtype)
@@ -114,7 +151,9 @@ def test_leading_dims_are_independent_matrices_bitwise():
 
 def test_the_input_is_never_written():
     for form in ("addmm", "keller", "dion"):
-        G = gaussian((9, 4), 0, torch.bfloat16)  # bf16: the cast is a no-op, an in-place op would write G
+        G = gaussian(
+            (9, 4), 0, torch.bfloat16
+        )  # bf16: the cast is a no-op, an in-place op would write G
         before = G.clone()
         newton_schulz(G, step_form=form)
         assert torch.equal(G, before)

@@ -11,10 +11,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from muon_dist.harness.fixtures import same_bits
 from muon_ref import NSOptions, newton_schulz, normalise, resolve_ns_options
 from muon_ref.newton_schulz import STEP_FORMS, newton_schulz_matrix
-
-from muon_dist.harness.fixtures import same_bits
 from tests.conftest import examples
 
 ABC = (3.4445, -4.7750, 2.0315)  # KellerJordan's quintic
@@ -41,11 +40,27 @@ def aol_first_step(X: torch.Tensor, step_form: str, eps: float) -> torch.Tensor:
 @example(step_form="keller", m=5, n=7, seed=0)
 @example(step_form="dion", m=5, n=7, seed=0)
 @settings(max_examples=examples(0.5))
-@given(step_form=st.sampled_from(STEP_FORMS), m=st.integers(1, 9), n=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_aols_fused_first_step_is_its_equation_in_each_step_forms_order_bitwise(step_form, m, n, seed):
+@given(
+    step_form=st.sampled_from(STEP_FORMS),
+    m=st.integers(1, 9),
+    n=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_aols_fused_first_step_is_its_equation_in_each_step_forms_order_bitwise(
+    step_form, m, n, seed
+):
     G = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))
-    got = newton_schulz_matrix(G, (ABC,), eps=1e-7, dtype=torch.float32, step_form=step_form, eps_mode="clamp",
-                               safety=1.0, normalize_before_cast=False, precondition="aol")
+    got = newton_schulz_matrix(
+        G,
+        (ABC,),
+        eps=1e-7,
+        dtype=torch.float32,
+        step_form=step_form,
+        eps_mode="clamp",
+        safety=1.0,
+        normalize_before_cast=False,
+        precondition="aol",
+    )
     X = G.mT if m > n else G
     want = aol_first_step(X, step_form, 1e-7)
     assert same_bits(got, want.mT if m > n else want)
@@ -55,24 +70,33 @@ def test_the_step_forms_of_aols_first_step_are_told_apart_bitwise():
     """Negative control: keller's and dion's orders are the same map, yet this check tells them apart on the
     example above (so a swap of the two forms cannot pass it)."""
     X = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(aol_first_step(X, "keller", 1e-7), aol_first_step(X, "dion", 1e-7), atol=1e-5)
+    assert torch.allclose(
+        aol_first_step(X, "keller", 1e-7), aol_first_step(X, "dion", 1e-7), atol=1e-5
+    )
     assert not same_bits(aol_first_step(X, "keller", 1e-7), aol_first_step(X, "dion", 1e-7))
 
 
 @settings(max_examples=examples(0.5))
-@given(shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6)),
-       eps_mode=st.sampled_from(["add", "clamp"]), seed=st.integers(0, 2**16))
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6)),
+    eps_mode=st.sampled_from(["add", "clamp"]),
+    seed=st.integers(0, 2**16),
+)
 def test_normalise_on_a_stack_divides_each_matrix_by_its_own_norm(shape, eps_mode, seed):
     """Reference equation (normalise's docstring): X / d for each trailing matrix, d from that matrix's norm. The
     matrices are scaled apart (1, 10, 100, ...), so a norm over any other dims gives another answer; to rounding,
     since the stack's batched reduction is not promised bitwise (its docstring)."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(shape, dtype=torch.float64, generator=g)
-    X = X * 10.0 ** torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(shape[0], shape[1], 1, 1)
+    X = X * 10.0 ** torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(
+        shape[0], shape[1], 1, 1
+    )
     got = normalise(X, 1e-7, eps_mode, 1.0)
     for i in range(shape[0]):
         for j in range(shape[1]):
-            torch.testing.assert_close(got[i, j], normalise(X[i, j], 1e-7, eps_mode, 1.0), rtol=1e-12, atol=0)
+            torch.testing.assert_close(
+                got[i, j], normalise(X[i, j], 1e-7, eps_mode, 1.0), rtol=1e-12, atol=0
+            )
 
 
 @pytest.mark.parametrize("eps_mode", ["add", "clamp"])
@@ -85,7 +109,9 @@ def test_eps_mode_is_read_by_value_not_by_identity(eps_mode):
     want = newton_schulz(G, eps_mode=eps_mode, dtype=torch.float32)
     assert same_bits(newton_schulz(G, eps_mode=built, dtype=torch.float32), want)
     other = "clamp" if eps_mode == "add" else "add"
-    assert not same_bits(newton_schulz(G, eps_mode=other, dtype=torch.float32), want)  # the two modes differ here
+    assert not same_bits(
+        newton_schulz(G, eps_mode=other, dtype=torch.float32), want
+    )  # the two modes differ here
 
 
 def test_ns_options_are_an_immutable_value():
@@ -93,7 +119,9 @@ def test_ns_options_are_an_immutable_value():
     cached by resolve_ns_options, so a change would leak into every later call). Frozen: equal by fields, hashable,
     and assignment raises."""
     options = resolve_ns_options("keller")
-    assert options == NSOptions(options.coefficients, options.eps, options.safety, options.precondition)
+    assert options == NSOptions(
+        options.coefficients, options.eps, options.safety, options.precondition
+    )
     assert hash(options) == hash(dataclasses.replace(options))
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.eps = -1.0  # type: ignore[misc]

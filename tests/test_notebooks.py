@@ -29,17 +29,25 @@ NOTEBOOK_TIMEOUT_S = 480
 
 def notebook_package(name: str) -> ModuleType:
     """An optional package of the `notebooks` extra, or a skip naming the extra (an environment condition)."""
-    return pytest.importorskip(name, reason=f"{name} is not installed (pip install -e .[notebooks])")
+    return pytest.importorskip(
+        name, reason=f"{name} is not installed (pip install -e .[notebooks])"
+    )
 
 
 def execute(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run notebooks/<name>.ipynb in a fresh kernel; raises CellExecutionError naming the failing cell."""
     nbformat, nbclient = notebook_package("nbformat"), notebook_package("nbclient")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )
     client.execute()
 
 
@@ -51,15 +59,22 @@ def test_each_notebook_runs_end_to_end(name: str, monkeypatch: pytest.MonkeyPatc
 
 def cells(path: Path) -> list[tuple[str, str]]:
     """(cell type, source) of every cell, as jupytext reads the file."""
-    return [(cell.cell_type, cell.source.strip()) for cell in notebook_package("jupytext").read(path).cells]
+    return [
+        (cell.cell_type, cell.source.strip())
+        for cell in notebook_package("jupytext").read(path).cells
+    ]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_each_notebook_has_the_same_cells_as_its_py_percent_source(name: str) -> None:
     ipynb, py = cells(NOTEBOOK_DIR / f"{name}.ipynb"), cells(NOTEBOOK_DIR / f"{name}.py")
-    assert len(ipynb) == len(py), f"{name}: {len(ipynb)} cells in .ipynb, {len(py)} in .py; run `jupytext --sync`"
+    assert len(ipynb) == len(py), (
+        f"{name}: {len(ipynb)} cells in .ipynb, {len(py)} in .py; run `jupytext --sync`"
+    )
     for index, (got, want) in enumerate(zip(ipynb, py)):
-        assert got == want, f"{name}: cell {index} differs between .ipynb and .py; run `jupytext --sync`"
+        assert got == want, (
+            f"{name}: cell {index} differs between .ipynb and .py; run `jupytext --sync`"
+        )
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -73,7 +88,9 @@ def test_each_notebook_is_stored_without_outputs(name: str) -> None:
     nb = notebook_package("nbformat").read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, f"{name}: cell {index} has outputs"
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{name}: cell {index} has outputs"
+            )
 
 
 def muon_ref_imports(path: Path) -> list[tuple[str, str]]:
@@ -83,7 +100,9 @@ def muon_ref_imports(path: Path) -> list[tuple[str, str]]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "muon_ref":
             found.extend((node.module, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.extend((alias.name, "") for alias in node.names if alias.name.split(".")[0] == "muon_ref")
+            found.extend(
+                (alias.name, "") for alias in node.names if alias.name.split(".")[0] == "muon_ref"
+            )
     return found
 
 
@@ -93,7 +112,9 @@ def test_notebooks_import_only_muon_refs_public_api(name: str) -> None:
     imports = muon_ref_imports(path)
     assert imports, f"{name} does not import muon_ref"
     for module, imported in imports:
-        assert not any(part.startswith("_") for part in module.split(".")), f"{name}: private module {module}"
+        assert not any(part.startswith("_") for part in module.split(".")), (
+            f"{name}: private module {module}"
+        )
         assert not imported.startswith("_"), f"{name}: private name {module}.{imported}"
         if module == "muon_ref" and imported:
             assert imported in muon_ref.__all__, f"{name}: {imported} is not in muon_ref.__all__"

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_ref import PRESETS, Muon, MuonConfig, matrix_layout, muon_step
+from muon_ref import PRESETS, Muon, matrix_layout, muon_step
 from muon_ref.split import MuonWithAdamW, split_params
 from tests.conftest import examples
 
@@ -28,8 +28,13 @@ def train(params, opt, grads_per_step):
 
 
 @settings(max_examples=examples(0.5))
-@given(E=st.integers(1, 6), m=st.integers(1, 12), n=st.integers(1, 12), preset=st.sampled_from(sorted(PRESETS)),
-       seed=st.integers(0, 2**16))
+@given(
+    E=st.integers(1, 6),
+    m=st.integers(1, 12),
+    n=st.integers(1, 12),
+    preset=st.sampled_from(sorted(PRESETS)),
+    seed=st.integers(0, 2**16),
+)
 def test_fused_experts_equal_3d_experts_equal_a_loop_over_experts_bitwise(E, m, n, preset, seed):
     init, *grads = gaussians((E, m, n), seed, 4)
     p3 = torch.nn.Parameter(init.clone())
@@ -97,7 +102,9 @@ def test_a_zero_gradient_gives_a_zero_update_and_no_nan(preset):
     for _ in range(3):
         p.grad = torch.zeros(6, 4)
         opt.step()
-    assert torch.equal(p.detach(), init) and torch.count_nonzero(opt.state[p]["momentum_buffer"]) == 0
+    assert (
+        torch.equal(p.detach(), init) and torch.count_nonzero(opt.state[p]["momentum_buffer"]) == 0
+    )
 
 
 def test_params_whose_grad_is_none_are_skipped():
@@ -109,13 +116,16 @@ def test_params_whose_grad_is_none_are_skipped():
     assert torch.equal(q.detach(), before) and q not in opt.state
 
 
-@pytest.mark.parametrize("bad, message", [
-    (torch.zeros(5), r"param 0 of its group of shape \(5,\) is not a matrix"),
-    (torch.zeros(4, 4, dtype=torch.int32), r"dtype torch.int32"),
-    (torch.zeros(4, 4, dtype=torch.complex64), r"dtype torch.complex64"),
-    (torch.zeros(4, 4).to_sparse(), r"sparse"),
-    (torch.zeros(2, 3, 3, 3), r"pass flatten=True"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.zeros(5), r"param 0 of its group of shape \(5,\) is not a matrix"),
+        (torch.zeros(4, 4, dtype=torch.int32), r"dtype torch.int32"),
+        (torch.zeros(4, 4, dtype=torch.complex64), r"dtype torch.complex64"),
+        (torch.zeros(4, 4).to_sparse(), r"sparse"),
+        (torch.zeros(2, 3, 3, 3), r"pass flatten=True"),
+    ],
+)
 def test_bad_params_raise_a_value_error_naming_the_parameter_and_its_shape(bad, message):
     with pytest.raises(ValueError, match=message):
         Muon([torch.nn.Parameter(bad, requires_grad=False)])
@@ -123,7 +133,12 @@ def test_bad_params_raise_a_value_error_naming_the_parameter_and_its_shape(bad, 
 
 def test_named_params_are_named_in_errors():
     with pytest.raises(ValueError, match=r"bias of shape \(3,\)"):
-        Muon([("weight", torch.nn.Parameter(torch.zeros(3, 3))), ("bias", torch.nn.Parameter(torch.zeros(3)))])
+        Muon(
+            [
+                ("weight", torch.nn.Parameter(torch.zeros(3, 3))),
+                ("bias", torch.nn.Parameter(torch.zeros(3))),
+            ]
+        )
 
 
 def test_num_experts_that_does_not_divide_the_rows_is_refused():
@@ -147,9 +162,13 @@ def test_a_non_finite_gradient_raises_before_anything_is_written(value):
     p.grad, q.grad = torch.randn(4, 4), torch.randn(4, 4)
     q.grad[1, 2] = value
     opt = Muon([p, q])
-    with pytest.raises(ValueError, match=r"param 1 of its group of shape \(4, 4\) has a non-finite gradient"):
+    with pytest.raises(
+        ValueError, match=r"param 1 of its group of shape \(4, 4\) has a non-finite gradient"
+    ):
         opt.step()
-    assert torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1]) and not opt.state
+    assert (
+        torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1]) and not opt.state
+    )
 
 
 def test_the_skip_policy_leaves_a_non_finite_parameter_and_its_momentum_unchanged():
@@ -186,7 +205,13 @@ class TinyNet(torch.nn.Module):
 def test_split_routes_hidden_matrices_to_muon_and_the_rest_to_adamw():
     muon, adamw = split_params(TinyNet())
     assert [n for n, _ in muon] == ["hidden.weight"]
-    assert sorted(n for n, _ in adamw) == ["embed.weight", "hidden.bias", "lm_head.weight", "norm.bias", "norm.weight"]
+    assert sorted(n for n, _ in adamw) == [
+        "embed.weight",
+        "hidden.bias",
+        "lm_head.weight",
+        "norm.bias",
+        "norm.weight",
+    ]
 
 
 def _loss(model, seed):
@@ -201,7 +226,9 @@ def test_the_adamw_side_equals_torch_adamw_and_the_muon_side_equals_muon_bitwise
     opt = MuonWithAdamW(model, preset="torch", adamw=dict(lr=3e-3))
     muon_named, adamw_named = split_params(ref)
     ref_muon = Muon([p for _, p in muon_named], preset="torch")
-    ref_adamw = torch.optim.AdamW([p for _, p in adamw_named], lr=3e-3, weight_decay=0.01, foreach=False)
+    ref_adamw = torch.optim.AdamW(
+        [p for _, p in adamw_named], lr=3e-3, weight_decay=0.01, foreach=False
+    )
     for step in range(4):
         for m, o in ((model, [opt]), (ref, [ref_muon, ref_adamw])):
             _loss(m, step).backward()

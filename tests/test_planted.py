@@ -13,15 +13,29 @@ import json
 import pytest
 
 from muon_dist.harness import conformance
-from muon_dist.harness.adapters.planted import (BASES, PLANTED, UNREACHABLE, MuonPerMicroBatch, Planted, PlantedAdapter,
-                                                SmallMuon)
-from muon_dist.harness.adapters.shipped import DdpReference, DistributedReference, Reference, ReplicatedReference
+from muon_dist.harness.adapters.planted import (
+    BASES,
+    PLANTED,
+    UNREACHABLE,
+    MuonPerMicroBatch,
+    Planted,
+    PlantedAdapter,
+    SmallMuon,
+)
+from muon_dist.harness.adapters.shipped import (
+    DdpReference,
+    DistributedReference,
+    Reference,
+    ReplicatedReference,
+)
 
 FIELD_BUGS = range(1, 14)  # the rows of field_bugs.md
-NEW_FAMILIES = {None: ("micro_batches", "nesterov_off"),
-                "dtensor": ("padded_scale", "asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
-                "replicated": ("asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
-                "unreduced": ("straddle", "accumulation", "checkpoint", "checkpoint_unstepped")}
+NEW_FAMILIES = {
+    None: ("micro_batches", "nesterov_off"),
+    "dtensor": ("padded_scale", "asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
+    "replicated": ("asym_none", "accumulation", "checkpoint", "checkpoint_unstepped"),
+    "unreduced": ("straddle", "accumulation", "checkpoint", "checkpoint_unstepped"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +50,16 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
 
 def test_every_field_bug_class_is_planted_or_named_unreachable_with_its_reason() -> None:
     planted = [p.field_bug for p in PLANTED]
-    assert sorted(planted + list(UNREACHABLE)) == list(FIELD_BUGS) and len(set(planted)) == len(planted)
+    assert sorted(planted + list(UNREACHABLE)) == list(FIELD_BUGS) and len(set(planted)) == len(
+        planted
+    )
     assert all("gloo" in reason for reason in UNREACHABLE.values())
 
 
 @pytest.mark.timeout(180)
-def test_the_cli_catches_every_planted_bug_and_prints_the_figure(suite: tuple[int, dict, str]) -> None:
+def test_the_cli_catches_every_planted_bug_and_prints_the_figure(
+    suite: tuple[int, dict, str],
+) -> None:
     code, report, printed = suite
     n = len(PLANTED)
     assert code == 0 and report["caught"] == report["right"] == report["total"] == n, printed
@@ -50,11 +68,14 @@ def test_the_cli_catches_every_planted_bug_and_prints_the_figure(suite: tuple[in
 
 
 @pytest.mark.parametrize("planted", PLANTED, ids=lambda p: f"bug{p.field_bug}")
-def test_each_planted_bug_is_caught_by_its_family_with_the_right_diagnosis(suite: tuple[int, dict, str],
-                                                                         planted: Planted) -> None:
+def test_each_planted_bug_is_caught_by_its_family_with_the_right_diagnosis(
+    suite: tuple[int, dict, str], planted: Planted
+) -> None:
     (verdict,) = [v for v in suite[1]["planted"] if v["field_bug"] == planted.field_bug]
     assert verdict["caught"] and verdict["right"], verdict
-    assert planted.caught_by <= set(verdict["by"]) and not planted.bitwise_on & set(verdict["by"]), verdict
+    assert planted.caught_by <= set(verdict["by"]) and not planted.bitwise_on & set(
+        verdict["by"]
+    ), verdict
 
 
 def _base(planted: Planted) -> PlantedAdapter:
@@ -66,21 +87,32 @@ def _base(planted: Planted) -> PlantedAdapter:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("planted", PLANTED, ids=lambda p: f"bug{p.field_bug}")
-def test_the_correct_muon_under_each_planted_bug_conforms_where_the_bug_is_caught(planted: Planted) -> None:
-    report = conformance.check(_base(planted), planted.world_sizes, 3, 30.0, 0.0, log=lambda *_: None)
+def test_the_correct_muon_under_each_planted_bug_conforms_where_the_bug_is_caught(
+    planted: Planted,
+) -> None:
+    report = conformance.check(
+        _base(planted), planted.world_sizes, 3, 30.0, 0.0, log=lambda *_: None
+    )
     assert report["conforms"] and report["outcomes"], report["diagnosis"]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("adapter", [Reference(), DistributedReference(), ReplicatedReference(), DdpReference()],
-                         ids=lambda a: a.distributed or "single")
+@pytest.mark.parametrize(
+    "adapter",
+    [Reference(), DistributedReference(), ReplicatedReference(), DdpReference()],
+    ids=lambda a: a.distributed or "single",
+)
 def test_the_new_families_pass_for_the_known_good_controls(adapter) -> None:
     families = NEW_FAMILIES[adapter.distributed]
-    report = conformance.check(adapter, (1, 2), 3, 30.0, 0.0, families=families, log=lambda *_: None)
+    report = conformance.check(
+        adapter, (1, 2), 3, 30.0, 0.0, families=families, log=lambda *_: None
+    )
     assert report["conforms"], report["diagnosis"]
     assert {o["family"] for o in report["outcomes"]} == set(families)
     asym = [o for o in report["outcomes"] if o["family"] == "asym_none"]
-    assert all(o["policy"] == "raise ValueError" for o in asym)  # docs/distributed.md, "Guarantees": ValueError on every rank
+    assert all(
+        o["policy"] == "raise ValueError" for o in asym
+    )  # docs/distributed.md, "Guarantees": ValueError on every rank
 
 
 @pytest.mark.timeout(60)
@@ -88,10 +120,24 @@ def test_muon_once_per_micro_batch_departs_on_the_distributed_accumulation_famil
     # replicated params and gradients: every rank runs the whole single-device Muon, so the planted bug 7 and its
     # base are candidates of that mode too; the accumulation family is the ranks' micro_batches
     families = ("accumulation", "even")
-    good = conformance.check(PlantedAdapter(SmallMuon, "replicated", frozenset(families)), (2,), 3, 30.0, 0.0,
-                             log=lambda *_: None)
-    bad = conformance.check(PlantedAdapter(MuonPerMicroBatch, "replicated", frozenset(families)), (2,), 3, 30.0, 0.0,
-                            log=lambda *_: None)
+    good = conformance.check(
+        PlantedAdapter(SmallMuon, "replicated", frozenset(families)),
+        (2,),
+        3,
+        30.0,
+        0.0,
+        log=lambda *_: None,
+    )
+    bad = conformance.check(
+        PlantedAdapter(MuonPerMicroBatch, "replicated", frozenset(families)),
+        (2,),
+        3,
+        30.0,
+        0.0,
+        log=lambda *_: None,
+    )
     assert good["conforms"], good["diagnosis"]
-    assert bad["diagnosis"].startswith("bug: no muon_ref convention explains it; departs on accumulation (1/1: W=2); "
-                                       "bitwise on even"), bad["diagnosis"]
+    assert bad["diagnosis"].startswith(
+        "bug: no muon_ref convention explains it; departs on accumulation (1/1: W=2); "
+        "bitwise on even"
+    ), bad["diagnosis"]

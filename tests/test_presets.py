@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from muon_dist.harness import conformance
 from muon_dist.harness.adapters.cases import Case
 from muon_dist.harness.adapters.origins import ORIGINS
-from muon_ref import Muon, PRESETS
+from muon_ref import PRESETS, Muon
 from tests.conftest import examples, require
 
 
@@ -23,6 +23,7 @@ def conforms(preset: str, shape: tuple[int, ...], steps: int = 5, **options: obj
     case = Case("drawn", "single", 1, (tuple(shape),), steps=steps, options=tuple(options.items()))
     return conformance.run_here(ORIGINS[preset](), case).status == "bitwise"
 
+
 dims = st.integers(1, 48)
 shapes_2d = st.one_of(
     st.tuples(dims, dims),  # tall, wide, square
@@ -33,15 +34,24 @@ shapes_2d = st.one_of(
 @example(shape=(64, 32), nesterov=True, lr_scale="original", weight_decay=0.1)
 @example(shape=(1, 7), nesterov=False, lr_scale="match_rms_adamw", weight_decay=0.0)
 @settings(max_examples=examples(1.0))
-@given(shape=shapes_2d, nesterov=st.booleans(), lr_scale=st.sampled_from(["original", "match_rms_adamw"]),
-       weight_decay=st.sampled_from([0.0, 0.1]))
+@given(
+    shape=shapes_2d,
+    nesterov=st.booleans(),
+    lr_scale=st.sampled_from(["original", "match_rms_adamw"]),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+)
 def test_torch_preset_equals_torch_optim_muon_bitwise(shape, nesterov, lr_scale, weight_decay):
     assert conforms("torch", shape, nesterov=nesterov, lr_scale=lr_scale, weight_decay=weight_decay)
 
 
 @settings(max_examples=examples(0.5))
-@given(shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)), weight_decay=st.sampled_from([0.0, 0.05]))
-def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(shape, weight_decay):
+@given(
+    shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)),
+    weight_decay=st.sampled_from([0.0, 0.05]),
+)
+def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(
+    shape, weight_decay
+):
     assert conforms("keller", shape, weight_decay=weight_decay)
 
 
@@ -50,7 +60,9 @@ def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_th
 
     p = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
     p.grad = torch.randn_like(p)
-    with pytest.raises(RuntimeError):  # its update is viewed (8, 27) and cannot be added to (8, 3, 3, 3)
+    with pytest.raises(
+        RuntimeError
+    ):  # its update is viewed (8, 27) and cannot be added to (8, 3, 3, 3)
         muon.SingleDeviceMuon([p]).step()
     q = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
     q.grad = torch.randn_like(q)
@@ -59,13 +71,19 @@ def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_th
 
 
 @settings(max_examples=examples(0.5))
-@given(preset=st.sampled_from(["moonlight", "dion", "xtuner", "emerging"]), shape=shapes_2d, nesterov=st.booleans())
+@given(
+    preset=st.sampled_from(["moonlight", "dion", "xtuner", "emerging"]),
+    shape=shapes_2d,
+    nesterov=st.booleans(),
+)
 def test_presets_equal_their_written_out_origins_bitwise(preset, shape, nesterov):
     assert conforms(preset, shape, steps=4, nesterov=nesterov)
 
 
-@pytest.mark.parametrize("preset, shape, options", [("dion", (3, 16, 24), {}),
-                                                    ("xtuner", (4 * 12, 20), {"num_experts": 4})])
+@pytest.mark.parametrize(
+    "preset, shape, options",
+    [("dion", (3, 16, 24), {}), ("xtuner", (4 * 12, 20), {"num_experts": 4})],
+)
 def test_expert_presets_equal_their_origins_bitwise(preset, shape, options):
     assert conforms(preset, shape, **options)
 
@@ -82,7 +100,11 @@ def test_the_origins_check_exits_zero_and_covers_every_preset(capsys):
 
 # Negative controls: one wrong convention each, and the equivalence check must catch it.
 WRONG = [
-    ("torch", dict(momentum_style="sum", nesterov_form="add_alpha"), (37, 23)),  # sum instead of EMA
+    (
+        "torch",
+        dict(momentum_style="sum", nesterov_form="add_alpha"),
+        (37, 23),
+    ),  # sum instead of EMA
     ("torch", dict(step_form="keller"), (37, 23)),  # separate ops instead of torch.addmm
     ("keller", dict(step_form="addmm"), (37, 23)),  # torch.addmm instead of separate ops
     ("moonlight", dict(step_form="dion"), (37, 23)),  # c * (A @ A) instead of (c * A) @ A
@@ -92,7 +114,9 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("preset, wrong, shape", WRONG, ids=[f"{p}-{next(iter(w))}" for p, w, _ in WRONG])
+@pytest.mark.parametrize(
+    "preset, wrong, shape", WRONG, ids=[f"{p}-{next(iter(w))}" for p, w, _ in WRONG]
+)
 def test_a_wrong_convention_breaks_the_bitwise_equivalence(preset, wrong, shape, monkeypatch):
     assert conforms(preset, shape, steps=3)  # the control: right convention, same case
     monkeypatch.setitem(PRESETS, preset, {**PRESETS[preset], **wrong})
@@ -115,13 +139,18 @@ def test_torch_muon_overwrites_its_bf16_momentum_buffer_without_nesterov_and_the
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
     p = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16))
     q = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16))
-    torch_opt, ref_opt = torch.optim.Muon([p], nesterov=False), Muon([q], preset="torch", nesterov=False)
+    torch_opt, ref_opt = (
+        torch.optim.Muon([p], nesterov=False),
+        Muon([q], preset="torch", nesterov=False),
+    )
     p.grad, q.grad = g.clone(), g.clone()
     torch_opt.step()
     ref_opt.step()
     expected = torch.zeros(16, 8, dtype=torch.bfloat16).lerp(g, 0.05)
     assert torch.equal(ref_opt.state[q]["momentum_buffer"], expected)
-    assert float(torch_opt.state[p]["momentum_buffer"].float().norm()) == pytest.approx(1.0, abs=2e-2)
+    assert float(torch_opt.state[p]["momentum_buffer"].float().norm()) == pytest.approx(
+        1.0, abs=2e-2
+    )
 
 
 def test_torch_preset_on_bf16_tall_matrices_differs_only_by_the_update_layout_known_deviation():
@@ -131,7 +160,9 @@ def test_torch_preset_on_bf16_tall_matrices_differs_only_by_the_update_layout_kn
     # NS values; the params differ by at most one bf16 ulp. Fails (and should then be rewritten as bitwise)
     # once muon_ref keeps the kernel's layout.
     g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
-    p = torch.nn.Parameter(torch.randn(24, 8, generator=torch.Generator().manual_seed(1)).bfloat16())
+    p = torch.nn.Parameter(
+        torch.randn(24, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    )
     q = torch.nn.Parameter(p.detach().clone())
     torch_opt, ref_opt = torch.optim.Muon([p], lr=0.02), Muon([q], preset="torch", lr=0.02)
     p.grad, q.grad = g.clone(), g.clone()

@@ -11,8 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_ref import (
-    PRESETS, SCHEDULES, MuonConfig, momentum_direction, newton_schulz, orthogonality_error, polar_error, scalar_map,
-    schedule_band, signed_singular_values,
+    PRESETS,
+    SCHEDULES,
+    MuonConfig,
+    momentum_direction,
+    newton_schulz,
+    orthogonality_error,
+    polar_error,
+    scalar_map,
+    schedule_band,
 )
 from proofs import check
 from proofs.band import certified_band
@@ -70,7 +77,10 @@ def test_a_failing_or_raising_check_makes_main_return_non_zero(capsys):
 def test_broken_schedule_claims_are_rejected_and_true_ones_accepted():
     for label, sched, claimed in check.broken_claims():
         assert check.check_schedule_claim(sched, claimed, check.LOWER), label
-    assert check.check_schedule_claim("keller", schedule_band("keller", check.LOWER), check.LOWER) == []
+    assert (
+        check.check_schedule_claim("keller", schedule_band("keller", check.LOWER), check.LOWER)
+        == []
+    )
 
 
 # (c): the index
@@ -101,13 +111,18 @@ def test_every_lemma_in_the_index_links_its_proof_and_existing_tests():
 def test_the_index_check_rejects_a_lemma_without_a_test_or_with_a_missing_one():
     proof = "[newton_schulz.md#transpose](newton_schulz.md#transpose)"
     assert row_problems("X1", f"| X1 | s | {proof} | none |") == ["X1: no test linked"]
-    assert row_problems("X2", f"| X2 | s | {proof} | `tests/test_proofs.py::test_that_does_not_exist` |")
+    assert row_problems(
+        "X2", f"| X2 | s | {proof} | `tests/test_proofs.py::test_that_does_not_exist` |"
+    )
     no_anchor = "[newton_schulz.md#no-such-lemma](newton_schulz.md#no-such-lemma)"
-    assert row_problems("X3", f"| X3 | s | {no_anchor} | `tests/test_proofs.py::row_problems` |") == [
-        "X3: no anchor newton_schulz.md#no-such-lemma"]
+    assert row_problems(
+        "X3", f"| X3 | s | {no_anchor} | `tests/test_proofs.py::row_problems` |"
+    ) == ["X3: no anchor newton_schulz.md#no-such-lemma"]
 
 
-@pytest.mark.parametrize("file", ["newton_schulz.md", "momentum.md", "lr_scale.md", "sharding.md", "paths.md"])
+@pytest.mark.parametrize(
+    "file", ["newton_schulz.md", "momentum.md", "lr_scale.md", "sharding.md", "paths.md"]
+)
 def test_every_anchored_section_has_a_checked_by_line_naming_existing_tests(file):
     sections = re.split(r'(?=<a id=")', (PROOFS / file).read_text())[1:]
     assert sections
@@ -130,7 +145,12 @@ def test_math_sqrt_is_correctly_rounded_and_pow_is_one_ulp_off_at_145_over_9():
 
 
 @settings(max_examples=examples(0.5))
-@given(name=st.sampled_from(FROBENIUS), m=st.integers(1, 12), n=st.integers(1, 12), seed=st.integers(0, 2**16))
+@given(
+    name=st.sampled_from(FROBENIUS),
+    m=st.integers(1, 12),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
 def test_newton_schulz_acts_on_each_singular_value_through_the_scalar_map(name, m, n, seed):
     G = gaussian((m, n), seed)
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
@@ -141,8 +161,12 @@ def test_newton_schulz_acts_on_each_singular_value_through_the_scalar_map(name, 
     torch.testing.assert_close(U.mT @ out @ Vh.mT, torch.diag(f), rtol=0, atol=1e-9)
 
 
-@given(m=st.integers(1, 12), n=st.integers(1, 12), rank=st.integers(1, 12), seed=st.integers(0, 2**16))
-def test_frobenius_normalisation_puts_the_largest_singular_value_between_one_over_sqrt_rank_and_one(m, n, rank, seed):
+@given(
+    m=st.integers(1, 12), n=st.integers(1, 12), rank=st.integers(1, 12), seed=st.integers(0, 2**16)
+)
+def test_frobenius_normalisation_puts_the_largest_singular_value_between_one_over_sqrt_rank_and_one(
+    m, n, rank, seed
+):
     r = min(rank, m, n)
     G = gaussian((m, r), seed) @ gaussian((r, n), seed + 1)
     s = torch.linalg.svdvals(G)
@@ -151,7 +175,12 @@ def test_frobenius_normalisation_puts_the_largest_singular_value_between_one_ove
 
 
 @settings(max_examples=examples(0.5))
-@given(name=st.sampled_from(FROBENIUS), m=st.integers(2, 12), n=st.integers(2, 12), seed=st.integers(0, 2**16))
+@given(
+    name=st.sampled_from(FROBENIUS),
+    m=st.integers(2, 12),
+    n=st.integers(2, 12),
+    seed=st.integers(0, 2**16),
+)
 def test_polar_and_orthogonality_errors_are_read_off_the_scalar_map(name, m, n, seed):
     G = gaussian((m, n), seed)  # full rank almost surely
     S = torch.linalg.svdvals(G)
@@ -167,15 +196,27 @@ def test_the_sampled_scalar_map_fills_the_certified_band(name):
     enc = certified_band(name, check.LOWER)
     ys = scalar_map(name, torch.linspace(check.LOWER, 1.0, 200_001, dtype=torch.float64))
     lo, hi = float(ys.min()), float(ys.max())
-    assert float(enc.m_lo) - 1e-12 <= lo and hi <= float(enc.M_hi) + 1e-12  # inside (float rounding: 1e-12)
-    assert lo - float(enc.m_hi) < 1e-3 and float(enc.M_lo) - hi < 1e-3  # and reaching its ends (grid 5e-6)
+    assert (
+        float(enc.m_lo) - 1e-12 <= lo and hi <= float(enc.M_hi) + 1e-12
+    )  # inside (float rounding: 1e-12)
+    assert (
+        lo - float(enc.m_hi) < 1e-3 and float(enc.M_lo) - hi < 1e-3
+    )  # and reaching its ends (grid 5e-6)
 
 
 @settings(max_examples=examples(0.5))
-@given(m=st.integers(1, 10), n=st.integers(1, 10), rows=st.integers(0, 3), cols=st.integers(0, 3),
-       form=st.sampled_from(["addmm", "keller", "dion"]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
-       seed=st.integers(0, 2**16))
-def test_padding_stays_exactly_zero_in_every_step_form_and_dtype(m, n, rows, cols, form, dtype, seed):
+@given(
+    m=st.integers(1, 10),
+    n=st.integers(1, 10),
+    rows=st.integers(0, 3),
+    cols=st.integers(0, 3),
+    form=st.sampled_from(["addmm", "keller", "dion"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_stays_exactly_zero_in_every_step_form_and_dtype(
+    m, n, rows, cols, form, dtype, seed
+):
     padded = torch.zeros(m + rows, n + cols)
     padded[:m, :n] = gaussian((m, n), seed, torch.float32)
     out = newton_schulz(padded, step_form=form, dtype=dtype)
@@ -186,15 +227,22 @@ def test_padding_that_flips_the_transpose_decision_keeps_the_math_but_not_the_bi
     # (29, 30) padded to (32, 30): Dion's uneven shard on 4 ranks (docs/conventions.md)
     G = gaussian((29, 30), 0)
     padded = torch.cat([G, torch.zeros(3, 30, dtype=torch.float64)])
-    torch.testing.assert_close(newton_schulz(padded, **F64)[:29], newton_schulz(G, **F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        newton_schulz(padded, **F64)[:29], newton_schulz(G, **F64), rtol=0, atol=1e-12
+    )
     bf16 = newton_schulz(padded.float())
     assert torch.count_nonzero(bf16[29:]) == 0
-    assert not torch.equal(bf16[:29], newton_schulz(G.float()))  # seed 0 verified: differs by up to 1.7e-2
+    assert not torch.equal(
+        bf16[:29], newton_schulz(G.float())
+    )  # seed 0 verified: differs by up to 1.7e-2
 
 
 # proofs/momentum.md
 
-EMA_SUM_PAIRS = [("torch", "moonlight"), ("emerging", "dion")]  # (EMA, sum) presets: with Nesterov, then without
+EMA_SUM_PAIRS = [
+    ("torch", "moonlight"),
+    ("emerging", "dion"),
+]  # (EMA, sum) presets: with Nesterov, then without
 
 
 def directions(preset: str, grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -229,9 +277,13 @@ def test_the_exact_ema_sum_identity_holds_and_its_controls_fail():
 @pytest.mark.parametrize("eps_mode", ["add", "clamp"])
 def test_eps_separates_ema_from_sum_only_where_it_is_not_negligible_against_the_norm(eps_mode):
     mu, eps = 0.95, 1e-7
-    D = gaussian((16, 8), 0) * 1e-7  # ||D||_F = 1.15e-6: eps = 1e-7 is not negligible, and > (1 - mu) ||D||_F
+    D = (
+        gaussian((16, 8), 0) * 1e-7
+    )  # ||D||_F = 1.15e-6: eps = 1e-7 is not negligible, and > (1 - mu) ||D||_F
+
     def ns(x):
         return newton_schulz(x, "keller", eps=eps, eps_mode=eps_mode, **F64)
+
     far = (ns((1 - mu) * D) - ns(D)).abs().max()
     assert far > 1e-3  # measured: 0.17 (add), 0.30 (clamp)
     big = D * 1e9  # (1 - mu) ||D||_F = 58 >> eps

@@ -11,8 +11,17 @@ from hypothesis import strategies as st
 
 import muon_ref
 from muon_ref import (
-    SCHEDULES, Schedule, max_singular_value_error, newton_schulz, orthogonality_error, polar_error, polar_factor,
-    register_schedule, scalar_map, schedule_band, signed_singular_values,
+    SCHEDULES,
+    Schedule,
+    max_singular_value_error,
+    newton_schulz,
+    orthogonality_error,
+    polar_error,
+    polar_factor,
+    register_schedule,
+    scalar_map,
+    schedule_band,
+    signed_singular_values,
 )
 
 CATALOGUE = {  # name: (number of listed steps, first triple) from docs/schedules.md
@@ -22,10 +31,16 @@ CATALOGUE = {  # name: (number of listed steps, first triple) from docs/schedule
     "you5": (5, (4.0848, -6.8946, 2.9270)),
     "you6": (6, (3955 / 1024, -8306 / 1024, 5008 / 1024)),
     "polar_express_paper": (8, (8.28721201814563, -23.595886519098837, 17.300387312530933)),
-    "polar_express": (8, (8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3, 17.300387312530933 / 1.01**5)),
+    "polar_express": (
+        8,
+        (8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3, 17.300387312530933 / 1.01**5),
+    ),
     "polar_express_nemo": (8, (8.2051, -22.9019, 16.4607)),
     "polar_express_modded": (5, (8.156554524902461, -22.48329292557795, 15.878769915207462)),
-    "polar_express_dao": (5, (8.28721201814563 / 1.05, -23.595886519098837 / 1.05**3, 17.300387312530933 / 1.05**5)),
+    "polar_express_dao": (
+        5,
+        (8.28721201814563 / 1.05, -23.595886519098837 / 1.05**3, 17.300387312530933 / 1.05**5),
+    ),
     "cans": (5, (8.4703, -25.1081, 18.6293)),
     "aol_old": (4, (4.0098, -7.0585, 2.4635)),
     "aol": (4, (4.6051, -9.6552, 5.6769)),
@@ -55,8 +70,12 @@ def test_step_policies_cycle_repeat_last_and_fixed():
 
 
 MEASURED_BANDS = {  # fp64 scalar composition over [1e-3, 1], docs/schedules.md (4 decimals)
-    "keller": (0.4705, 1.2024), "you5": (0.4750, 1.1450), "you6": (0.8663, 0.9993),
-    "polar_express_modded": (0.8589, 1.1411), "cans": (0.8844, 1.1198), "aol_old": (-1.084, 1.084),
+    "keller": (0.4705, 1.2024),
+    "you5": (0.4750, 1.1450),
+    "you6": (0.8663, 0.9993),
+    "polar_express_modded": (0.8589, 1.1411),
+    "cans": (0.8844, 1.1198),
+    "aol_old": (-1.084, 1.084),
     "deepseekv4": (1.0000, 1.00054),
 }
 
@@ -78,7 +97,9 @@ def test_the_scalar_map_stays_inside_the_band(name, x):
 
 def test_a_perturbed_schedule_leaves_the_original_band_negative_control():
     keller = SCHEDULES["keller"]
-    broken = dataclasses.replace(keller, name="keller_broken", coefficients=((3.4445 * 1.05, -4.7750, 2.0315),))
+    broken = dataclasses.replace(
+        keller, name="keller_broken", coefficients=((3.4445 * 1.05, -4.7750, 2.0315),)
+    )
     xs = torch.linspace(1e-3, 1.0, 20001, dtype=torch.float64)
     band = schedule_band(keller, 1e-3, 1.0)
     ys = scalar_map(broken, xs)
@@ -86,12 +107,19 @@ def test_a_perturbed_schedule_leaves_the_original_band_negative_control():
 
 
 def test_registered_schedules_are_usable_by_name_and_conflicts_are_refused():
-    mine = Schedule(name="test_half_quintic", coefficients=((15 / 8, -10 / 8, 3 / 8),), source="test",
-                    policy="cycle", default_steps=3)
+    mine = Schedule(
+        name="test_half_quintic",
+        coefficients=((15 / 8, -10 / 8, 3 / 8),),
+        source="test",
+        policy="cycle",
+        default_steps=3,
+    )
     register_schedule(mine)
     try:
-        assert torch.equal(newton_schulz(torch.ones(2, 3), "test_half_quintic"),
-                           newton_schulz(torch.ones(2, 3), "quintic", steps=3))
+        assert torch.equal(
+            newton_schulz(torch.ones(2, 3), "test_half_quintic"),
+            newton_schulz(torch.ones(2, 3), "quintic", steps=3),
+        )
         with pytest.raises(ValueError, match="different schedule"):
             register_schedule(dataclasses.replace(mine, default_steps=4))
     finally:
@@ -147,5 +175,7 @@ def test_normalised_singular_values_are_what_the_polynomials_act_on():
     s = torch.linalg.svdvals(G)
     torch.testing.assert_close(x, s / (s.square().sum().sqrt() * 1.01 + 1e-7), rtol=0, atol=1e-15)
     # and the kernel's output acts on them through the scalar map (float64, the shipped pipeline)
-    d = signed_singular_values(newton_schulz(G, "polar_express", eps_mode="add", dtype=torch.float64), G)
+    d = signed_singular_values(
+        newton_schulz(G, "polar_express", eps_mode="add", dtype=torch.float64), G
+    )
     torch.testing.assert_close(d, scalar_map("polar_express", x), rtol=0, atol=1e-9)

@@ -55,17 +55,23 @@ def unknown_names(source: str) -> set[str]:
     aliases, missing = _aliases(tree), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module in NAMES:
-            missing |= {f"{node.module}.{a.name}" for a in node.names if a.name not in NAMES[node.module]}
+            missing |= {
+                f"{node.module}.{a.name}" for a in node.names if a.name not in NAMES[node.module]
+            }
         elif isinstance(node, ast.Attribute):  # every prefix of a chain too: each is checked alike
             parts = _chain(node)
             # start at the last part that is an alias (`self.dist.x` starts at `dist`)
             starts = [i for i, part in enumerate(parts[:-1]) if part in aliases]
             if not starts:
                 continue
-            module, rest = aliases[parts[starts[-1]]], parts[starts[-1] + 1:]
-            while rest and f"{module}.{rest[0]}" in NAMES:  # torch.distributed.tensor.x: descend the modules
+            module, rest = aliases[parts[starts[-1]]], parts[starts[-1] + 1 :]
+            while (
+                rest and f"{module}.{rest[0]}" in NAMES
+            ):  # torch.distributed.tensor.x: descend the modules
                 module, rest = f"{module}.{rest[0]}", rest[1:]
-            if rest and rest[0] not in NAMES[module] and not rest[0].startswith("__"):  # dunders: every module
+            if (
+                rest and rest[0] not in NAMES[module] and not rest[0].startswith("__")
+            ):  # dunders: every module
                 missing.add(f"{module}.{rest[0]}")
     return missing
 
@@ -77,13 +83,20 @@ def python_files() -> list[Path]:
 def test_the_name_list_is_torch_2_9s() -> None:
     assert API["torch"].startswith("2.9.")
     distributed = NAMES["torch.distributed"]
-    assert {"all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "new_group"} <= distributed
+    assert {
+        "all_to_all_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "new_group",
+    } <= distributed
     assert not {"all_gather_single", "reduce_scatter_single"} & distributed  # torch 2.13 names
 
 
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_uses_only_torch_names_that_exist_in_torch_2_9(path: Path) -> None:
-    assert unknown_names(path.read_text()) == set(), f"{path.relative_to(ROOT)} calls names newer than torch 2.9"
+    assert unknown_names(path.read_text()) == set(), (
+        f"{path.relative_to(ROOT)} calls names newer than torch 2.9"
+    )
 
 
 NEWER_ONLY = [  # negative controls: each line uses a name torch 2.9 lacks (2.13 has each)
@@ -101,7 +114,9 @@ def test_a_name_newer_than_torch_2_9_is_caught(source: str) -> None:
 
 
 def test_names_torch_2_9_has_pass() -> None:
-    source = ("import torch\nimport torch.distributed as dist\n"
-              "from torch.distributed.tensor.placement_types import _StridedShard\n"
-              "dist.all_gather_into_tensor(out, x)\ntorch.distributed.tensor.DTensor.from_local\n[1].index(1)")
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "from torch.distributed.tensor.placement_types import _StridedShard\n"
+        "dist.all_gather_into_tensor(out, x)\ntorch.distributed.tensor.DTensor.from_local\n[1].index(1)"
+    )
     assert unknown_names(source) == set()

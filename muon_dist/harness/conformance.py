@@ -23,9 +23,9 @@ diagnosed (muon_dist/harness/adapters/diagnose.py). Exit status 1 on any departu
 from __future__ import annotations
 
 import argparse
-import os
 import functools
 import json
+import os
 import re
 import sys
 import tempfile
@@ -34,7 +34,15 @@ from dataclasses import replace
 from typing import Any
 
 from .adapters import HYPERPARAMETERS, Adapter, load_adapter
-from .adapters.cases import CHECKPOINT_FAMILIES, FAMILY_OPTIONS, Case, default_cases, family_shapes, in_family, smaller
+from .adapters.cases import (
+    CHECKPOINT_FAMILIES,
+    FAMILY_OPTIONS,
+    Case,
+    default_cases,
+    family_shapes,
+    in_family,
+    smaller,
+)
 from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
@@ -66,13 +74,22 @@ class Runner:
         resume_world_size ranks, through a fresh folder."""
         hp = candidate_hyperparameters(self.adapter)
         if case.family not in CHECKPOINT_FAMILIES:
-            return self._phases(case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout)
+            return self._phases(
+                case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout
+            )
         with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
-            return self._phases(case, [(case.world_size, candidate_save, (self.adapter, case, hp, path)),
-                                       (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path))],
-                                timeout)
+            return self._phases(
+                case,
+                [
+                    (case.world_size, candidate_save, (self.adapter, case, hp, path)),
+                    (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path)),
+                ],
+                timeout,
+            )
 
-    def _phases(self, case: Case, phases: list[tuple[int, Any, tuple]], timeout: float | None) -> Outcome:
+    def _phases(
+        self, case: Case, phases: list[tuple[int, Any, tuple]], timeout: float | None
+    ) -> Outcome:
         """Each phase on its pool in turn (the reference computed while the first runs); a crash or hang ends it."""
         reference, segments = None, []
         for world, fn, args in phases:
@@ -116,7 +133,9 @@ def _failed(case: Case, failure: RankFailure) -> Outcome:
     return Outcome(case, "crash", error=f"rank {rank}: {line[:300]}")
 
 
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Unsupported|NotMet|Interrupt))(: .*)?$")
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(Error|Exception|Unsupported|NotMet|Interrupt))(: .*)?$"
+)
 
 
 def _last_line(message: str) -> str:
@@ -129,7 +148,11 @@ def _last_line(message: str) -> str:
     short = [f"{m.group(1).rsplit('.', 1)[-1]}{m.group(3) or ''}" for m in found]
     asserts = [line for line in lines if line.startswith("assert ")]
     cause = f"{short[0]}{': ' + asserts[-1] if asserts else ''}"
-    return short[-1] if found[0].group(1) == found[-1].group(1) and not asserts else f"{short[-1]} (from {cause})"
+    return (
+        short[-1]
+        if found[0].group(1) == found[-1].group(1) and not asserts
+        else f"{short[-1]} (from {cause})"
+    )
 
 
 def _kind(o: Outcome) -> tuple[str, str | None]:
@@ -146,7 +169,9 @@ def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
         for case in _smaller_worlds(best.case) + smaller(best.case):
             if time.monotonic() >= deadline:
                 break
-            trial = runner.run(case, timeout=min(runner.timeout, 20.0) if kind[0] == "hang" else None)
+            trial = runner.run(
+                case, timeout=min(runner.timeout, 20.0) if kind[0] == "hang" else None
+            )
             if _kind(trial) == kind:
                 best, improved = trial, True
                 break
@@ -164,9 +189,17 @@ def _smaller_worlds(case: Case) -> list[Case]:
     return out
 
 
-def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: float, shrink_budget: float,
-          families: tuple[str, ...] | None = None, dtypes: tuple[str, ...] | None = None,
-          log=_print, device: str = "cpu") -> dict[str, Any]:
+def check(
+    adapter: Adapter,
+    world_sizes: tuple[int, ...],
+    steps: int,
+    timeout: float,
+    shrink_budget: float,
+    families: tuple[str, ...] | None = None,
+    dtypes: tuple[str, ...] | None = None,
+    log=_print,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json)."""
     runner = Runner(adapter, timeout)
     started = time.monotonic()
@@ -174,7 +207,9 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
     chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     try:
-        cases = default_cases(chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants)
+        cases = default_cases(
+            chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants
+        )
         outcomes = []
         for case in cases:
             outcomes.append(runner.run(case))
@@ -184,20 +219,39 @@ def check(adapter: Adapter, world_sizes: tuple[int, ...], steps: int, timeout: f
         for o in firsts:
             if shrink_budget > 0:
                 small = shrink(runner, o, shrink_budget / len(firsts))
-                shrunk.append({"from": o.case.label(), "to": small.case.label(), "status": small.status,
-                               "error": small.error, "max_diff": small.max_diff})
+                shrunk.append(
+                    {
+                        "from": o.case.label(),
+                        "to": small.case.label(),
+                        "status": small.status,
+                        "error": small.error,
+                        "max_diff": small.max_diff,
+                    }
+                )
     finally:
         runner.close()
-    return {"adapter": adapter.name, "version": adapter.version(), "claim": adapter.describe(), "device": device,
-            "distributed": adapter.distributed, "outcomes": [o.summary() for o in outcomes],
-            "conforms": all(o.status == "bitwise" for o in outcomes), "diagnosis": diagnosis,
-            "minimal_failing_cases": shrunk, "wall_s": round(time.monotonic() - started, 1)}
+    return {
+        "adapter": adapter.name,
+        "version": adapter.version(),
+        "claim": adapter.describe(),
+        "device": device,
+        "distributed": adapter.distributed,
+        "outcomes": [o.summary() for o in outcomes],
+        "conforms": all(o.status == "bitwise" for o in outcomes),
+        "diagnosis": diagnosis,
+        "minimal_failing_cases": shrunk,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
 
 
 def _runs_for(adapter: Adapter, family: str) -> bool:
     """False for a family that sets a hyperparameter the adapter does not take (nesterov_off for an optimizer
     without a nesterov argument: its claim fixes Nesterov)."""
-    return all(k in adapter.hyperparameters for k, _ in FAMILY_OPTIONS.get(family, ()) if k in HYPERPARAMETERS)
+    return all(
+        k in adapter.hyperparameters
+        for k, _ in FAMILY_OPTIONS.get(family, ())
+        if k in HYPERPARAMETERS
+    )
 
 
 def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
@@ -205,35 +259,53 @@ def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
     firsts: dict[tuple, Outcome] = {}
     for o in outcomes:
         if o.status != "bitwise":
-            firsts.setdefault((o.case.mode, _kind(o), o.case.family if o.case.mode != "single" else ""), o)
+            firsts.setdefault(
+                (o.case.mode, _kind(o), o.case.family if o.case.mode != "single" else ""), o
+            )
     return list(firsts.values())
 
 
 def _line(o: Outcome) -> str:
-    detail = o.error or ("" if o.status == "bitwise" else
-                         f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
-                         f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}")
-    notes = [n for n in (o.policy and f"None grads: {o.policy}", o.replicas and f"replicas: {o.replicas}") if n]
+    detail = o.error or (
+        ""
+        if o.status == "bitwise"
+        else f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
+        f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}"
+    )
+    notes = [
+        n
+        for n in (o.policy and f"None grads: {o.policy}", o.replicas and f"replicas: {o.replicas}")
+        if n
+    ]
     return f"  {o.case.label():<58} {o.status:<8} {detail}{'; ' if detail and notes else ''}{'; '.join(notes)}"
 
 
 def print_report(report: dict[str, Any], log=_print) -> None:
     log(f"diagnosis: {report['diagnosis']}")
     for s in report["minimal_failing_cases"]:
-        log(f"  minimal {s['status']}: {s['to']}" + (f" ({s['error']})" if s["error"] else
-                                                    f" (max|dP| {s['max_diff']:.3g})"))
+        log(
+            f"  minimal {s['status']}: {s['to']}"
+            + (f" ({s['error']})" if s["error"] else f" (max|dP| {s['max_diff']:.3g})")
+        )
     bitwise = sum(o["status"] == "bitwise" for o in report["outcomes"])
-    log(f"{bitwise}/{len(report['outcomes'])} cases bitwise equal to the claim ({report['wall_s']} s)")
+    log(
+        f"{bitwise}/{len(report['outcomes'])} cases bitwise equal to the claim ({report['wall_s']} s)"
+    )
 
 
 def markdown(reports: list[dict[str, Any]]) -> str:
-    lines = ["| adapter | version | claim | bitwise | diagnosis | minimal failing cases |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| adapter | version | claim | bitwise | diagnosis | minimal failing cases |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in reports:
         claim = r["claim"].split("(claims ", 1)[-1].rstrip(")")
         n = sum(o["status"] == "bitwise" for o in r["outcomes"])
         small = "; ".join(f"{s['status']}: {s['to']}" for s in r["minimal_failing_cases"]) or "-"
-        lines.append(f"| `{r['adapter']}` | {r['version']} | {claim} | {n}/{len(r['outcomes'])} | "
-                     f"{r['diagnosis'].replace('|', '/')} | {small.replace('|', '/')} |")
+        lines.append(
+            f"| `{r['adapter']}` | {r['version']} | {claim} | {n}/{len(r['outcomes'])} | "
+            f"{r['diagnosis'].replace('|', '/')} | {small.replace('|', '/')} |"
+        )
     return "\n".join(lines)
 
 
@@ -247,17 +319,30 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"commit": commit, "torch": torch.__version__, "torch_git": torch.version.git_version,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
-            "python": platform.python_version(),
-            "command": " ".join(["python -m muon_dist.harness.conformance", *(argv if argv is not None
-                                                                              else sys.argv[1:])]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "commit": commit,
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "command": " ".join(
+            [
+                "python -m muon_dist.harness.conformance",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _known_families() -> frozenset[str]:
@@ -270,32 +355,64 @@ def _known_families() -> frozenset[str]:
 def _parser() -> argparse.ArgumentParser:
     from muon_ref import PRESETS
 
-    epilog = (f"presets: {', '.join(sorted(PRESETS))}\n"
-              f"families: {', '.join(sorted(_known_families()))}\n"
-              "exit codes: 0 conforms, 1 bug found, 2 usage error")
-    p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS")
-    p.add_argument("--all", action="store_true", help="every shipped adapter (muon_dist.harness.adapters.shipped)")
-    p.add_argument("--origins", action="store_true", help="each muon_ref preset against its origin "
-                   "(muon_dist.harness.adapters.origins; what make verify runs)")
-    p.add_argument("--planted", action="store_true", help="the planted-bug suite (muon_dist.harness.adapters."
-                   "planted): a small Muon per reachable class of field bug; prints caught K/N")
+    epilog = (
+        f"presets: {', '.join(sorted(PRESETS))}\n"
+        f"families: {', '.join(sorted(_known_families()))}\n"
+        "exit codes: 0 conforms, 1 bug found, 2 usage error"
+    )
+    p = argparse.ArgumentParser(
+        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every shipped adapter (muon_dist.harness.adapters.shipped)",
+    )
+    p.add_argument(
+        "--origins",
+        action="store_true",
+        help="each muon_ref preset against its origin "
+        "(muon_dist.harness.adapters.origins; what make verify runs)",
+    )
+    p.add_argument(
+        "--planted",
+        action="store_true",
+        help="the planted-bug suite (muon_dist.harness.adapters."
+        "planted): a small Muon per reachable class of field bug; prints caught K/N",
+    )
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--families", nargs="+", help="only these case families (default: all the adapter supports)")
+    p.add_argument(
+        "--families", nargs="+", help="only these case families (default: all the adapter supports)"
+    )
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
-    p.add_argument("--timeout", type=float, help="seconds per case before it counts as a hang (default 300: first "
-                   f"calls may torch.compile; {PLANTED_TIMEOUT:g} for --planted, whose cases are tiny)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the candidate and the reference "
-                   "run (cuda: the ranks share the node's GPUs, gloo carrying CUDA tensors)")
-    p.add_argument("--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds per case before it counts as a hang (default 300: first "
+        f"calls may torch.compile; {PLANTED_TIMEOUT:g} for --planted, whose cases are tiny)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the candidate and the reference "
+        "run (cuda: the ranks share the node's GPUs, gloo carrying CUDA tensors)",
+    )
+    p.add_argument(
+        "--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all"
+    )
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--markdown", action="store_true", help="print the README's conformance table")
     g = p.add_argument_group("for an optimizer class given by import path")
     g.add_argument("--preset", default="torch")
     g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
-    g.add_argument("--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}')
+    g.add_argument(
+        "--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}'
+    )
     g.add_argument("--kwargs", type=json.loads, default={}, help="constructor keywords, JSON")
     g.add_argument("--distributed", choices=["dtensor", "replicated", "unreduced"], default=None)
     return p
@@ -308,21 +425,36 @@ def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
 
     started, verdicts = time.monotonic(), []
     for planted in PLANTED:
-        report = check(planted.adapter, planted.world_sizes, steps, timeout, 0.0, log=lambda *_: None)
+        report = check(
+            planted.adapter, planted.world_sizes, steps, timeout, 0.0, log=lambda *_: None
+        )
         verdicts.append(judge(planted, report))
         v = verdicts[-1]
         caught = ", ".join(f"{f} ({'/'.join(s)})" for f, s in v["by"].items()) or "nothing"
         right = "right" if v["right"] else f"WRONG ({'; '.join(v['wrong'])})"
-        log(f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
-            f"({report['wall_s']} s)")
+        log(
+            f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
+            f"({report['wall_s']} s)"
+        )
         log(f"     {v['diagnosis']}")
     for number, reason in UNREACHABLE.items():
         log(f"#{number:<3} not reachable: {reason}")
-    caught, right = sum(v["caught"] for v in verdicts), sum(v["caught"] and v["right"] for v in verdicts)
+    caught, right = (
+        sum(v["caught"] for v in verdicts),
+        sum(v["caught"] and v["right"] for v in verdicts),
+    )
     wall = round(time.monotonic() - started, 1)
-    log(f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
-        f"{len(UNREACHABLE)} class not reachable ({wall} s)")
-    return {"planted": verdicts, "caught": caught, "right": right, "total": len(verdicts), "wall_s": wall}
+    log(
+        f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
+        f"{len(UNREACHABLE)} class not reachable ({wall} s)"
+    )
+    return {
+        "planted": verdicts,
+        "caught": caught,
+        "right": right,
+        "total": len(verdicts),
+        "wall_s": wall,
+    }
 
 
 def _unknown_names(args: argparse.Namespace) -> str | None:
@@ -357,8 +489,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     try:
-        adapters = [load_adapter(spec, preset=args.preset, overrides=args.overrides, hp_names=args.hp_names,
-                                 kwargs=args.kwargs, distributed=args.distributed) for spec in args.adapter]
+        adapters = [
+            load_adapter(
+                spec,
+                preset=args.preset,
+                overrides=args.overrides,
+                hp_names=args.hp_names,
+                kwargs=args.kwargs,
+                distributed=args.distributed,
+            )
+            for spec in args.adapter
+        ]
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -375,16 +516,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     supported = frozenset().union(*(a.families for a in adapters))
     if args.families and not supported & frozenset(args.families):
-        print(f"error: --families {' '.join(args.families)} selects no case of these adapters; "
-              f"valid: {', '.join(sorted(supported))}", file=sys.stderr)
+        print(
+            f"error: --families {' '.join(args.families)} selects no case of these adapters; "
+            f"valid: {', '.join(sorted(supported))}",
+            file=sys.stderr,
+        )
         return 2
     reports = []
     origin = provenance(argv)
     _print(f"provenance: {json.dumps(origin)}")
     for i, adapter in enumerate(adapters):
         _print(adapter.describe())
-        reports.append(check(adapter, tuple(args.world_sizes), args.steps, args.timeout or 300.0, args.shrink_budget,
-                             args.families, args.dtypes, device=args.device))
+        reports.append(
+            check(
+                adapter,
+                tuple(args.world_sizes),
+                args.steps,
+                args.timeout or 300.0,
+                args.shrink_budget,
+                args.families,
+                args.dtypes,
+                device=args.device,
+            )
+        )
         reports[-1]["provenance"] = origin
         reports[-1]["partial"] = i + 1 < len(adapters)  # later adapters not yet checked
         print_report(reports[-1])
@@ -395,8 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(reports))
     if len(reports) > 1:
         cases = [o for r in reports for o in r["outcomes"]]
-        _print(f"{sum(r['conforms'] for r in reports)}/{len(reports)} adapters conform to their claims; "
-               f"{sum(o['status'] == 'bitwise' for o in cases)}/{len(cases)} cases bitwise equal")
+        _print(
+            f"{sum(r['conforms'] for r in reports)}/{len(reports)} adapters conform to their claims; "
+            f"{sum(o['status'] == 'bitwise' for o in cases)}/{len(cases)} cases bitwise equal"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1, default=str)

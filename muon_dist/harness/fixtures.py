@@ -26,7 +26,9 @@ _MESHES: dict[tuple[str, int, str], Any] = {}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def seeded(shape: tuple[int, ...], seed: int, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Tensor:
+def seeded(
+    shape: tuple[int, ...], seed: int, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> Tensor:
     """torch.randn(shape) from a generator seeded with `seed`, drawn on the CPU (the same bits on every rank and
     device), then cast to `dtype` and moved to `device`."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -45,7 +47,11 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
 def chunk(full: Tensor, dim: int, index: int, parts: int) -> Tensor:
     """torch.chunk's chunk `index` of `parts` along `dim` (empty past the last chunk): DTensor's Shard, a copy."""
     chunks = full.chunk(parts, dim)
-    return chunks[index].clone() if index < len(chunks) else full.narrow(dim, full.size(dim), 0).clone()
+    return (
+        chunks[index].clone()
+        if index < len(chunks)
+        else full.narrow(dim, full.size(dim), 0).clone()
+    )
 
 
 def mesh_shape(kind: str, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -86,7 +92,9 @@ def axis_codes(placement: str, kind: str, world_size: int) -> tuple[str, ...]:
     if "," in placement:
         codes = tuple(placement.split(","))
         if len(codes) != len(shape):
-            raise ValueError(f"placement {placement!r} has {len(codes)} codes for a {len(shape)}-D mesh {kind!r}")
+            raise ValueError(
+                f"placement {placement!r} has {len(codes)} codes for a {len(shape)}-D mesh {kind!r}"
+            )
         return codes
     if placement in ("plain", "R"):
         return ("R",) * len(shape)
@@ -106,7 +114,9 @@ def box_of(full: Tensor, placement: str, kind: str, rank: int, world_size: int) 
     coords.reverse()
     codes = axis_codes(placement, kind, world_size)
     order = [a for a, code in enumerate(codes) if code != "R"]
-    for a in [a for a in order if ":" in codes[a]]:  # right to left: the later axes on its dim cut first
+    for a in [
+        a for a in order if ":" in codes[a]
+    ]:  # right to left: the later axes on its dim cut first
         later = [b for b in order if b > a and codes[b].split(":")[0] == codes[a].split(":")[0]]
         order = [b for b in order if b != a]
         order.insert(order.index(later[-1]) + 1, a)

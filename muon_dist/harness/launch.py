@@ -14,8 +14,8 @@ CUDA cannot be used in a child forked from a parent that has used it. Results mu
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import faulthandler
+import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -41,7 +41,9 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
     log = os.open(stderr_path(init_file, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 2)
     os.close(log)
-    if faulthandler.is_enabled():  # inherited (pytest enables it on its own copy of stderr): to the file too
+    if (
+        faulthandler.is_enabled()
+    ):  # inherited (pytest enables it on its own copy of stderr): to the file too
         faulthandler.enable(file=os.fdopen(2, "w", closefd=False))
     import torch
 
@@ -50,7 +52,9 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     while True:
         msg = conn.recv()
         if msg is None:
@@ -77,7 +81,9 @@ def _tail(path: str, limit: int = 600) -> str:
 
 
 DEVICES = ("cpu", "cuda")
-GRACE_IDLE_S = 0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
+GRACE_IDLE_S = (
+    0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
+)
 
 
 class _Progress:
@@ -88,7 +94,13 @@ class _Progress:
     idle_s (the pool's) or without /proc."""
 
     def __init__(self, idle_s: float | None) -> None:
-        self.idle_s, self.samples, self.pids, self.stalled_at, self.window = idle_s, [], [], None, None
+        self.idle_s, self.samples, self.pids, self.stalled_at, self.window = (
+            idle_s,
+            [],
+            [],
+            None,
+            None,
+        )
 
     def stalled(self, pids: list[int], window: float | None) -> bool:
         if self.idle_s is None or window is None or not os.path.isdir("/proc"):
@@ -109,7 +121,9 @@ def _cpu_ticks(pids: list[int]) -> int:
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., utime, stime
+                fields = (
+                    f.read().rsplit(")", 1)[1].split()
+                )  # after "pid (comm)": state, ppid, ..., utime, stime
         except (OSError, IndexError):
             continue
         table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
@@ -131,12 +145,19 @@ class RankPool:
     ranks, Linux /proc: they are blocked, in a collective that a peer never joins; not for CUDA, where a rank may
     wait for its GPU)."""
 
-    def __init__(self, world_size: int, device: str = "cpu", start_method: str | None = None,
-                 idle_s: float | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        start_method: str | None = None,
+        idle_s: float | None = None,
+    ) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if idle_s is not None and device != "cpu":
-            raise ValueError(f"idle_s needs CPU ranks (a CUDA rank waiting for its GPU uses no CPU), got {device!r}")
+            raise ValueError(
+                f"idle_s needs CPU ranks (a CUDA rank waiting for its GPU uses no CPU), got {device!r}"
+            )
         self.world_size, self.device, self.idle_s = world_size, device, idle_s
         self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
         self.procs: list[Any] = []
@@ -148,8 +169,11 @@ class RankPool:
         init_file = self.init_file = os.path.join(self.tmpdir, "rendezvous")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.world_size, init_file, child, self.device),
-                               daemon=True)
+            proc = ctx.Process(
+                target=_serve,
+                args=(rank, self.world_size, init_file, child, self.device),
+                daemon=True,
+            )
             proc.start()
             self.procs.append(proc)
             self.conns.append(parent)
@@ -177,7 +201,11 @@ class RankPool:
             window = GRACE_IDLE_S if errors else self.idle_s
             if busy.stalled([self.procs[r].pid for r in waiting], window):
                 break
-            slice_s = deadline - time.monotonic() if self.idle_s is None else min(0.1, deadline - time.monotonic())
+            slice_s = (
+                deadline - time.monotonic()
+                if self.idle_s is None
+                else min(0.1, deadline - time.monotonic())
+            )
             for conn in connection.wait(list(waiting.values()), max(0.0, slice_s)):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 del waiting[rank]
@@ -190,8 +218,11 @@ class RankPool:
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
                     deadline = min(deadline, time.monotonic() + 3.0)
-        why = (f"no answer: none within {timeout} s (hung or dead)" if busy.stalled_at is None else
-               f"no answer: no CPU used for {busy.window} s (blocked)")
+        why = (
+            f"no answer: none within {timeout} s (hung or dead)"
+            if busy.stalled_at is None
+            else f"no answer: no CPU used for {busy.window} s (blocked)"
+        )
         errors.update({rank: why for rank in waiting})
         if errors:
             self.kill()

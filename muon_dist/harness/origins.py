@@ -15,6 +15,7 @@ not restated here: it moves data, it does not change the per-matrix arithmetic.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 
@@ -45,7 +46,9 @@ def moonlight_ns(G: Tensor, steps: int) -> Tensor:
 
 
 @torch.no_grad()
-def moonlight_step(params: list[Tensor], state: dict, lr=1e-3, wd=0.1, momentum=0.95, nesterov=True, ns_steps=5):
+def moonlight_step(
+    params: list[Tensor], state: dict, lr=1e-3, wd=0.1, momentum=0.95, nesterov=True, ns_steps=5
+):
     for p in params:
         g = p.grad
         if g is None:
@@ -80,7 +83,9 @@ def dion_ns(G: Tensor, epsilon: float = 1e-7) -> Tensor:
     return X
 
 
-def _sum_momentum_bf16(G: list[Tensor], M: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
+def _sum_momentum_bf16(
+    G: list[Tensor], M: list[Tensor], momentum: float, nesterov: bool
+) -> list[Tensor]:
     """Dion's and xtuner's muon_update_pre_orthogonalize (identical in both)."""
     G = [g.to(dtype=M[0].dtype) for g in G]
     torch._foreach_mul_(M, momentum)
@@ -94,8 +99,16 @@ def _sum_momentum_bf16(G: list[Tensor], M: list[Tensor], momentum: float, nester
 
 
 @torch.no_grad()
-def dion_step(params: list[Tensor], state: dict, lr=0.01, mu=0.95, weight_decay=0.01, epsilon=1e-8,
-              nesterov=False, adjust_lr="spectral_norm"):
+def dion_step(
+    params: list[Tensor],
+    state: dict,
+    lr=0.01,
+    mu=0.95,
+    weight_decay=0.01,
+    epsilon=1e-8,
+    nesterov=False,
+    adjust_lr="spectral_norm",
+):
     for p in params:
         if p.grad is None:
             continue
@@ -138,8 +151,17 @@ def xtuner_ns(G: Tensor, epsilon: float = 1e-7, num_experts: int = 1) -> Tensor:
 
 
 @torch.no_grad()
-def xtuner_step(params: list[Tensor], state: dict, lr=0.01, mu=0.95, weight_decay=0.01, epsilon=1e-8,
-                nesterov=False, adjust_lr="rms_norm", num_experts=1):
+def xtuner_step(
+    params: list[Tensor],
+    state: dict,
+    lr=0.01,
+    mu=0.95,
+    weight_decay=0.01,
+    epsilon=1e-8,
+    nesterov=False,
+    adjust_lr="rms_norm",
+    num_experts=1,
+):
     for p in params:
         if p.grad is None:
             continue
@@ -170,7 +192,9 @@ def emerging_ns(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
         x = x.mT
     X = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=eps)
     coefficient_sets = YOU5 * (steps // len(YOU5))
-    X = X.to(torch.bfloat16)  # torch.get_float32_matmul_precision() == "medium" (the default fp32_matmul_prec)
+    X = X.to(
+        torch.bfloat16
+    )  # torch.get_float32_matmul_precision() == "medium" (the default fp32_matmul_prec)
     for i in range(steps):
         a, b, c = coefficient_sets[i]
         A = X @ X.mT
@@ -183,8 +207,16 @@ def emerging_ns(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
 
 
 @torch.no_grad()
-def emerging_step(params: list[Tensor], state: dict, lr=3e-4, momentum_beta=0.95, weight_decay=0.01,
-                  use_nesterov=False, num_ns_steps=5, extra_scale_factor=1.0):
+def emerging_step(
+    params: list[Tensor],
+    state: dict,
+    lr=3e-4,
+    momentum_beta=0.95,
+    weight_decay=0.01,
+    use_nesterov=False,
+    num_ns_steps=5,
+    extra_scale_factor=1.0,
+):
     for p in params:
         grad = p.grad
         if grad is None:

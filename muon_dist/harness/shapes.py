@@ -40,8 +40,18 @@ class ParamSpec:
 
 
 def transformer(
-    *, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
-    experts: int = 0, expert_ffn: int = 0, moe_every: int = 1, tie_embeddings: bool = False,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    vocab: int,
+    experts: int = 0,
+    expert_ffn: int = 0,
+    moe_every: int = 1,
+    tie_embeddings: bool = False,
 ) -> list[ParamSpec]:
     """A decoder-only transformer: attention (q, k, v, o), a SwiGLU MLP or an MoE block, RMSNorms."""
     specs = [ParamSpec("embed.weight", (vocab, hidden), "embedding")]
@@ -75,21 +85,42 @@ def transformer(
 
 def dense_7b() -> list[ParamSpec]:
     # meta-llama/Llama-2-7b-hf config.json: hidden 4096, 32 layers, 32 heads, ffn 11008, vocab 32000
-    return transformer(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000)
+    return transformer(
+        layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000
+    )
 
 
 def moe_30b_a3b() -> list[ParamSpec]:
     # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts of
     # moe_intermediate 768, vocab 151936, every layer MoE
-    return transformer(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=0, vocab=151936,
-                       experts=128, expert_ffn=768)
+    return transformer(
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        ffn=0,
+        vocab=151936,
+        experts=128,
+        expert_ffn=768,
+    )
 
 
 def tiny_moe() -> list[ParamSpec]:
     """A scaled-down transformer with dense and MoE layers for gloo runs on 2 cores: odd and prime sizes
     so shards are uneven, and more matrices than ranks of some shapes and fewer of others."""
-    return transformer(layers=3, hidden=24, heads=3, kv_heads=1, head_dim=8, ffn=40, vocab=37,
-                       experts=4, expert_ffn=12, moe_every=2)
+    return transformer(
+        layers=3,
+        hidden=24,
+        heads=3,
+        kv_heads=1,
+        head_dim=8,
+        ffn=40,
+        vocab=37,
+        experts=4,
+        expert_ffn=12,
+        moe_every=2,
+    )
 
 
 SHAPE_TABLES = {"dense_7b": dense_7b, "moe_30b_a3b": moe_30b_a3b, "tiny_moe": tiny_moe}

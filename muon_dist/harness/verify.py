@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -75,7 +75,10 @@ class Run:
 
 # the tp mesh: each matrix as parallelize_module shards it (ColwiseParallel: rows; RowwiseParallel: columns), FSDP2
 # over it (a strided Shard(0) under Colwise); experts sharded by dp and replicated over tp
-COLWISE, ROWWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "router"), ("o_proj", "down_proj")
+COLWISE, ROWWISE = (
+    ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "router"),
+    ("o_proj", "down_proj"),
+)
 HEADS = 3  # tiny_moe's query heads (muon_dist/harness/shapes.py): q and o orthogonalised per head on the tp mesh
 
 
@@ -88,12 +91,18 @@ def muon_specs(mesh: str = "fsdp") -> list[ParamSpec]:
     the tp mesh the q and o projections come last (their per-head groups)."""
     specs = [s for s in tiny_moe() if s.is_muon]
     if mesh == "tp":
-        return ([s for s in specs if _role(s) not in ("q_proj", "o_proj")] + [s for s in specs if _role(s) == "q_proj"]
-                + [s for s in specs if _role(s) == "o_proj"])
+        return (
+            [s for s in specs if _role(s) not in ("q_proj", "o_proj")]
+            + [s for s in specs if _role(s) == "q_proj"]
+            + [s for s in specs if _role(s) == "o_proj"]
+        )
     if mesh != "ep":
         return specs
-    fused = [ParamSpec(s.name, (s.shape[0] * s.shape[1], s.shape[2]), "experts", s.shape[0])
-             for s in specs if s.num_experts]
+    fused = [
+        ParamSpec(s.name, (s.shape[0] * s.shape[1], s.shape[2]), "experts", s.shape[0])
+        for s in specs
+        if s.num_experts
+    ]
     return [s for s in specs if not s.num_experts] + fused
 
 
@@ -114,18 +123,28 @@ def param_groups(mesh: str, params: list) -> list[dict]:
     split = len(specs) - (len(experts) if mesh == "ep" else 0)
     groups = [{"params": params[:split], "param_names": [s.name for s in specs[:split]]}]
     if split < len(specs):
-        groups.append({"params": params[split:], "param_names": [s.name for s in specs[split:]],
-                       "num_experts": experts[0]})
+        groups.append(
+            {
+                "params": params[split:],
+                "param_names": [s.name for s in specs[split:]],
+                "num_experts": experts[0],
+            }
+        )
     return groups
 
 
 def initial(run: Run, device: str = "cpu") -> list[torch.Tensor]:
-    return [seeded(s.shape, run.seed * 7919 + i, run.dtype, device) for i, s in enumerate(muon_specs(run.mesh))]
+    return [
+        seeded(s.shape, run.seed * 7919 + i, run.dtype, device)
+        for i, s in enumerate(muon_specs(run.mesh))
+    ]
 
 
 def gradients(run: Run, step: int, device: str = "cpu") -> list[torch.Tensor]:
-    return [seeded(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype, device)
-            for i, s in enumerate(muon_specs(run.mesh))]
+    return [
+        seeded(s.shape, run.seed * 104729 + 1000 * step + i + 1, run.dtype, device)
+        for i, s in enumerate(muon_specs(run.mesh))
+    ]
 
 
 def placement(run: Run, spec: ParamSpec) -> tuple[str, str]:
@@ -148,12 +167,20 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
         out.append(Run(world_size, "ep", "torch", "auto", steps=steps))
         out.append(Run(world_size, "tp", "torch", "auto", steps=steps))
     if world_size > 1:
-        out += [Run(world_size, "fsdp", "torch", m, steps=steps)
-                for m in ("remainder=padded_all_to_all", "force=agrs", "force=padded_all_to_all", "dispatch=global")]
+        out += [
+            Run(world_size, "fsdp", "torch", m, steps=steps)
+            for m in (
+                "remainder=padded_all_to_all",
+                "force=agrs",
+                "force=padded_all_to_all",
+                "dispatch=global",
+            )
+        ]
     return out
 
 
 # ------------------------------------------------------------------------------------------------ ranks
+
 
 def _distribute(full: torch.Tensor, run: Run, spec: ParamSpec, device: str) -> torch.Tensor:
     return distribute(full, *placement(run, spec), device)
@@ -180,20 +207,31 @@ def rank_run(run: Run, device: str = "cpu", checkpoint_dir: str | None = None) -
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     shards = [local(p).detach().cpu().clone() for p in params]
-    return {"shards": shards, "paths": list(opt.last_report.paths), "step_s": times,
-            "bytes": {k: list(v) for k, v in opt.last_report.bytes_by_path.items()}}
+    return {
+        "shards": shards,
+        "paths": list(opt.last_report.paths),
+        "step_s": times,
+        "bytes": {k: list(v) for k, v in opt.last_report.bytes_by_path.items()},
+    }
 
 
-def _save_and_reload(run: Run, params: list, opt, device: str, checkpoint_dir: str | None) -> tuple[list, object]:
+def _save_and_reload(
+    run: Run, params: list, opt, device: str, checkpoint_dir: str | None
+) -> tuple[list, object]:
     """DCP-save params and optimizer state, then load them into zero params and a new optimizer."""
     import torch.distributed.checkpoint as dcp
 
     from muon_dist import DistributedMuon
 
     assert checkpoint_dir is not None, "mode 'resume' needs a checkpoint directory"
-    dcp.save({"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
-             checkpoint_id=checkpoint_dir)
-    fresh = [_distribute(torch.zeros_like(f), run, s, device) for f, s in zip(initial(run, device), muon_specs(run.mesh))]
+    dcp.save(
+        {"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
+        checkpoint_id=checkpoint_dir,
+    )
+    fresh = [
+        _distribute(torch.zeros_like(f), run, s, device)
+        for f, s in zip(initial(run, device), muon_specs(run.mesh))
+    ]
     new_opt = DistributedMuon(param_groups(run.mesh, fresh), preset=run.preset, **run.options())
     state = {"params": {f"p{i}": p for i, p in enumerate(fresh)}, "optim": new_opt.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint_dir)
@@ -222,12 +260,21 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
     for i, full in enumerate(want):
         worst, equal = 0.0, True
         for rank, r in enumerate(results):
-            got, box = r["shards"][i], box_of(full, *placement(run, muon_specs(run.mesh)[i]), rank, W)
+            got, box = (
+                r["shards"][i],
+                box_of(full, *placement(run, muon_specs(run.mesh)[i]), rank, W),
+            )
             if got.numel() and got.shape == box.shape:
                 worst = max(worst, float((got.double() - box.double()).abs().max()))
             equal &= same_bits(got, box)
-        rows.append({"param": results[0]["paths"][i][0], "path": results[0]["paths"][i][1], "max_diff": worst,
-                     "bitwise": equal})
+        rows.append(
+            {
+                "param": results[0]["paths"][i][0],
+                "path": results[0]["paths"][i][1],
+                "max_diff": worst,
+                "bitwise": equal,
+            }
+        )
     return rows
 
 
@@ -245,10 +292,18 @@ def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
         spec = specs[i]
         code, kind = placement(run, spec)
         W = _group_size(code, kind, run.world_size)
-        keys = next(({k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups
-                     if i in g["params"]))
+        keys = next(
+            (
+                {k: v for k, v in g.items() if k not in ("params", "param_names")}
+                for g in groups
+                if i in g["params"]
+            )
+        )
         labels = torch.arange(math.prod(spec.shape)).reshape(spec.shape)
-        held = [set(box_of(labels, code, kind, r, run.world_size).flatten().tolist()) for r in range(run.world_size)]
+        held = [
+            set(box_of(labels, code, kind, r, run.world_size).flatten().tolist())
+            for r in range(run.world_size)
+        ]
         for block in muon_ref.matrix_layout(spec.shape, **keys).blocks:
             S = math.prod(block.shape)
             if path == "replicated":
@@ -275,31 +330,56 @@ def summarise(run: Run, results: list[dict], rows: list[dict]) -> list[dict]:
     for path, members in sorted(by_path.items()):
         sent = statistics.mean(r["bytes"].get(path, [0, 0])[0] for r in results)
         bound = lower_bound_per_rank(run, path, members)
-        out.append({"world_size": run.world_size, "mesh": run.mesh, "mode": run.mode, "preset": run.preset,
-                    "dtype": run.dtype, "path": path, "params": len(members),
-                    "max_diff": max(rows[i]["max_diff"] for i in members),
-                    "bitwise": all(rows[i]["bitwise"] for i in members),
-                    "bytes_per_rank": sent, "bound_per_rank": bound,
-                    "step_ms": 1e3 * statistics.median(results[0]["step_s"])})
+        out.append(
+            {
+                "world_size": run.world_size,
+                "mesh": run.mesh,
+                "mode": run.mode,
+                "preset": run.preset,
+                "dtype": run.dtype,
+                "path": path,
+                "params": len(members),
+                "max_diff": max(rows[i]["max_diff"] for i in members),
+                "bitwise": all(rows[i]["bitwise"] for i in members),
+                "bytes_per_rank": sent,
+                "bound_per_rank": bound,
+                "step_ms": 1e3 * statistics.median(results[0]["step_s"]),
+            }
+        )
     return out
 
 
 def print_table(world_size: int, rows: list[dict]) -> None:
-    print(f"\nW = {world_size}: {len(rows)} (run, path) rows; bytes are this rank's sent bytes per step")
-    head = f"{'mode':<28} {'mesh':<5} {'preset':<9} {'dtype':<8} {'path':<18} {'params':>6} {'max|diff|':>9} " \
-           f"{'bitwise':>7} {'bytes/rank':>11} {'bound':>9} {'ratio':>6} {'step ms':>8}"
+    print(
+        f"\nW = {world_size}: {len(rows)} (run, path) rows; bytes are this rank's sent bytes per step"
+    )
+    head = (
+        f"{'mode':<28} {'mesh':<5} {'preset':<9} {'dtype':<8} {'path':<18} {'params':>6} {'max|diff|':>9} "
+        f"{'bitwise':>7} {'bytes/rank':>11} {'bound':>9} {'ratio':>6} {'step ms':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        ratio = f"{r['bytes_per_rank'] / r['bound_per_rank']:.2f}" if r["bound_per_rank"] else (
-            "1.00" if r["bytes_per_rank"] == 0 else "inf")
-        print(f"{r['mode']:<28} {r['mesh']:<5} {r['preset']:<9} {r['dtype']:<8} {r['path']:<18} {r['params']:>6} "
-              f"{r['max_diff']:>9.2g} {'yes' if r['bitwise'] else 'NO':>7} {r['bytes_per_rank']:>11.0f} "
-              f"{r['bound_per_rank']:>9.0f} {ratio:>6} {r['step_ms']:>8.1f}")
+        ratio = (
+            f"{r['bytes_per_rank'] / r['bound_per_rank']:.2f}"
+            if r["bound_per_rank"]
+            else ("1.00" if r["bytes_per_rank"] == 0 else "inf")
+        )
+        print(
+            f"{r['mode']:<28} {r['mesh']:<5} {r['preset']:<9} {r['dtype']:<8} {r['path']:<18} {r['params']:>6} "
+            f"{r['max_diff']:>9.2g} {'yes' if r['bitwise'] else 'NO':>7} {r['bytes_per_rank']:>11.0f} "
+            f"{r['bound_per_rank']:>9.0f} {ratio:>6} {r['step_ms']:>8.1f}"
+        )
 
 
-def verify_world(world_size: int, steps: int, refs: dict, timeout: float, presets: list[str] | None = None,
-                 device: str = "cpu") -> tuple[list[dict], list[str]]:
+def verify_world(
+    world_size: int,
+    steps: int,
+    refs: dict,
+    timeout: float,
+    presets: list[str] | None = None,
+    device: str = "cpu",
+) -> tuple[list[dict], list[str]]:
     from .launch import RankFailure, RankPool
 
     rows, violations = [], []
@@ -313,34 +393,71 @@ def verify_world(world_size: int, steps: int, refs: dict, timeout: float, preset
                     results = pool.run(rank_run, run, device, checkpoint_dir, timeout=timeout)
             except RankFailure as failure:
                 violations.append(f"{run}: {str(failure)[-400:]}")
-                print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED", file=sys.stderr)
+                print(
+                    f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.mode}: FAILED",
+                    file=sys.stderr,
+                )
                 continue
-            key = (run.preset, run.dtype, run.steps, run.seed, run.mesh if run.mesh in ("ep", "tp") else "")
+            key = (
+                run.preset,
+                run.dtype,
+                run.steps,
+                run.seed,
+                run.mesh if run.mesh in ("ep", "tp") else "",
+            )
             refs.setdefault(key, reference(run, device))
             per_param = compare(run, results, refs[key])
-            violations += [f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}" for r in per_param
-                           if not r["bitwise"]]
+            violations += [
+                f"{run}: {r['param']} ({r['path']}) differs by {r['max_diff']:.3g}"
+                for r in per_param
+                if not r["bitwise"]
+            ]
             rows += summarise(run, results, per_param)
-            print(f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.dtype} {run.mode}: "
-                  f"{'ok' if all(r['bitwise'] for r in per_param) else 'VIOLATION'} "
-                  f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[W={world_size}] {n}/{len(todo)} {run.mesh} {run.preset} {run.dtype} {run.mode}: "
+                f"{'ok' if all(r['bitwise'] for r in per_param) else 'VIOLATION'} "
+                f"({time.perf_counter() - start:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         pool.close()
     return rows, violations
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 on cpu, 1 2 3 4 on cuda")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 on cpu, 1 2 3 4 on cuda"
+    )
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), help="presets run in automatic mode "
-                        "(default: all; the other meshes and the forced paths always use the torch preset)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang")
-    parser.add_argument("--backend", default="gloo", help="gloo (spawned ranks) or nccl (under torchrun)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where params, gradients and the "
-                        "reference live (cuda: W gloo ranks share the node's GPUs)")
-    parser.add_argument("--checkpoint-dir", help="under torchrun: a directory every rank can read and write, for "
-                        "the resume run (default: a temporary directory made by rank 0; one node only)")
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        choices=sorted(PRESETS),
+        help="presets run in automatic mode "
+        "(default: all; the other meshes and the forced paths always use the torch preset)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang"
+    )
+    parser.add_argument(
+        "--backend", default="gloo", help="gloo (spawned ranks) or nccl (under torchrun)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where params, gradients and the "
+        "reference live (cuda: W gloo ranks share the node's GPUs)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="under torchrun: a directory every rank can read and write, for "
+        "the resume run (default: a temporary directory made by rank 0; one node only)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
     args = parser.parse_args(argv)
     args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
@@ -348,13 +465,17 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(args)
     specs = tiny_moe()
-    print(f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
-          f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors, on {args.device}")
+    print(
+        f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
+        f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors, on {args.device}"
+    )
     print("routed to AdamW, not checked: " + ", ".join(s.name for s in specs if not s.is_muon))
     refs: dict = {}
     rows, violations = [], []
     for W in args.world_sizes:
-        got_rows, got_violations = verify_world(W, args.steps, refs, args.timeout, args.presets, args.device)
+        got_rows, got_violations = verify_world(
+            W, args.steps, refs, args.timeout, args.presets, args.device
+        )
         print_table(W, got_rows)
         rows += got_rows
         violations += got_violations
@@ -377,8 +498,10 @@ def torchrun_main(args: argparse.Namespace) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(args.backend)
     W, rows, violations = dist.get_world_size(), [], []
-    made = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="muon_dist_verify_ckpt_") if dist.get_rank() == 0
-                                    else None)]
+    made = [
+        args.checkpoint_dir
+        or (tempfile.mkdtemp(prefix="muon_dist_verify_ckpt_") if dist.get_rank() == 0 else None)
+    ]
     dist.broadcast_object_list(made, src=0)
     try:
         for n, run in enumerate(runs_for(W, args.steps, args.presets)):
@@ -387,12 +510,16 @@ def torchrun_main(args: argparse.Namespace) -> int:
             dist.all_gather_object(gathered, result)
             if dist.get_rank() == 0:
                 per_param = compare(run, gathered, reference(run, device))
-                violations += [f"{run}: {r['param']} differs" for r in per_param if not r["bitwise"]]
+                violations += [
+                    f"{run}: {r['param']} differs" for r in per_param if not r["bitwise"]
+                ]
                 rows += summarise(run, gathered, per_param)
         if dist.get_rank() == 0:
             print_table(W, rows)
-            print(f"paths exercised: {', '.join(sorted({r['path'] for r in rows}))}; "
-                  f"contract violations: {len(violations)}")
+            print(
+                f"paths exercised: {', '.join(sorted({r['path'] for r in rows}))}; "
+                f"contract violations: {len(violations)}"
+            )
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"rows": rows, "violations": violations}, f, indent=1)

@@ -59,10 +59,14 @@ def backend(name: str) -> Backend:
 def over_stacks(stack_kernel: Callable[[Tensor, MuonConfig], Tensor]) -> Orthogonalize:
     """An orthogonalize from a kernel of stacks [k, fan_out, fan_in]: a shared layout's blocks as one stack (its
     batch view), a separate layout's blocks one by one (each a stack of one, muon_ref's map_blocks)."""
+
     def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
         if layout.separate:
-            return map_blocks(lambda b, d: (stack_kernel(d.unsqueeze(0), cfg).squeeze(0),), layout, direction)[0]
+            return map_blocks(
+                lambda b, d: (stack_kernel(d.unsqueeze(0), cfg).squeeze(0),), layout, direction
+            )[0]
         return stack_kernel(direction.reshape(layout.matrices_shape), cfg).reshape(direction.shape)
+
     return orthogonalize
 
 

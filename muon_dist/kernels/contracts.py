@@ -58,7 +58,9 @@ def contract_inputs(kind: str, seed: int, max_side: int) -> Tensor:
         G = randn(2, s, 4) @ randn(2, 4, 3 * s) + 1e-3 * randn(2, s, 3 * s)
     elif kind == "ill_conditioned":
         spectrum = torch.diag(torch.logspace(0, -6, s, dtype=torch.float64))
-        G = torch.stack([_orthonormal(s, s, g) @ spectrum @ _orthonormal(3 * s, s, g).mT for _ in range(2)])
+        G = torch.stack(
+            [_orthonormal(s, s, g) @ spectrum @ _orthonormal(3 * s, s, g).mT for _ in range(2)]
+        )
     elif kind == "rank_one":
         G = randn(2, s, 1) @ randn(2, 1, 3 * s)
     else:
@@ -75,8 +77,9 @@ def band(X: Tensor, G: Tensor) -> tuple[float, float]:
     return float(d.min()), float(d.max())
 
 
-def measure(name: str, cfg: MuonConfig, kind: str, seeds: range, max_side: int,
-            device: torch.device) -> dict[str, float]:
+def measure(
+    name: str, cfg: MuonConfig, kind: str, seeds: range, max_side: int, device: torch.device
+) -> dict[str, float]:
     """difference and bands (module docstring) of backend `name` under cfg, over the inputs of `kind` at `seeds`;
     a NaN anywhere makes the figure NaN (torch's min and max propagate it, Python's would drop it)."""
     orthogonalize = backend(name).orthogonalize
@@ -85,12 +88,22 @@ def measure(name: str, cfg: MuonConfig, kind: str, seeds: range, max_side: int,
         G = contract_inputs(kind, seed, max_side).to(device)
         got = orthogonalize(G, matrix_layout(G.shape), cfg)
         want = newton_schulz(G, **cfg.ns_kwargs())
-        rows.append([float((got.double() - want.double()).abs().max()), *band(got.cpu(), G.cpu()),
-                     *band(want.cpu(), G.cpu())])
+        rows.append(
+            [
+                float((got.double() - want.double()).abs().max()),
+                *band(got.cpu(), G.cpu()),
+                *band(want.cpu(), G.cpu()),
+            ]
+        )
     table = torch.tensor(rows, dtype=torch.float64)
     high, low = table.amax(dim=0), table.amin(dim=0)
-    return {"difference": float(high[0]), "low": float(low[1]), "high": float(high[2]), "ref_low": float(low[3]),
-            "ref_high": float(high[4])}
+    return {
+        "difference": float(high[0]),
+        "low": float(low[1]),
+        "high": float(high[2]),
+        "ref_low": float(low[3]),
+        "ref_high": float(high[4]),
+    }
 
 
 def _default_dtypes(name: str, device: torch.device) -> list[str]:
@@ -101,23 +114,39 @@ def _default_dtypes(name: str, device: torch.device) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m muon_dist.kernels.contracts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m muon_dist.kernels.contracts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=sorted(BACKENDS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtypes", nargs="+", default=None,
-                        help="compute dtypes (default: float32 float16 bfloat16; the Triton interpreter skips bf16)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        help="compute dtypes (default: float32 float16 bfloat16; the Triton interpreter skips bf16)",
+    )
     parser.add_argument("--schedules", nargs="+", default=["keller", "you5", "polar_express"])
-    parser.add_argument("--cases", type=int, default=8, help="inputs of each kind per dtype and schedule (default 8)")
+    parser.add_argument(
+        "--cases",
+        type=int,
+        default=8,
+        help="inputs of each kind per dtype and schedule (default 8)",
+    )
     parser.add_argument("--max-side", type=int, default=64, help="largest matrix side (default 64)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu":  # Triton runs on CPU only in its interpreter, chosen before the kernels are imported
+    if (
+        device.type == "cpu"
+    ):  # Triton runs on CPU only in its interpreter, chosen before the kernels are imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
-    print(f"contracts on {device.type}, torch {torch.__version__}: max |backend - muon_ref.newton_schulz| and signed "
-          f"singular-value bands [min, max] (backend / muon_ref); {args.cases} inputs of each kind, sides <= "
-          f"{args.max_side}")
+    print(
+        f"contracts on {device.type}, torch {torch.__version__}: max |backend - muon_ref.newton_schulz| and signed "
+        f"singular-value bands [min, max] (backend / muon_ref); {args.cases} inputs of each kind, sides <= "
+        f"{args.max_side}"
+    )
     for name in args.backends:
         dtypes = args.dtypes or _default_dtypes(name, device)
         for dtype in dtypes:
@@ -126,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {dtype} {schedule}:")
                 for kind in KINDS:
                     r = measure(name, cfg, kind, range(args.cases), args.max_side, device)
-                    print(f"    {kind:<16} max |diff| {r['difference']:<8.2g} band [{r['low']:.4g}, {r['high']:.4g}]"
-                          f" / [{r['ref_low']:.4g}, {r['ref_high']:.4g}]")
+                    print(
+                        f"    {kind:<16} max |diff| {r['difference']:<8.2g} band [{r['low']:.4g}, {r['high']:.4g}]"
+                        f" / [{r['ref_low']:.4g}, {r['ref_high']:.4g}]"
+                    )
     return 0
 
 

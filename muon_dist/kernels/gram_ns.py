@@ -117,14 +117,18 @@ def gram_newton_schulz_batched(
     _check_arguments(G, eps_mode)
     options = resolve_ns_options(schedule, steps, eps, safety)
     if options.precondition is not None:
-        raise ValueError(f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here")
+        raise ValueError(
+            f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here"
+        )
     segments = restart_segments(len(options.coefficients), restarts)
     compute_dtype = G.dtype if dtype is None else dtype
     m, n = G.shape[-2:]
     stack = G.reshape(math.prod(G.shape[:-2]), m, n)  # -1 is ambiguous when a dim is 0
     transpose = m > n
     X = stack.mT if transpose else stack
-    X = initial_iterate(X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast)
+    X = initial_iterate(
+        X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast
+    )
     for start, end in segments:
         X = gram_segment_batched(X, options.coefficients[start:end])
     return (X.mT if transpose else X).reshape(G.shape)
@@ -134,9 +138,13 @@ def _check_arguments(G: Tensor, eps_mode: str) -> None:
     """ValueError for the caller's mistakes, naming the argument."""
     if G.ndim < 2:
         shape = tuple(G.shape)
-        raise ValueError(f"gram_newton_schulz_batched needs a matrix or a stack of matrices, got shape {shape}")
+        raise ValueError(
+            f"gram_newton_schulz_batched needs a matrix or a stack of matrices, got shape {shape}"
+        )
     if G.is_complex() or not G.is_floating_point():
-        raise ValueError(f"gram_newton_schulz_batched needs a real floating tensor, got dtype {G.dtype}")
+        raise ValueError(
+            f"gram_newton_schulz_batched needs a real floating tensor, got dtype {G.dtype}"
+        )
     if eps_mode not in EPS_MODES:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
 
@@ -148,19 +156,29 @@ def _measure_contract(num_stacks: int = 2000) -> None:
     torch.set_num_threads(1)
     rng = random.Random(0)
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
-        tally = {False: [0, 0, 0.0], True: [0, 0, 0.0]}  # min(m, n) >= 8: [stacks, bitwise, max |difference|]
+        tally = {
+            False: [0, 0, 0.0],
+            True: [0, 0, 0.0],
+        }  # min(m, n) >= 8: [stacks, bitwise, max |difference|]
         for seed in range(num_stacks):
             shape = (rng.randint(1, 4), rng.randint(1, 32), rng.randint(1, 32))
             name = rng.choice(["polar_express_dao", "you5"])
             G = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-            got, want = gram_newton_schulz_batched(G, name, dtype=dtype), gram_newton_schulz(G, name, dtype=dtype)
+            got, want = (
+                gram_newton_schulz_batched(G, name, dtype=dtype),
+                gram_newton_schulz(G, name, dtype=dtype),
+            )
             row = tally[min(shape[1:]) >= 8]
             row[0] += 1
             row[1] += torch.equal(got, want)
-            row[2] = max(row[2], float((got.double() - want.double()).abs().max()) if got.numel() else 0.0)
+            row[2] = max(
+                row[2], float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+            )
         for large, (count, bitwise, worst) in tally.items():
-            print(f"{dtype}, min(m, n) {'>= 8' if large else '< 8'}: bitwise {bitwise}/{count} stacks, "
-                  f"max |batched - reference| {worst:.2g}")
+            print(
+                f"{dtype}, min(m, n) {'>= 8' if large else '< 8'}: bitwise {bitwise}/{count} stacks, "
+                f"max |batched - reference| {worst:.2g}"
+            )
     low, high = 1.0, 1.0
     for seed in range(num_stacks // 4):
         m = rng.randint(4, 32)
@@ -168,7 +186,9 @@ def _measure_contract(num_stacks: int = 2000) -> None:
         G = torch.randn(rng.randint(1, 4), m, n, generator=torch.Generator().manual_seed(seed))
         d = signed_singular_values(gram_newton_schulz_batched(G), G)
         low, high = min(low, float(d.min())), max(high, float(d.max()))
-    print(f"bfloat16 signed singular values, {num_stacks // 4} Gaussian stacks, n / m in [2, 8]: [{low:.3f}, {high:.3f}]")
+    print(
+        f"bfloat16 signed singular values, {num_stacks // 4} Gaussian stacks, n / m in [2, 8]: [{low:.3f}, {high:.3f}]"
+    )
 
 
 def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
@@ -178,7 +198,9 @@ def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
     return gram_newton_schulz_batched(stack, **own_step_kwargs(cfg, "gram"))
 
 
-BACKEND = Backend("gram", over_stacks(_stack_kernel), bitwise=False)  # contract: this module's docstring
+BACKEND = Backend(
+    "gram", over_stacks(_stack_kernel), bitwise=False
+)  # contract: this module's docstring
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ import time
 import torch
 from torch import Tensor
 
-from muon_ref import MatrixLayout, MuonConfig, newton_schulz, orthogonalize as reference_orthogonalize
-from muon_ref import resolve_ns_options
+from muon_ref import MatrixLayout, MuonConfig, newton_schulz, resolve_ns_options
+from muon_ref import orthogonalize as reference_orthogonalize
 from muon_ref.newton_schulz import EPS_MODES, EpsMode, initial_iterate
 from muon_ref.schedules import Schedule
 
@@ -58,27 +58,46 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _PROBED: dict[tuple, bool] = {}
 
 
-def in_static_rule(shape: tuple[int, ...], dtype: torch.dtype | None, step_form: str,
-                   precondition: str | None) -> bool:
+def in_static_rule(
+    shape: tuple[int, ...], dtype: torch.dtype | None, step_form: str, precondition: str | None
+) -> bool:
     """Part 1 of the module docstring's rule: whether a stack [k, m, n] in compute dtype `dtype` can be batched."""
-    return (len(shape) == 3 and dtype in LOW_PRECISION and step_form == "addmm" and precondition is None
-            and shape[0] >= 2 and min(shape[1:]) >= MIN_BATCHED_SIDE)
+    return (
+        len(shape) == 3
+        and dtype in LOW_PRECISION
+        and step_form == "addmm"
+        and precondition is None
+        and shape[0] >= 2
+        and min(shape[1:]) >= MIN_BATCHED_SIDE
+    )
 
 
-def probe_key(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict) -> tuple:
+def probe_key(
+    shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict
+) -> tuple:
     """What a probe's verdict stands for: shape, input dtype, device, thread count, whether oneDNN is enabled and
     newton_schulz's options."""
     options = tuple(sorted((name, repr(value)) for name, value in ns_kwargs.items()))
-    return (tuple(shape), input_dtype, torch.device(device), torch.get_num_threads(), torch.backends.mkldnn.enabled,
-            options)
+    return (
+        tuple(shape),
+        input_dtype,
+        torch.device(device),
+        torch.get_num_threads(),
+        torch.backends.mkldnn.enabled,
+        options,
+    )
 
 
-def probe(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict) -> bool:
+def probe(
+    shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict
+) -> bool:
     """Whether newton_schulz_batched gives muon_ref.newton_schulz's bits on a Gaussian stack of `shape` (seed 0,
     drawn in float32 on the CPU, cast to input_dtype, moved to device) with these newton_schulz options."""
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(input_dtype).to(device)
     kwargs = {name: value for name, value in ns_kwargs.items() if name != "step_form"}
-    return torch.equal(newton_schulz_batched(G, **kwargs), newton_schulz(G, step_form="addmm", **kwargs))
+    return torch.equal(
+        newton_schulz_batched(G, **kwargs), newton_schulz(G, step_form="addmm", **kwargs)
+    )
 
 
 def onednn_takes(dtype: torch.dtype) -> bool:
@@ -86,23 +105,37 @@ def onednn_takes(dtype: torch.dtype) -> bool:
     True when torch cannot say (a missing query), so that the loop runs."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
-    query = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    query = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }.get(dtype)
     try:
         return query is None or bool(getattr(torch.ops.mkldnn, query)())
     except (AttributeError, RuntimeError):
         return True
 
 
-def batched_is_bitwise(shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, **ns_kwargs) -> bool:
+def batched_is_bitwise(
+    shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, **ns_kwargs
+) -> bool:
     """Whether orthogonalize batches a stack of `shape` and input_dtype on `device` under muon_ref.newton_schulz's
     keyword arguments ns_kwargs (MuonConfig.ns_kwargs()): the module docstring's three parts; the probe's verdict
     is cached per probe_key."""
-    options = resolve_ns_options(ns_kwargs.get("schedule", "keller"), ns_kwargs.get("steps"), ns_kwargs.get("eps"),
-                                 ns_kwargs.get("safety"), ns_kwargs.get("precondition"))
+    options = resolve_ns_options(
+        ns_kwargs.get("schedule", "keller"),
+        ns_kwargs.get("steps"),
+        ns_kwargs.get("eps"),
+        ns_kwargs.get("safety"),
+        ns_kwargs.get("precondition"),
+    )
     dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
-    if (torch.device(device).type != "cpu"
-            or not in_static_rule(tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), options.precondition)
-            or onednn_takes(dtype)):
+    if (
+        torch.device(device).type != "cpu"
+        or not in_static_rule(
+            tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), options.precondition
+        )
+        or onednn_takes(dtype)
+    ):
         return False
     key = probe_key(shape, input_dtype, device, ns_kwargs)
     if key not in _PROBED:
@@ -140,17 +173,23 @@ def newton_schulz_batched(
     compute dtype.
     """
     if G.ndim < 2 or not G.is_floating_point() or eps_mode not in EPS_MODES:
-        raise ValueError(f"newton_schulz_batched needs a real floating [..., m, n] tensor and eps_mode in "
-                         f"{EPS_MODES}, got shape {tuple(G.shape)}, dtype {G.dtype}, eps_mode {eps_mode!r}")
+        raise ValueError(
+            f"newton_schulz_batched needs a real floating [..., m, n] tensor and eps_mode in "
+            f"{EPS_MODES}, got shape {tuple(G.shape)}, dtype {G.dtype}, eps_mode {eps_mode!r}"
+        )
     options = resolve_ns_options(schedule, steps, eps, safety, precondition)
     if options.precondition is not None:
-        raise ValueError(f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here")
+        raise ValueError(
+            f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here"
+        )
     m, n = G.shape[-2:]
     stack = G.reshape(math.prod(G.shape[:-2]), m, n)  # -1 is ambiguous when a dim is 0
     transpose = m > n  # muon_ref's decision, on the matrices' own (shared) shape
     X = stack.mT if transpose else stack
     compute_dtype = G.dtype if dtype is None else dtype
-    X = initial_iterate(X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast)
+    X = initial_iterate(
+        X, compute_dtype, options.eps, eps_mode, options.safety, normalize_before_cast
+    )
     for a, b, c in options.coefficients:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
@@ -167,7 +206,9 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     if not batched_is_bitwise(layout.matrices_shape, direction.dtype, direction.device, **kwargs):
         return reference_orthogonalize(direction, layout, cfg)
     del kwargs["step_form"]  # "addmm": a condition of the rule
-    return newton_schulz_batched(direction.reshape(layout.matrices_shape), **kwargs).reshape(direction.shape)
+    return newton_schulz_batched(direction.reshape(layout.matrices_shape), **kwargs).reshape(
+        direction.shape
+    )
 
 
 BACKEND = Backend("torch", orthogonalize, bitwise=True)
@@ -180,8 +221,11 @@ def _random_case(rng: random.Random, seed: int, large: bool) -> tuple[Tensor, di
         shape = (rng.randint(2, 6), *((short, long) if rng.random() < 0.5 else (long, short)))
     else:
         shape = (rng.randint(2, 4), rng.randint(1, 48), rng.randint(1, 48))
-    options = dict(schedule=rng.choice(["keller", "you5", "polar_express"]), eps_mode=rng.choice(EPS_MODES),
-                   normalize_before_cast=rng.random() < 0.5)
+    options = dict(
+        schedule=rng.choice(["keller", "you5", "polar_express"]),
+        eps_mode=rng.choice(EPS_MODES),
+        normalize_before_cast=rng.random() < 0.5,
+    )
     G = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     return G, options
 
@@ -192,7 +236,9 @@ def measure(device: torch.device, num_stacks: int) -> int:
     probe's verdict holds for other inputs of its key: the probe draws seed 0, these stacks other seeds)."""
     rng, violations = random.Random(0), 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        tally: dict[bool, list] = {}  # min(m, n) >= 8 -> [stacks, bitwise, max |difference|, rule enabled]
+        tally: dict[
+            bool, list
+        ] = {}  # min(m, n) >= 8 -> [stacks, bitwise, max |difference|, rule enabled]
         for seed in range(num_stacks):
             G, options = _random_case(rng, seed, large=seed % 2 == 1)
             G = (G if rng.random() < 0.5 else G.to(dtype)).to(device)
@@ -203,17 +249,24 @@ def measure(device: torch.device, num_stacks: int) -> int:
             violations += enabled and not bitwise
             row = tally.setdefault(min(G.shape[1:]) >= MIN_BATCHED_SIDE, [0, 0, 0.0, 0])
             row[0], row[1], row[3] = row[0] + 1, row[1] + bitwise, row[3] + enabled
-            row[2] = max(row[2], float((got.double() - want.double()).abs().max()) if got.numel() else 0.0)
+            row[2] = max(
+                row[2], float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+            )
         for large, (count, bitwise, worst, enabled) in sorted(tally.items()):
-            print(f"{dtype}, min(m, n) {'>= 8' if large else '< 8 '}: bitwise {bitwise}/{count}, max |batched - loop| "
-                  f"{worst:.2g}; the probe batches {enabled}/{count}")
+            print(
+                f"{dtype}, min(m, n) {'>= 8' if large else '< 8 '}: bitwise {bitwise}/{count}, max |batched - loop| "
+                f"{worst:.2g}; the probe batches {enabled}/{count}"
+            )
     return violations
 
 
 def _time_one_stack(device: torch.device) -> None:
     """Median wall time of the loop and the batched kernel on one bf16 stack (what batching buys on `device`)."""
     G = torch.randn(8, 64, 256, generator=torch.Generator().manual_seed(0)).to(device)
-    kernels = (("loop (muon_ref.newton_schulz)", newton_schulz), ("newton_schulz_batched", newton_schulz_batched))
+    kernels = (
+        ("loop (muon_ref.newton_schulz)", newton_schulz),
+        ("newton_schulz_batched", newton_schulz_batched),
+    )
     for name, kernel in kernels:
         times = []
         for _ in range(5):
@@ -228,20 +281,32 @@ def _time_one_stack(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m muon_dist.kernels.reference", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m muon_dist.kernels.reference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--stacks", type=int, default=400, help="random stacks per dtype (default 400)")
-    parser.add_argument("--no-onednn", action="store_true", help="disable oneDNN (torch.backends.mkldnn) first")
+    parser.add_argument(
+        "--stacks", type=int, default=400, help="random stacks per dtype (default 400)"
+    )
+    parser.add_argument(
+        "--no-onednn", action="store_true", help="disable oneDNN (torch.backends.mkldnn) first"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.no_onednn:
         torch.backends.mkldnn.enabled = False
     device = torch.device(args.device)
-    capability = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                  else torch.backends.cpu.get_cpu_capability())
-    print(f"batched vs loop on {device.type} ({capability}), torch {torch.__version__}, oneDNN takes bf16 / fp16: "
-          f"{onednn_takes(torch.bfloat16)} / {onednn_takes(torch.float16)}")
+    capability = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else torch.backends.cpu.get_cpu_capability()
+    )
+    print(
+        f"batched vs loop on {device.type} ({capability}), torch {torch.__version__}, oneDNN takes bf16 / fp16: "
+        f"{onednn_takes(torch.bfloat16)} / {onednn_takes(torch.float16)}"
+    )
     violations = measure(device, args.stacks)
     _time_one_stack(device)
     print(f"stacks the probe batches that are not bitwise: {violations}")

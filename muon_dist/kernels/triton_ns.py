@@ -103,10 +103,23 @@ def _triangle_tile(t):
 
 @triton.jit
 def _symmetric_kernel(
-    x_ptr, add_ptr, out_ptr, R, K,
-    sxb, sxr, sxk, sob, sor, soc,
-    alpha, beta,
-    HAS_ADDEND: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    add_ptr,
+    out_ptr,
+    R,
+    K,
+    sxb,
+    sxr,
+    sxk,
+    sob,
+    sor,
+    soc,
+    alpha,
+    beta,
+    HAS_ADDEND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[z] = beta * add[z] + alpha * x[z] x[z]^T for x[z] of shape (R, K); add shares out's strides.
 
@@ -131,7 +144,11 @@ def _symmetric_kernel(
     inside = (rows_i[:, None] < R) & (rows_j[None, :] < R)
     acc = alpha * acc
     if HAS_ADDEND:
-        add = tl.load(add_ptr + z * sob + rows_i[:, None] * sor + rows_j[None, :] * soc, mask=inside, other=0.0)
+        add = tl.load(
+            add_ptr + z * sob + rows_i[:, None] * sor + rows_j[None, :] * soc,
+            mask=inside,
+            other=0.0,
+        )
         acc += beta * add.to(tl.float32)
     val = acc.to(out_ptr.dtype.element_ty)
     # entry (r, c) of this tile goes to (r, c) if r >= c and to (c, r) if r > c: on a diagonal tile the upper
@@ -145,10 +162,24 @@ def _symmetric_kernel(
 
 @triton.jit
 def _update_kernel(
-    b_ptr, x_ptr, out_ptr, R, C,
-    sbb, sbr, sbc, sxb, sxr, sxc, sob, sor, soc,
+    b_ptr,
+    x_ptr,
+    out_ptr,
+    R,
+    C,
+    sbb,
+    sbr,
+    sbc,
+    sxb,
+    sxr,
+    sxc,
+    sob,
+    sor,
+    soc,
     a,
-    PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[z] = a * x[z] + b[z] x[z] for b[z] of shape (R, R) and x[z] of shape (R, C).
 
@@ -207,15 +238,18 @@ class Tuned:
 
     @staticmethod
     def over(configs: Sequence[triton.Config]) -> "Tuned":
-        return Tuned(triton.autotune(configs=list(configs), key=["R", "K", "HAS_ADDEND"])(_symmetric_kernel),
-                     triton.autotune(configs=list(configs), key=["R", "C"])(_update_kernel))
+        return Tuned(
+            triton.autotune(configs=list(configs), key=["R", "K", "HAS_ADDEND"])(_symmetric_kernel),
+            triton.autotune(configs=list(configs), key=["R", "C"])(_update_kernel),
+        )
 
 
 TUNED = Tuned.over((INTERPRETER_CONFIG,) if INTERPRETED else CONFIGS)
 
 
-def explicit_tiles(block: int | None, block_k: int | None, num_warps: int | None,
-                   num_stages: int | None) -> dict[str, int] | None:
+def explicit_tiles(
+    block: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None
+) -> dict[str, int] | None:
     """The launch parameters for explicit tiles, or None (all four None) for the autotuned ones.
 
     ValueError when only some are given without block and block_k, or when block or block_k is not a power of
@@ -225,17 +259,25 @@ def explicit_tiles(block: int | None, block_k: int | None, num_warps: int | None
         return None
     for name, value in (("block", block), ("block_k", block_k)):
         if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
-            raise ValueError(f"{name} must be a power of two >= 16 (explicit tiles need block and block_k), "
-                             f"got {value!r}")
-    return dict(BLOCK=block, BLOCK_K=block_k, num_warps=4 if num_warps is None else num_warps,
-                num_stages=3 if num_stages is None else num_stages)
+            raise ValueError(
+                f"{name} must be a power of two >= 16 (explicit tiles need block and block_k), "
+                f"got {value!r}"
+            )
+    return dict(
+        BLOCK=block,
+        BLOCK_K=block_k,
+        num_warps=4 if num_warps is None else num_warps,
+        num_stages=3 if num_stages is None else num_stages,
+    )
 
 
 def triangle_grid(R: int, batch: int) -> Callable[[dict], tuple[int, int]]:
     """_symmetric_kernel's grid for the launch parameters `meta`: T (T + 1) / 2 lower tiles, T = cdiv(R, BLOCK)."""
+
     def grid(meta: dict) -> tuple[int, int]:
         num_tiles = triton.cdiv(R, meta["BLOCK"])
         return num_tiles * (num_tiles + 1) // 2, batch
+
     return grid
 
 
@@ -244,11 +286,20 @@ def update_grid(R: int, C: int, batch: int) -> Callable[[dict], tuple[int, int, 
     return lambda meta: (triton.cdiv(R, meta["BLOCK"]), triton.cdiv(C, meta["BLOCK"]), batch)
 
 
-def _launch(kernel: JITFunction, tuned: Autotuner, grid: Callable[[dict], tuple[int, ...]], batch: int, args: tuple,
-            tiles: dict[str, int] | None, **constexprs: object) -> None:
+def _launch(
+    kernel: JITFunction,
+    tuned: Autotuner,
+    grid: Callable[[dict], tuple[int, ...]],
+    batch: int,
+    args: tuple,
+    tiles: dict[str, int] | None,
+    **constexprs: object,
+) -> None:
     """kernel at explicit tiles, or its autotuned version; the grid reads BLOCK from the chosen parameters."""
     if batch > MAX_BATCH:
-        raise ValueError(f"a stack of {batch} matrices exceeds CUDA's grid (at most {MAX_BATCH} on the batch axis)")
+        raise ValueError(
+            f"a stack of {batch} matrices exceeds CUDA's grid (at most {MAX_BATCH} on the batch axis)"
+        )
     if tiles is None:
         tuned[grid](*args, **constexprs, enable_fp_fusion=FP_FUSION)
     else:
@@ -256,8 +307,15 @@ def _launch(kernel: JITFunction, tuned: Autotuner, grid: Callable[[dict], tuple[
 
 
 def symmetric_product(
-    X: Tensor, *, alpha: float = 1.0, beta: float = 0.0, addend: Tensor | None = None,
-    block: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    X: Tensor,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    addend: Tensor | None = None,
+    block: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """beta * addend + alpha * X X^T for X of shape [batch, R, K], exactly symmetric, in X's dtype.
 
@@ -268,24 +326,56 @@ def symmetric_product(
     if addend is None and beta != 0.0:
         raise ValueError("symmetric_product: beta != 0 needs an addend")
     if addend is not None and (addend.shape != out.shape or not addend.is_contiguous()):
-        raise ValueError(f"symmetric_product: addend must be contiguous of shape {tuple(out.shape)}")
-    args = (X, out if addend is None else addend, out, R, K, *X.stride(), *out.stride(), alpha, beta)
-    _launch(_symmetric_kernel, TUNED.symmetric, triangle_grid(R, batch), batch, args,
-            explicit_tiles(block, block_k, num_warps, num_stages), HAS_ADDEND=addend is not None,
-            PRECISION=_precision(X.dtype))
+        raise ValueError(
+            f"symmetric_product: addend must be contiguous of shape {tuple(out.shape)}"
+        )
+    args = (
+        X,
+        out if addend is None else addend,
+        out,
+        R,
+        K,
+        *X.stride(),
+        *out.stride(),
+        alpha,
+        beta,
+    )
+    _launch(
+        _symmetric_kernel,
+        TUNED.symmetric,
+        triangle_grid(R, batch),
+        batch,
+        args,
+        explicit_tiles(block, block_k, num_warps, num_stages),
+        HAS_ADDEND=addend is not None,
+        PRECISION=_precision(X.dtype),
+    )
     return out
 
 
 def quintic_update(
-    B: Tensor, X: Tensor, a: float, *,
-    block: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    B: Tensor,
+    X: Tensor,
+    a: float,
+    *,
+    block: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """a X + B X for B of shape [batch, R, R] and X of shape [batch, R, C], in X's dtype. Tiles: explicit_tiles."""
     batch, R, C = X.shape
     out = torch.empty_like(X, memory_format=torch.contiguous_format)
     args = (B, X, out, R, C, *B.stride(), *X.stride(), *out.stride(), a)
-    _launch(_update_kernel, TUNED.update, update_grid(R, C, batch), batch, args,
-            explicit_tiles(block, block_k, num_warps, num_stages), PRECISION=_precision(X.dtype))
+    _launch(
+        _update_kernel,
+        TUNED.update,
+        update_grid(R, C, batch),
+        batch,
+        args,
+        explicit_tiles(block, block_k, num_warps, num_stages),
+        PRECISION=_precision(X.dtype),
+    )
     return out
 
 
@@ -326,7 +416,9 @@ def newton_schulz_triton(
     if stack.size(0) == 0:
         return torch.empty(G.shape, dtype=compute_dtype, device=G.device)
     transpose = m > n  # muon_ref's decision, on the matrix's own shape
-    X = _initial_iterates(stack, transpose, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
+    X = _initial_iterates(
+        stack, transpose, compute_dtype, eps, eps_mode, safety, normalize_before_cast
+    )
     tiles = dict(block=block, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     with torch.cuda.device(X.device) if X.is_cuda else contextlib.nullcontext():
         for a, b, c in coefficients if X.numel() else ():
@@ -339,21 +431,34 @@ def newton_schulz_triton(
 def _check_arguments(G: Tensor, compute_dtype: torch.dtype, eps_mode: str, sched: Schedule) -> None:
     """ValueError for what this kernel cannot do, naming the argument (the caller's mistake)."""
     if G.ndim < 2:
-        raise ValueError(f"newton_schulz_triton needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+        raise ValueError(
+            f"newton_schulz_triton needs a matrix or a stack of matrices, got shape {tuple(G.shape)}"
+        )
     if not G.is_floating_point():
         raise ValueError(f"newton_schulz_triton needs a real floating tensor, got dtype {G.dtype}")
     if compute_dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"newton_schulz_triton computes in one of {SUPPORTED_DTYPES}, got dtype {compute_dtype}")
+        raise ValueError(
+            f"newton_schulz_triton computes in one of {SUPPORTED_DTYPES}, got dtype {compute_dtype}"
+        )
     if eps_mode not in EPS_MODES:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     if sched.precondition is not None:
-        raise ValueError(f"schedule {sched.name!r} uses the {sched.precondition!r} preconditioner, not supported here")
+        raise ValueError(
+            f"schedule {sched.name!r} uses the {sched.precondition!r} preconditioner, not supported here"
+        )
     if not (G.is_cuda or INTERPRETED):
-        raise ValueError(f"G is on {G.device}: Triton needs CUDA, or TRITON_INTERPRET=1 before importing {__name__}")
+        raise ValueError(
+            f"G is on {G.device}: Triton needs CUDA, or TRITON_INTERPRET=1 before importing {__name__}"
+        )
 
 
 def _initial_iterates(
-    stack: Tensor, transpose: bool, compute_dtype: torch.dtype, eps: float, eps_mode: EpsMode, safety: float,
+    stack: Tensor,
+    transpose: bool,
+    compute_dtype: torch.dtype,
+    eps: float,
+    eps_mode: EpsMode,
+    safety: float,
     normalize_before_cast: bool,
 ) -> Tensor:
     """X_0 of every matrix of stack [batch, m, n] as one contiguous [batch, min, max] tensor.
@@ -363,7 +468,12 @@ def _initial_iterates(
     differed in the last bit for 221 of 300 random matrices up to 300 x 300).
     """
     views = [M.mT if transpose else M for M in stack]
-    return torch.stack([initial_iterate(V, compute_dtype, eps, eps_mode, safety, normalize_before_cast) for V in views])
+    return torch.stack(
+        [
+            initial_iterate(V, compute_dtype, eps, eps_mode, safety, normalize_before_cast)
+            for V in views
+        ]
+    )
 
 
 def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
@@ -372,4 +482,6 @@ def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
     return newton_schulz_triton(stack, **own_step_kwargs(cfg, "triton"))
 
 
-BACKEND = Backend("triton", over_stacks(_stack_kernel), bitwise=False)  # contract: this module's docstring
+BACKEND = Backend(
+    "triton", over_stacks(_stack_kernel), bitwise=False
+)  # contract: this module's docstring

@@ -18,8 +18,27 @@ its line below, its proof section and its tests; the planner and the executor re
 
 from types import ModuleType
 
-from . import (agrs, all_to_all, blocks, global_all_to_all, local, padded_all_to_all, replicated,
-               subgroup_all_gather)
+from . import (
+    agrs,
+    all_to_all,
+    blocks,
+    global_all_to_all,
+    local,
+    padded_all_to_all,
+    replicated,
+    subgroup_all_gather,
+)
 
-PATHS: dict[str, ModuleType] = {m.NAME: m for m in (
-    all_to_all, agrs, padded_all_to_all, replicated, local, subgroup_all_gather, global_all_to_all, blocks)}
+PATHS: dict[str, ModuleType] = {
+    m.NAME: m
+    for m in (
+        all_to_all,
+        agrs,
+        padded_all_to_all,
+        replicated,
+        local,
+        subgroup_all_gather,
+        global_all_to_all,
+        blocks,
+    )
+}

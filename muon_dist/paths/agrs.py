@@ -36,11 +36,15 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 
 def check(batch: Batch) -> None:
-    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), (
+        batch
+    )
     assert len(set(batch.geometries)) == 1, batch  # one layout: one box size per member
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     geometry, W, R = batch.geometries[0], group.size, len(directions)
     me, sizes, width = group.ranks.index(comm.rank), geometry.sizes, max(geometry.sizes)
     send = directions[0].new_zeros(R, width)
@@ -51,7 +55,9 @@ def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernel
     if me < R:
         frame = whole(geometry.global_shape)
         full = join([gathered[j, me, : sizes[j]] for j in range(W)], list(geometry.boxes), frame)
-        for j, box in enumerate(cut(kernels[me](full, frame).to(batch.update_torch_dtype), geometry)):
+        for j, box in enumerate(
+            cut(kernels[me](full, frame).to(batch.update_torch_dtype), geometry)
+        ):
             contrib[j, me, : sizes[j]] = box
     mine = comm.reduce_scatter_sum(contrib, group, NAME).reshape(R, width)
     return [mine[k, : sizes[me]].reshape(geometry.boxes[me].shape) for k in range(R)]

@@ -32,12 +32,27 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 
 def check(batch: Batch) -> None:
-    assert len(batch.params) == batch.group_size and batch.owners == owners(batch.group_size, batch.group_size), batch
+    assert len(batch.params) == batch.group_size and batch.owners == owners(
+        batch.group_size, batch.group_size
+    ), batch
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
-    return exchange(comm, group, batch.geometries, batch.owners, directions, kernels, batch.update_torch_dtype, NAME)
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
+    return exchange(
+        comm,
+        group,
+        batch.geometries,
+        batch.owners,
+        directions,
+        kernels,
+        batch.update_torch_dtype,
+        NAME,
+    )
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
-    return exchange_bytes(batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype)
+    return exchange_bytes(
+        batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
+    )

@@ -21,7 +21,6 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..batch import Batch, Kernel
@@ -58,8 +57,12 @@ def units(geometry: Geometry) -> tuple[Unit, ...]:
 
 def exchanges(batch: Batch) -> bool:
     """Whether some block has a piece outside its owner (else no member sends anything, on any rank)."""
-    return any(p is not None and j != u.owner for g in batch.geometries for u in units(g)
-               for j, p in enumerate(u.pieces))
+    return any(
+        p is not None and j != u.owner
+        for g in batch.geometries
+        for u in units(g)
+        for j, p in enumerate(u.pieces)
+    )
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -70,7 +73,9 @@ def check(batch: Batch) -> None:
     assert batch.owners == () and all(g.sharded for g in batch.geometries), batch
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     me, W, dtype = group.ranks.index(comm.rank), group.size, batch.update_torch_dtype
     todo = [(k, u) for k, g in enumerate(batch.geometries) for u in units(g)]
     mine = [g.boxes[me] for g in batch.geometries]
@@ -78,23 +83,35 @@ def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernel
     def piece_of(k: int, unit: Unit, local: Tensor) -> Tensor:
         return local[unit.pieces[me].within(mine[k]).index].reshape(-1)
 
-    if not exchanges(batch):  # every block lies whole on its owner: orthogonalise what this member owns
+    if not exchanges(
+        batch
+    ):  # every block lies whole on its owner: orthogonalise what this member owns
         outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
         for k, u in todo:
             if u.owner == me:
                 piece = directions[k][u.frame.within(mine[k]).index]
-                outs[k][u.frame.within(mine[k]).index] = kernels[k](piece.contiguous(), u.frame).to(dtype)
+                outs[k][u.frame.within(mine[k]).index] = kernels[k](piece.contiguous(), u.frame).to(
+                    dtype
+                )
         return outs
     owned = [[(k, u) for k, u in todo if u.owner == j] for j in range(W)]
-    held = [(k, u) for k, u in todo if u.pieces[me] is not None]  # the units I hold a piece of, in order
+    held = [
+        (k, u) for k, u in todo if u.pieces[me] is not None
+    ]  # the units I hold a piece of, in order
     to_owner = [sum(u.pieces[me].numel for k, u in owned[j] if u.pieces[me]) for j in range(W)]
     from_member = [sum(u.pieces[j].numel for _, u in owned[me] if u.pieces[j]) for j in range(W)]
 
-    send = pack([[piece_of(k, u, directions[k]) for k, u in owned[j] if u.pieces[me]] for j in range(W)],
-                directions[0].new_empty(0))
-    recv = unpack(comm.all_to_all(send, from_member, to_owner, group, NAME),
-                  [[u.pieces[j].numel for _, u in owned[me] if u.pieces[j]] for j in range(W)])
-    back: list[list[Tensor]] = [[] for _ in range(W)]  # back[j]: member j's pieces of my units' updates, in order
+    send = pack(
+        [[piece_of(k, u, directions[k]) for k, u in owned[j] if u.pieces[me]] for j in range(W)],
+        directions[0].new_empty(0),
+    )
+    recv = unpack(
+        comm.all_to_all(send, from_member, to_owner, group, NAME),
+        [[u.pieces[j].numel for _, u in owned[me] if u.pieces[j]] for j in range(W)],
+    )
+    back: list[list[Tensor]] = [
+        [] for _ in range(W)
+    ]  # back[j]: member j's pieces of my units' updates, in order
     taken = [0] * W
     for k, u in owned[me]:
         members = [j for j in range(W) if u.pieces[j]]
@@ -105,9 +122,12 @@ def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernel
         update = kernels[k](join(parts, [u.pieces[j] for j in members], u.frame), u.frame).to(dtype)
         for j in members:
             back[j].append(update[u.pieces[j].within(u.frame).index].reshape(-1))
-    returned = unpack(comm.all_to_all(pack(back, directions[0].new_empty(0, dtype=dtype)), to_owner, from_member,
-                                      group, NAME),
-                      [[u.pieces[me].numel for _, u in owned[j] if u.pieces[me]] for j in range(W)])
+    returned = unpack(
+        comm.all_to_all(
+            pack(back, directions[0].new_empty(0, dtype=dtype)), to_owner, from_member, group, NAME
+        ),
+        [[u.pieces[me].numel for _, u in owned[j] if u.pieces[me]] for j in range(W)],
+    )
     outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
     cursor = [0] * W
     for k, u in held:
@@ -117,7 +137,9 @@ def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernel
     return outs
 
 
-def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int] | None:
+def expected_bytes(
+    batch: Batch, member: int, itemsizes: Mapping[str, int]
+) -> tuple[int, int] | None:
     if not exchanges(batch):
         return None  # no collective
     b_dir, b_upd = itemsizes[batch.direction_dtype], itemsizes[batch.update_dtype]

@@ -35,38 +35,59 @@ def unpack(flat: Tensor, lengths: list[list[int]]) -> list[list[Tensor]]:
     """The inverse of pack: lengths[j] are the sizes of the pieces from member j (empty pieces included)."""
     out, offset = [], 0
     for row in lengths:
-        out.append([flat[offset + sum(row[:i]):offset + sum(row[:i + 1])] for i in range(len(row))])
+        out.append(
+            [flat[offset + sum(row[:i]) : offset + sum(row[: i + 1])] for i in range(len(row))]
+        )
         offset += sum(row)
     assert offset == flat.numel(), (offset, flat.numel())
     return out
 
 
-def exchange(comm: Comm, group: Group, geometries: Sequence[Geometry], owners: Sequence[int],
-             directions: Sequence[Tensor], kernels: Sequence[Kernel], update_dtype: torch.dtype,
-             name: str) -> list[Tensor]:
+def exchange(
+    comm: Comm,
+    group: Group,
+    geometries: Sequence[Geometry],
+    owners: Sequence[int],
+    directions: Sequence[Tensor],
+    kernels: Sequence[Kernel],
+    update_dtype: torch.dtype,
+    name: str,
+) -> list[Tensor]:
     """This member's box of every param's update (module docstring); collectives logged under `name`. A group of
     one owns every param whole: the kernels run on the directions as they are, with no exchange."""
     W, me = group.size, group.ranks.index(comm.rank)
     if W == 1:
-        return [kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
-                for d, kernel, g in zip(directions, kernels, geometries)]
+        return [
+            kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
+            for d, kernel, g in zip(directions, kernels, geometries)
+        ]
     sizes = [g.sizes for g in geometries]  # sizes[k][j]: member j's box of param k
-    owned = [[k for k, o in enumerate(owners) if o == j] for j in range(W)]  # owned[j]: params of member j
+    owned = [
+        [k for k, o in enumerate(owners) if o == j] for j in range(W)
+    ]  # owned[j]: params of member j
     to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]  # my boxes, by owner
-    from_member = [sum(sizes[k][j] for k in owned[me]) for j in range(W)]  # member j's boxes of my params
+    from_member = [
+        sum(sizes[k][j] for k in owned[me]) for j in range(W)
+    ]  # member j's boxes of my params
 
     send = pack([[directions[k] for k in owned[j]] for j in range(W)], directions[0].new_empty(0))
-    recv = unpack(comm.all_to_all(send, from_member, to_owner, group, name),
-                  [[sizes[k][j] for k in owned[me]] for j in range(W)])  # recv[j][i]: member j's box of owned[me][i]
+    recv = unpack(
+        comm.all_to_all(send, from_member, to_owner, group, name),
+        [[sizes[k][j] for k in owned[me]] for j in range(W)],
+    )  # recv[j][i]: member j's box of owned[me][i]
     boxes = []  # boxes[i][j]: member j's box of my i-th param's update
     for i, k in enumerate(owned[me]):
         frame = whole(geometries[k].global_shape)
         full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
         boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
 
-    send = pack([[b[j] for b in boxes] for j in range(W)], directions[0].new_empty(0, dtype=update_dtype))
-    back = unpack(comm.all_to_all(send, to_owner, from_member, group, name),
-                  [[sizes[k][me] for k in owned[j]] for j in range(W)])
+    send = pack(
+        [[b[j] for b in boxes] for j in range(W)], directions[0].new_empty(0, dtype=update_dtype)
+    )
+    back = unpack(
+        comm.all_to_all(send, to_owner, from_member, group, name),
+        [[sizes[k][me] for k in owned[j]] for j in range(W)],
+    )
     updates: list[Tensor | None] = [None] * len(directions)
     for j in range(W):
         for k, box in zip(owned[j], back[j]):
@@ -74,8 +95,14 @@ def exchange(comm: Comm, group: Group, geometries: Sequence[Geometry], owners: S
     return updates  # type: ignore[return-value]
 
 
-def exchange_bytes(geometries: Sequence[Geometry], owners: Sequence[int], member: int,
-                   itemsizes: Mapping[str, int], direction_dtype: str, update_dtype: str) -> tuple[int, int] | None:
+def exchange_bytes(
+    geometries: Sequence[Geometry],
+    owners: Sequence[int],
+    member: int,
+    itemsizes: Mapping[str, int],
+    direction_dtype: str,
+    update_dtype: str,
+) -> tuple[int, int] | None:
     """(sent, received) bytes of `member` in exchange (the traffic formula of the module docstring); None for a
     group of one (no collective)."""
     if geometries[0].group_size == 1:

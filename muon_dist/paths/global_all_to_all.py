@@ -38,9 +38,22 @@ def check(batch: Batch) -> None:
     assert len(batch.owners) == len(batch.params), batch
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
-    return exchange(comm, group, batch.geometries, batch.owners, directions, kernels, batch.update_torch_dtype, NAME)
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
+    return exchange(
+        comm,
+        group,
+        batch.geometries,
+        batch.owners,
+        directions,
+        kernels,
+        batch.update_torch_dtype,
+        NAME,
+    )
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
-    return exchange_bytes(batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype)
+    return exchange_bytes(
+        batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
+    )

@@ -28,13 +28,19 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 
 def check(batch: Batch) -> None:
-    assert batch.owners == () and all(len(c) == 1 for g in batch.geometries for c in g.components), batch
+    assert batch.owners == () and all(
+        len(c) == 1 for g in batch.geometries for c in g.components
+    ), batch
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     me = group.ranks.index(comm.rank)
-    return [kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
-            for d, kernel, geometry in zip(directions, kernels, batch.geometries)]
+    return [
+        kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
+        for d, kernel, geometry in zip(directions, kernels, batch.geometries)
+    ]
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> None:

@@ -30,24 +30,39 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 
 def check(batch: Batch) -> None:
-    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), (
+        batch
+    )
 
 
 def padded(batch: Batch) -> tuple[tuple, tuple[int, ...]]:
     """(geometries, owners) with the W - R zero matrices appended (the first param's geometry, members R..W-1)."""
     extra = batch.group_size - len(batch.params)
-    return batch.geometries + (batch.geometries[0],) * extra, batch.owners + tuple(range(len(batch.params),
-                                                                                         batch.group_size))
+    return batch.geometries + (batch.geometries[0],) * extra, batch.owners + tuple(
+        range(len(batch.params), batch.group_size)
+    )
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     geometries, all_owners = padded(batch)
     extra = batch.group_size - len(directions)
     zeros = [torch.zeros_like(directions[0]) for _ in range(extra)]
-    updates = exchange(comm, group, geometries, all_owners, list(directions) + zeros, list(kernels) + [kernels[0]] * extra,
-                       batch.update_torch_dtype, NAME)
+    updates = exchange(
+        comm,
+        group,
+        geometries,
+        all_owners,
+        list(directions) + zeros,
+        list(kernels) + [kernels[0]] * extra,
+        batch.update_torch_dtype,
+        NAME,
+    )
     return updates[: len(directions)]
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
-    return exchange_bytes(*padded(batch), member, itemsizes, batch.direction_dtype, batch.update_dtype)
+    return exchange_bytes(
+        *padded(batch), member, itemsizes, batch.direction_dtype, batch.update_dtype
+    )

@@ -28,11 +28,15 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 
 def check(batch: Batch) -> None:
-    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), batch
+    assert len(batch.params) <= batch.group_size and batch.owners == owners(len(batch.params), 0), (
+        batch
+    )
     assert len(set(batch.geometries)) == 1 and not batch.geometries[0].sharded, batch
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     shape = batch.geometries[0].global_shape
     me, numel = group.ranks.index(comm.rank), directions[0].numel()
     if me < len(directions):

@@ -19,7 +19,9 @@ def cut(full: Tensor, geometry: Geometry, frame: Box | None = None) -> list[Tens
     out = []
     for box in geometry.boxes:
         part = box.intersect(frame) if box.numel else None
-        out.append(full[part.within(frame).index].contiguous().reshape(-1) if part else full.new_empty(0))
+        out.append(
+            full[part.within(frame).index].contiguous().reshape(-1) if part else full.new_empty(0)
+        )
     return out
 
 

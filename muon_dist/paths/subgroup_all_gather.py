@@ -43,7 +43,9 @@ def shared(geometry: Geometry) -> list[tuple[int, ...]]:
 def check(batch: Batch) -> None:
     assert batch.owners == () and len(set(batch.geometries)) == 1, batch
     geometry = batch.geometries[0]
-    assert shared(geometry) and all(len(geometry.blocks_of(c)) == 1 for c in shared(geometry)), batch
+    assert shared(geometry) and all(len(geometry.blocks_of(c)) == 1 for c in shared(geometry)), (
+        batch
+    )
 
 
 def own_piece(update: Tensor, mine: Box, frame: Box) -> Tensor:
@@ -51,13 +53,20 @@ def own_piece(update: Tensor, mine: Box, frame: Box) -> Tensor:
     return update[mine.within(frame).index]
 
 
-def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]) -> list[Tensor]:
+def run(
+    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+) -> list[Tensor]:
     geometry, me, R = batch.geometries[0], group.ranks.index(comm.rank), len(directions)
     components = shared(geometry)
-    subs = comm.subgroups(tuple(tuple(g[j] for j in c) for g in geometry.groups for c in components))
+    subs = comm.subgroups(
+        tuple(tuple(g[j] for j in c) for g in geometry.groups for c in components)
+    )
     component = next((c for c in components if me in c), None)
     if component is None:  # whole blocks: the local path's computation
-        return [kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype) for d, kernel in zip(directions, kernels)]
+        return [
+            kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
+            for d, kernel in zip(directions, kernels)
+        ]
     block = geometry.blocks[geometry.blocks_of(component)[0]]
     frame = Box(block.offsets, block.shape)
     boxes = [geometry.boxes[j] for j in component]
@@ -75,7 +84,9 @@ def run(comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernel
     return out
 
 
-def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int] | None:
+def expected_bytes(
+    batch: Batch, member: int, itemsizes: Mapping[str, int]
+) -> tuple[int, int] | None:
     geometry = batch.geometries[0]
     component = next(c for c in geometry.components if member in c)
     if len(component) == 1:

@@ -14,23 +14,40 @@ import sys
 
 # the modules our code reaches through `import ... as` aliases and `from ... import`
 NAMESPACES = (
-    "torch", "torch.linalg", "torch.nn", "torch.nn.functional", "torch.optim", "torch.distributed",
-    "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.placement_types",
-    "torch.distributed.tensor.parallel", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.profiler",
-    "torch.testing", "torch.cuda",
+    "torch",
+    "torch.linalg",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.optim",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.profiler",
+    "torch.testing",
+    "torch.cuda",
 )
 
 
 def public_names(module: str) -> list[str]:
     """Every attribute of the module but dunders (private names too: code may reach _StridedShard)."""
-    return sorted(name for name in dir(importlib.import_module(module)) if not name.startswith("__"))
+    return sorted(
+        name for name in dir(importlib.import_module(module)) if not name.startswith("__")
+    )
 
 
 def main() -> int:
     import torch
 
-    json.dump({"torch": torch.__version__, "names": {ns: public_names(ns) for ns in NAMESPACES}}, sys.stdout,
-              indent=0, sort_keys=True)
+    json.dump(
+        {"torch": torch.__version__, "names": {ns: public_names(ns) for ns in NAMESPACES}},
+        sys.stdout,
+        indent=0,
+        sort_keys=True,
+    )
     sys.stdout.write("\n")
     return 0
 

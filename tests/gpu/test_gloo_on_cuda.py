@@ -12,17 +12,30 @@ import torch
 
 from muon_dist.harness import conformance, verify
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 @pytest.mark.timeout(900)
 def test_every_path_on_gloo_ranks_sharing_a_gpu_equals_muon_ref_on_cuda_bitwise(tmp_path):
     out = tmp_path / "verify_cuda.json"
-    assert verify.main(["--device", "cuda", "--world-sizes", "1", "2", "3", "4", "--json", str(out)]) == 0
+    assert (
+        verify.main(["--device", "cuda", "--world-sizes", "1", "2", "3", "4", "--json", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["violations"] == [] and all(r["bitwise"] for r in report["rows"])
-    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "subgroup_all_gather",
-            "global_all_to_all"} <= {r["path"] for r in report["rows"]}
+    assert {
+        "all_to_all",
+        "agrs",
+        "padded_all_to_all",
+        "replicated",
+        "local",
+        "subgroup_all_gather",
+        "global_all_to_all",
+    } <= {r["path"] for r in report["rows"]}
     assert {r["mesh"] for r in report["rows"]} == {"fsdp", "hsdp", "ep", "ddp"}
     assert {r["world_size"] for r in report["rows"] if r["mode"] == "resume"} == {1, 2, 3, 4}
 
@@ -30,8 +43,20 @@ def test_every_path_on_gloo_ranks_sharing_a_gpu_equals_muon_ref_on_cuda_bitwise(
 @pytest.mark.timeout(900)
 def test_distributed_muon_conforms_on_cuda_under_the_conformance_check(tmp_path):
     out = tmp_path / "conformance_cuda.json"
-    argv = ["--adapter", "muon_dist.harness.adapters.shipped:DistributedReference", "--device", "cuda",
-            "--world-sizes", "1", "2", "3", "--steps", "2", "--json", str(out)]
+    argv = [
+        "--adapter",
+        "muon_dist.harness.adapters.shipped:DistributedReference",
+        "--device",
+        "cuda",
+        "--world-sizes",
+        "1",
+        "2",
+        "3",
+        "--steps",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert conformance.main(argv) == 0
     (report,) = json.loads(out.read_text())
     assert report["device"] == "cuda" and report["conforms"]

@@ -22,4 +22,6 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def test_every_path_on_nccl_equals_muon_ref_bitwise(world_size, tmp_path):
     report = torchrun_verify(world_size, "nccl", tmp_path)
     assert report["violations"] == [] and all(r["bitwise"] for r in report["rows"])
-    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated"} <= {r["path"] for r in report["rows"]}
+    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated"} <= {
+        r["path"] for r in report["rows"]
+    }

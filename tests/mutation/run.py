@@ -33,14 +33,31 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORK = ROOT / ".mutation"
 # every target: muon_ref's core, then muon_dist's (docs/mutation.md: the whole run takes under an hour here)
-DEFAULT_TARGETS = ("ref_functional", "ref_config", "ref_newton_schulz", "dist_paths", "dist_plan", "dist_step",
-                   "dist_elementwise", "dist_layout", "dist_comm")
+DEFAULT_TARGETS = (
+    "ref_functional",
+    "ref_config",
+    "ref_newton_schulz",
+    "dist_paths",
+    "dist_plan",
+    "dist_step",
+    "dist_elementwise",
+    "dist_layout",
+    "dist_comm",
+)
 
 
 def copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked, not ignored) copied to dest."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     shutil.rmtree(dest, ignore_errors=True)
     for name in filter(None, listed):
         if (ROOT / name).is_file():
@@ -51,7 +68,9 @@ def copy_tree(dest: Path) -> None:
 def present_config(target: str, tree: Path) -> tuple[Path, list[str]]:
     """The target's config with the module paths that exist in tree, written beside the session; and the missing."""
     cfg = load_config(str(HERE / f"{target}.toml"))
-    paths = [cfg["module-path"]] if isinstance(cfg["module-path"], str) else list(cfg["module-path"])
+    paths = (
+        [cfg["module-path"]] if isinstance(cfg["module-path"], str) else list(cfg["module-path"])
+    )
     cfg["module-path"] = [p for p in paths if (tree / p).exists()]
     (WORK / f"{target}.toml").write_text(serialize_config(cfg))
     return WORK / f"{target}.toml", [p for p in paths if not (tree / p).exists()]
@@ -64,11 +83,23 @@ def cosmic_ray(*args: str, tree: Path, env: dict[str, str]) -> None:
 def check_imports_copy(tree: Path, env: dict[str, str]) -> None:
     """The packages that the tests import, in the environment of their command, are the copy's (where the mutants
     are written), never the checkout's that an editable install points at."""
-    found = subprocess.run([sys.executable, "-c", "import muon_dist, muon_ref; print(muon_dist.__file__); "
-                            "print(muon_ref.__file__)"], cwd=tree, env=env, check=True, capture_output=True, text=True)
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import muon_dist, muon_ref; print(muon_dist.__file__); print(muon_ref.__file__)",
+        ],
+        cwd=tree,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     for path in found.stdout.split():
         if not Path(path).resolve().is_relative_to(tree.resolve()):
-            raise SystemExit(f"the tests would import {path}, not the copy under {tree}: mutants would not reach them")
+            raise SystemExit(
+                f"the tests would import {path}, not the copy under {tree}: mutants would not reach them"
+            )
 
 
 def summarize(session: Path) -> tuple[list[str], list[str]]:
@@ -83,21 +114,27 @@ def summarize(session: Path) -> tuple[list[str], list[str]]:
                 c["annotation" if result.output == "Filtered operator" else "unsampled"] += 1
             elif result.test_outcome == TestOutcome.SURVIVED:
                 c["survived"] += 1
-                survivors.append(f"{m.module_path}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}\n{result.diff}")
+                survivors.append(
+                    f"{m.module_path}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}\n{result.diff}"
+                )
             elif result.test_outcome == TestOutcome.KILLED:
                 c["killed"] += 1
                 out = result.output or ""
                 c["timeout"] += out == "timeout"
-                c["at import"] += "ERROR collecting" in out or "ImportError while loading conftest" in out
+                c["at import"] += (
+                    "ERROR collecting" in out or "ImportError while loading conftest" in out
+                )
             else:
                 c["incompetent"] += 1
     lines = []
     for module, c in sorted(counts.items()):
         tested = c["killed"] + c["survived"] + c["incompetent"]
-        lines.append(f"{module}: {c['killed']}/{tested} killed ({100 * c['killed'] / max(tested, 1):.1f}%), "
-                     f"{c['survived']} survived, {c['incompetent']} incompetent; of the killed {c['at import']} at "
-                     f"import, {c['timeout']} by timeout; sample {tested} of {tested + c['unsampled']} mutants "
-                     f"({c['annotation']} in annotations skipped)")
+        lines.append(
+            f"{module}: {c['killed']}/{tested} killed ({100 * c['killed'] / max(tested, 1):.1f}%), "
+            f"{c['survived']} survived, {c['incompetent']} incompetent; of the killed {c['at import']} at "
+            f"import, {c['timeout']} by timeout; sample {tested} of {tested + c['unsampled']} mutants "
+            f"({c['annotation']} in annotations skipped)"
+        )
     return lines, survivors
 
 
@@ -113,13 +150,17 @@ def run_target(target: str, env: dict[str, str]) -> list[str]:
     session.unlink(missing_ok=True)
     cosmic_ray("cosmic-ray", "init", str(config), str(session), tree=tree, env=env)
     cosmic_ray("cr-filter-operators", str(session), str(config), tree=tree, env=env)
-    cosmic_ray(sys.executable, str(HERE / "sample.py"), str(session), str(config), tree=tree, env=env)
+    cosmic_ray(
+        sys.executable, str(HERE / "sample.py"), str(session), str(config), tree=tree, env=env
+    )
     cosmic_ray("cosmic-ray", "baseline", str(config), tree=tree, env=env)
     cosmic_ray("cosmic-ray", "exec", str(config), str(session), tree=tree, env=env)
     lines, survivors = summarize(session)
     (WORK / f"{target}.survivors.txt").write_text("\n".join(survivors))
-    wall = (f"[{target}] wall time {time.monotonic() - start:.0f} s, load average {load} at the start, "
-            f"{os.getloadavg()[0]:.1f} at the end; survivors in .mutation/{target}.survivors.txt")
+    wall = (
+        f"[{target}] wall time {time.monotonic() - start:.0f} s, load average {load} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end; survivors in .mutation/{target}.survivors.txt"
+    )
     return [f"[{target}] {line}" for line in lines] + [wall]
 
 
@@ -129,8 +170,12 @@ def main(targets: list[str]) -> int:
         known = sorted(p.stem for p in HERE.glob("*.toml"))
         raise SystemExit(f"unknown mutation targets {unknown}; known: {known}")
     WORK.mkdir(exist_ok=True)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               HYPOTHESIS_PROFILE="mutation", PYTHONPATH=str(WORK / "tree"))
+    env = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        HYPOTHESIS_PROFILE="mutation",
+        PYTHONPATH=str(WORK / "tree"),
+    )
     start = time.monotonic()
     for target in targets:
         print("\n".join(run_target(target, env)), flush=True)

@@ -34,7 +34,9 @@ class SampleFilter(FilterApp):
         return __doc__
 
     def add_args(self, parser: ArgumentParser) -> None:
-        parser.add_argument("config", help="the target's cosmic-ray config, with [cosmic-ray.filters.sample]")
+        parser.add_argument(
+            "config", help="the target's cosmic-ray config, with [cosmic-ray.filters.sample]"
+        )
 
     def filter(self, work_db: WorkDB, args: Namespace) -> None:
         options = load_config(args.config).sub("filters", "sample")
@@ -51,7 +53,8 @@ class SampleFilter(FilterApp):
             skipped += [item.job_id for item in items[per_module:]]
         if skipped:
             work_db.set_multiple_results(
-                skipped, WorkResult(output="Filtered by sample", worker_outcome=WorkerOutcome.SKIPPED)
+                skipped,
+                WorkResult(output="Filtered by sample", worker_outcome=WorkerOutcome.SKIPPED),
             )
 
 

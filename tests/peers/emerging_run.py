@@ -12,12 +12,11 @@ says how many of the peer's calls the repo answered.
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import atexit
 import runpy
 import sys
+from collections import Counter
+from typing import Any
 
 import torch
 

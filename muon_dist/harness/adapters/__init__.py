@@ -59,7 +59,9 @@ class Adapter:
         return "local"
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
-        raise NotImplementedError(f"adapter {self.name!r} must implement build(params, **hyperparameters)")
+        raise NotImplementedError(
+            f"adapter {self.name!r} must implement build(params, **hyperparameters)"
+        )
 
     def momentum(self, opt: torch.optim.Optimizer, p: Tensor) -> Tensor | None:
         """The momentum buffer of p (None when this rank holds none), viewed as p's local shape."""
@@ -99,23 +101,37 @@ class ImportPath(Adapter):
     sys.path first; `hp_names` maps our hyperparameter names to the class's (None: it has no such argument);
     `kwargs` are passed as they are."""
 
-    def __init__(self, target: str, preset: str | None = "torch", overrides: dict[str, Any] | None = None,
-                 hp_names: dict[str, str | None] | None = None, kwargs: dict[str, Any] | None = None,
-                 distributed: str | None = None, families: frozenset[str] | None = None,
-                 state_key: str | None = "momentum_buffer") -> None:
+    def __init__(
+        self,
+        target: str,
+        preset: str | None = "torch",
+        overrides: dict[str, Any] | None = None,
+        hp_names: dict[str, str | None] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        distributed: str | None = None,
+        families: frozenset[str] | None = None,
+        state_key: str | None = "momentum_buffer",
+    ) -> None:
         parts = target.split(":")
         if len(parts) not in (2, 3):
-            raise ValueError(f"adapter target {target!r} must be 'module:Class' or 'checkout_dir:module:Class'")
+            raise ValueError(
+                f"adapter target {target!r} must be 'module:Class' or 'checkout_dir:module:Class'"
+            )
         self.target, self.preset = target, preset
         # JSON cannot spell a dtype: "bfloat16" for update_dtype / ns_dtype means torch.bfloat16
-        self.overrides = {k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v
-                          for k, v in (overrides or {}).items()}
+        self.overrides = {
+            k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v
+            for k, v in (overrides or {}).items()
+        }
         self.hp_names = {k: k for k in HYPERPARAMETERS} | dict(hp_names or {})
         self.hyperparameters = frozenset(k for k, v in self.hp_names.items() if v is not None)
         self.kwargs, self.distributed, self.state_key = dict(kwargs or {}), distributed, state_key
-        default = {None: SINGLE_FAMILIES, "dtensor": SINGLE_FAMILIES | DIST_FAMILIES,
-                   "replicated": SINGLE_FAMILIES | REPLICATED_FAMILIES,
-                   "unreduced": SINGLE_FAMILIES | UNREDUCED_FAMILIES}[distributed]
+        default = {
+            None: SINGLE_FAMILIES,
+            "dtensor": SINGLE_FAMILIES | DIST_FAMILIES,
+            "replicated": SINGLE_FAMILIES | REPLICATED_FAMILIES,
+            "unreduced": SINGLE_FAMILIES | UNREDUCED_FAMILIES,
+        }[distributed]
         self.families = families or default
         self.name = parts[-1]
 
@@ -130,7 +146,10 @@ class ImportPath(Adapter):
 
         top = self._class().__module__.split(".")[0]
         dists = packages_distributions().get(top, [])
-        return str(getattr(sys.modules[top], "__version__", None) or (package_version(dists[0]) if dists else "local"))
+        return str(
+            getattr(sys.modules[top], "__version__", None)
+            or (package_version(dists[0]) if dists else "local")
+        )
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         named = {self.hp_names[k]: v for k, v in hp.items() if self.hp_names.get(k)}

@@ -45,32 +45,88 @@ import torch
 
 from ..fixtures import box_of, seeded
 
-SINGLE_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "experts3d", "conv4d", "micro_batches",
-                             "nesterov_off"})
+SINGLE_FAMILIES = frozenset(
+    {
+        "tall",
+        "wide",
+        "square",
+        "row",
+        "primes",
+        "experts3d",
+        "conv4d",
+        "micro_batches",
+        "nesterov_off",
+    }
+)
 MATRIX_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes"})  # 2-D params only
 FUSED_FAMILIES = frozenset({"experts_fused"})
-DIST_FAMILIES = frozenset({"even", "uneven", "empty", "remainder", "experts", "padded_scale", "asym_none",
-                           "accumulation", "checkpoint", "checkpoint_unstepped"})
-REPLICATED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "asym_none", "accumulation", "checkpoint",
-                                 "checkpoint_unstepped"})
-UNREDUCED_FAMILIES = frozenset({"even", "remainder", "mixed", "experts", "straddle", "accumulation", "checkpoint",
-                                "checkpoint_unstepped"})
+DIST_FAMILIES = frozenset(
+    {
+        "even",
+        "uneven",
+        "empty",
+        "remainder",
+        "experts",
+        "padded_scale",
+        "asym_none",
+        "accumulation",
+        "checkpoint",
+        "checkpoint_unstepped",
+    }
+)
+REPLICATED_FAMILIES = frozenset(
+    {
+        "even",
+        "remainder",
+        "mixed",
+        "experts",
+        "asym_none",
+        "accumulation",
+        "checkpoint",
+        "checkpoint_unstepped",
+    }
+)
+UNREDUCED_FAMILIES = frozenset(
+    {
+        "even",
+        "remainder",
+        "mixed",
+        "experts",
+        "straddle",
+        "accumulation",
+        "checkpoint",
+        "checkpoint_unstepped",
+    }
+)
 CHECKPOINT_FAMILIES = frozenset({"checkpoint", "checkpoint_unstepped"})
 ACCUMULATION_FAMILIES = frozenset({"micro_batches", "accumulation"})
-MODE_FAMILIES = {"dtensor": DIST_FAMILIES, "replicated": REPLICATED_FAMILIES, "unreduced": UNREDUCED_FAMILIES}
+MODE_FAMILIES = {
+    "dtensor": DIST_FAMILIES,
+    "replicated": REPLICATED_FAMILIES,
+    "unreduced": UNREDUCED_FAMILIES,
+}
 
 # DeepSpeed #8443 compared 1 with 4 micro-batches (1.3e-1 relative difference under ZeRO-3)
 MICRO_BATCHES = 4
 
 _SINGLE_SHAPES = {
-    "tall": ((12, 6),), "wide": ((6, 12),), "square": ((8, 8),), "row": ((1, 10),), "primes": ((13, 7),),
-    "experts3d": ((3, 6, 4),), "conv4d": ((4, 3, 2, 2),), "experts_fused": ((4 * 3, 5),),
-    "micro_batches": ((6, 4),), "nesterov_off": ((6, 8),),  # wide: not torch.optim.Muon's bf16 tall-matrix ulp
+    "tall": ((12, 6),),
+    "wide": ((6, 12),),
+    "square": ((8, 8),),
+    "row": ((1, 10),),
+    "primes": ((13, 7),),
+    "experts3d": ((3, 6, 4),),
+    "conv4d": ((4, 3, 2, 2),),
+    "experts_fused": ((4 * 3, 5),),
+    "micro_batches": ((6, 4),),
+    "nesterov_off": ((6, 8),),  # wide: not torch.optim.Muon's bf16 tall-matrix ulp
 }
 # options a family sets on both sides (param-group keys and hyperparameters of muon_ref; the adapter maps them to
 # its own; a family whose option is a hyperparameter the adapter does not take is not run for it)
-FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {"experts_fused": (("num_experts", 4),),
-                                                             "nesterov_off": (("nesterov", False),)}
+FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
+    "experts_fused": (("num_experts", 4),),
+    "nesterov_off": (("nesterov", False),),
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +149,11 @@ class Case:
 
     def label(self) -> str:
         shapes = _shapes_label(self.shapes)
-        ranks = f"{self.world_size}->{self.resume_world_size}" if self.resume_world_size else f"{self.world_size}"
+        ranks = (
+            f"{self.world_size}->{self.resume_world_size}"
+            if self.resume_world_size
+            else f"{self.world_size}"
+        )
         where = "1 device" if self.mode == "single" else f"W={ranks} {self.mode}"
         on = "" if self.device == "cpu" else f" {self.device}"
         opts = "".join(f" {k}={v}" for k, v in self.options)
@@ -124,13 +184,20 @@ def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...]
         return ((W + 1, 4, 3),) * W
     if family == "mixed":  # a batch of W straddles the two shapes when W > 1
         return ((6, 4),) * (W + 1) + ((3, 5),) * max(W - 1, 1)
-    if family in CHECKPOINT_FAMILIES:  # uneven boxes at W; tall at any W' even if padded; no remainder batch
+    if (
+        family in CHECKPOINT_FAMILIES
+    ):  # uneven boxes at W; tall at any W' even if padded; no remainder batch
         return ((2 * W + 1, 2),) * max(W, 2)
     if W == 1:  # the families below need several ranks
         return None
-    return {"uneven": ((2 * W - 1, 2 * W - 1),) * W,  # no empty box; padded to 2W rows it would be transposed
-            "empty": ((W - 1, 4),) * W, "padded_scale": ((3 * W - 1, 3),) * W,
-            "asym_none": ((2 * W, 5),) * W, "straddle": ((3, 5),) * (W + 1)}[family]
+    return {
+        "uneven": ((2 * W - 1, 2 * W - 1),)
+        * W,  # no empty box; padded to 2W rows it would be transposed
+        "empty": ((W - 1, 4),) * W,
+        "padded_scale": ((3 * W - 1, 3),) * W,
+        "asym_none": ((2 * W, 5),) * W,
+        "straddle": ((3, 5),) * (W + 1),
+    }[family]
 
 
 def in_family(case: Case) -> bool:
@@ -141,12 +208,18 @@ def in_family(case: Case) -> bool:
     rows = [s[0] for s in shapes]
     if case.mode == "single":
         experts = dict(case.options).get("num_experts", 1)
-        return {"tall": shapes[0][0] > shapes[0][1], "wide": shapes[0][0] < shapes[0][1],
-                "square": shapes[0][0] == shapes[0][1], "row": shapes[0][0] == 1,
-                "primes": all(_prime(d) for d in shapes[0]), "experts3d": len(shapes[0]) == 3,
-                "conv4d": len(shapes[0]) == 4,
-                "experts_fused": len(shapes[0]) == 2 and shapes[0][0] % experts == 0,
-                "micro_batches": True, "nesterov_off": True}[fam]
+        return {
+            "tall": shapes[0][0] > shapes[0][1],
+            "wide": shapes[0][0] < shapes[0][1],
+            "square": shapes[0][0] == shapes[0][1],
+            "row": shapes[0][0] == 1,
+            "primes": all(_prime(d) for d in shapes[0]),
+            "experts3d": len(shapes[0]) == 3,
+            "conv4d": len(shapes[0]) == 4,
+            "experts_fused": len(shapes[0]) == 2 and shapes[0][0] % experts == 0,
+            "micro_batches": True,
+            "nesterov_off": True,
+        }[fam]
     if case.mode == "unreduced" and W & (W - 1):
         return False
     if fam == "even":
@@ -160,8 +233,10 @@ def in_family(case: Case) -> bool:
     if fam == "experts":
         return all(len(s) == 3 for s in shapes)
     if fam == "padded_scale":
-        return all(len(s) == 2 and s[0] > s[1] and s[0] % W != 0 and s[0] > math.ceil(s[0] / W) * (W - 1)
-                   for s in shapes)
+        return all(
+            len(s) == 2 and s[0] > s[1] and s[0] % W != 0 and s[0] > math.ceil(s[0] / W) * (W - 1)
+            for s in shapes
+        )
     if fam == "straddle":
         return W > 1 and _every_partition_boundary_inside_a_param(shapes, W)
     if fam == "asym_none":
@@ -185,25 +260,52 @@ def _prime(n: int) -> bool:
     return n > 1 and all(n % k for k in range(2, int(n**0.5) + 1))
 
 
-def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple[int, ...],
-                  dtypes: tuple[str, ...], steps: int, device: str = "cpu",
-                  variants: tuple[dict[str, object], ...] = ({},)) -> list[Case]:
+def default_cases(
+    families: frozenset[str],
+    mode: str | None,
+    world_sizes: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    steps: int,
+    device: str = "cpu",
+    variants: tuple[dict[str, object], ...] = ({},),
+) -> list[Case]:
     """Every supported single-device family, then every family of the adapter's mode on every world size; each in
     every dtype and every variant (options over the check's defaults). A checkpoint case saved at W resumes at the
     next world size of the list (the first after the last; W itself when there is one)."""
-    def made(family: str, mode: str, W: int, shapes: tuple, resume: int | None = None) -> list[Case]:
-        return [Case(family, mode, W, shapes, d, steps, device=device, resume_world_size=resume,
-                     options=FAMILY_OPTIONS.get(family, ()) + tuple(v.items())) for v in variants for d in dtypes]
 
-    cases = [c for f in sorted(families & (SINGLE_FAMILIES | FUSED_FAMILIES)) for c in made(f, "single", 1,
-                                                                                          _SINGLE_SHAPES[f])]
+    def made(
+        family: str, mode: str, W: int, shapes: tuple, resume: int | None = None
+    ) -> list[Case]:
+        return [
+            Case(
+                family,
+                mode,
+                W,
+                shapes,
+                d,
+                steps,
+                device=device,
+                resume_world_size=resume,
+                options=FAMILY_OPTIONS.get(family, ()) + tuple(v.items()),
+            )
+            for v in variants
+            for d in dtypes
+        ]
+
+    cases = [
+        c
+        for f in sorted(families & (SINGLE_FAMILIES | FUSED_FAMILIES))
+        for c in made(f, "single", 1, _SINGLE_SHAPES[f])
+    ]
     if mode is None:
         return cases
     for i, W in enumerate(world_sizes):
         for f in sorted(families & MODE_FAMILIES[mode]):
             shapes = family_shapes(f, mode, W)
             resume = world_sizes[(i + 1) % len(world_sizes)] if f in CHECKPOINT_FAMILIES else None
-            if shapes is not None and (resume is None or family_shapes(f, mode, resume) is not None):
+            if shapes is not None and (
+                resume is None or family_shapes(f, mode, resume) is not None
+            ):
                 cases += made(f, mode, W, shapes, resume)
     return cases
 
@@ -211,16 +313,22 @@ def default_cases(families: frozenset[str], mode: str | None, world_sizes: tuple
 def initial_params(case: Case) -> list[torch.Tensor]:
     """The full initial parameters on the case's device: the same on every rank and in the parent (seeded per
     param, drawn on the CPU)."""
-    return [seeded(s, case.seed * 7919 + i, case.dtype, case.device) for i, s in enumerate(case.shapes)]
+    return [
+        seeded(s, case.seed * 7919 + i, case.dtype, case.device) for i, s in enumerate(case.shapes)
+    ]
 
 
 def gradients(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
-    return [seeded(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
-            for i, s in enumerate(case.shapes)]
+    return [
+        seeded(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
+        for i, s in enumerate(case.shapes)
+    ]
 
 
-def exact_gradient(shape: tuple[int, ...], seed: int, dtype: str, device: str = "cpu") -> torch.Tensor:
+def exact_gradient(
+    shape: tuple[int, ...], seed: int, dtype: str, device: str = "cpu"
+) -> torch.Tensor:
     """Integers in [-8, 8] times 2**-3, drawn from a generator seeded with `seed` on the CPU. Any partial sum of up
     to 32 of them (W <= 8 ranks of MICRO_BATCHES) is k * 2**-3 with |k| <= 256, exact in bf16 (every integer up to
     256 is one) and fp32, and so is its division by a power of two."""
@@ -240,13 +348,21 @@ def save_step(case: Case) -> int:
 
 def world_at(case: Case, step: int) -> int:
     """The number of ranks that run `step`: resume_world_size after the checkpoint family's save, else world_size."""
-    return case.resume_world_size if case.family in CHECKPOINT_FAMILIES and step >= save_step(case) else case.world_size
+    return (
+        case.resume_world_size
+        if case.family in CHECKPOINT_FAMILIES and step >= save_step(case)
+        else case.world_size
+    )
 
 
 def _missing(case: Case, step: int, rank: int) -> set[int]:
     """The params without a gradient on `rank` at `step` (module docstring: asym_none, checkpoint_unstepped)."""
     if case.family == "asym_none" and step == asym_step(case):
-        return {i for i in range(min(len(case.shapes), case.world_size - 1)) if rank == (i + 1) % case.world_size}
+        return {
+            i
+            for i in range(min(len(case.shapes), case.world_size - 1))
+            if rank == (i + 1) % case.world_size
+        }
     if case.family == "checkpoint_unstepped" and step < save_step(case):
         return {len(case.shapes) - 1}
     return set()
@@ -266,9 +382,15 @@ def rank_gradients(case: Case, step: int, rank: int) -> list[list[torch.Tensor |
     if not _summed(case):
         return [[None if i in missing else g for i, g in enumerate(gradients(case, step))]]
     drawer = rank if case.mode == "unreduced" else 0
-    return [[None if i in missing else exact_gradient(s, _seed(case, step, micro, drawer, i), case.dtype, case.device)
-             for i, s in enumerate(case.shapes)]
-            for micro in range(MICRO_BATCHES if case.family in ACCUMULATION_FAMILIES else 1)]
+    return [
+        [
+            None
+            if i in missing
+            else exact_gradient(s, _seed(case, step, micro, drawer, i), case.dtype, case.device)
+            for i, s in enumerate(case.shapes)
+        ]
+        for micro in range(MICRO_BATCHES if case.family in ACCUMULATION_FAMILIES else 1)
+    ]
 
 
 def _seed(case: Case, step: int, micro: int, rank: int, index: int) -> int:
@@ -308,7 +430,9 @@ def placement(case: Case) -> str:
     return "S0" if case.mode == "dtensor" else "plain"
 
 
-def local_box(full: torch.Tensor, case: Case, rank: int, world_size: int | None = None) -> torch.Tensor:
+def local_box(
+    full: torch.Tensor, case: Case, rank: int, world_size: int | None = None
+) -> torch.Tensor:
     """What `rank` of `world_size` (default: the case's) holds of `full`: torch.chunk's chunk along dim 0 for
     dtensor, else all of it."""
     return box_of(full, placement(case), "fsdp", rank, world_size or case.world_size)
@@ -321,7 +445,9 @@ def smaller(case: Case) -> list[Case]:
         out += [replace(case, shapes=case.shapes[:-1]), replace(case, shapes=case.shapes[1:])]
     for dim in range(len(case.shapes[0]) if case.shapes else 0):
         for shrink in (lambda d: d // 2, lambda d: d - 1):
-            shapes = tuple(s[:dim] + (shrink(s[dim]),) + s[dim + 1:] if s == case.shapes[0] else s
-                           for s in case.shapes)
+            shapes = tuple(
+                s[:dim] + (shrink(s[dim]),) + s[dim + 1 :] if s == case.shapes[0] else s
+                for s in case.shapes
+            )
             out.append(replace(case, shapes=shapes))
     return [c for c in out if c != case and in_family(c)]

@@ -29,17 +29,26 @@ CONVENTION_OPTIONS: list[dict[str, Any]] = [
     {"momentum_style": "ema", "nesterov_form": "lerp"},
     {"momentum_style": "sum", "nesterov_form": "add_alpha"},
     {"momentum_style": "sum", "nesterov_form": "mul_add"},
-    {"nesterov": True}, {"nesterov": False},
-    {"weight_decay_form": "mul"}, {"weight_decay_form": "add_self"},
-    *({"lr_scale": s} for s in ("original", "match_rms_adamw", "spectral_norm", "spectral", "none")),
-    {"scale_sqrt": "sqrt"}, {"scale_sqrt": "pow"},
+    {"nesterov": True},
+    {"nesterov": False},
+    {"weight_decay_form": "mul"},
+    {"weight_decay_form": "add_self"},
+    *(
+        {"lr_scale": s}
+        for s in ("original", "match_rms_adamw", "spectral_norm", "spectral", "none")
+    ),
+    {"scale_sqrt": "sqrt"},
+    {"scale_sqrt": "pow"},
     *({"scale_apply": s} for s in ("alpha", "update", "update_lr", "update_lr_cast")),
-    {"update_dtype": None}, {"update_dtype": torch.float32},
+    {"update_dtype": None},
+    {"update_dtype": torch.float32},
     *({"schedule": s} for s in ("keller", "you5", "polar_express", "polar_express_modded")),
     *({"step_form": s} for s in ("addmm", "keller", "dion")),
-    {"eps_mode": "add"}, {"eps_mode": "clamp"},
+    {"eps_mode": "add"},
+    {"eps_mode": "clamp"},
     *({"eps": e} for e in (1e-6, 1e-7, 1e-8)),
-    {"normalize_before_cast": True}, {"normalize_before_cast": False},
+    {"normalize_before_cast": True},
+    {"normalize_before_cast": False},
     {"ns_dtype": torch.float32},
 ]
 
@@ -52,7 +61,9 @@ def _valid(preset: str | None, overrides: dict[str, Any]) -> bool:
         return False
 
 
-def _changes(preset: str | None, overrides: dict[str, Any]) -> list[tuple[dict[str, Any], str | None, dict]]:
+def _changes(
+    preset: str | None, overrides: dict[str, Any]
+) -> list[tuple[dict[str, Any], str | None, dict]]:
     """(the change, preset, overrides) for each option that changes this configuration."""
     current = preset_defaults(preset, overrides)
     out = []
@@ -80,11 +91,15 @@ def alternatives(preset: str | None, overrides: dict[str, Any]):
 
 
 def _fmt(option: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={str(v).replace('torch.', '') if isinstance(v, torch.dtype) else repr(v)}"
-                     for k, v in option.items())
+    return ", ".join(
+        f"{k}={str(v).replace('torch.', '') if isinstance(v, torch.dtype) else repr(v)}"
+        for k, v in option.items()
+    )
 
 
-def find_convention(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str | None:
+def find_convention(
+    outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]
+) -> str | None:
     """The first configuration of the search that reproduces every completed case; None if none does."""
     departing = [o for o in outcomes if o.status == "differs"]
     kept = [o for o in outcomes if o.status == "bitwise"]
@@ -105,9 +120,17 @@ def by_family(outcomes: list[Outcome], hit: Callable[[Outcome], bool]) -> str:
         if not hits:
             continue
         dtypes = sorted({o.case.dtype for o in hits})
-        note = f"{dtypes[0]} only" if len(dtypes) == 1 and len({o.case.dtype for o in mine}) > 1 else ""
-        where = sorted({("1 device" if o.case.mode == "single" else f"W={o.case.world_size}") for o in hits})
-        parts.append(f"{family} ({len(hits)}/{len(mine)}: {', '.join(where)}{'; ' + note if note else ''})")
+        note = (
+            f"{dtypes[0]} only"
+            if len(dtypes) == 1 and len({o.case.dtype for o in mine}) > 1
+            else ""
+        )
+        where = sorted(
+            {("1 device" if o.case.mode == "single" else f"W={o.case.world_size}") for o in hits}
+        )
+        parts.append(
+            f"{family} ({len(hits)}/{len(mine)}: {', '.join(where)}{'; ' + note if note else ''})"
+        )
     return ", ".join(parts)
 
 
@@ -126,21 +149,30 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
         if convention:
             parts.append(f"convention: {convention}")
         else:
-            bitwise = sorted({o.case.family for o in outcomes if o.status == "bitwise"}
-                             - {o.case.family for o in departing})
+            bitwise = sorted(
+                {o.case.family for o in outcomes if o.status == "bitwise"}
+                - {o.case.family for o in departing}
+            )
             kind = "bug" if bitwise else "departs everywhere"
             departs = by_family(outcomes, _status("differs"))
-            parts.append(f"{kind}: no muon_ref convention explains it; departs on {departs}"
-                         + (f"; bitwise on {', '.join(bitwise)}" if bitwise else ""))
+            parts.append(
+                f"{kind}: no muon_ref convention explains it; departs on {departs}"
+                + (f"; bitwise on {', '.join(bitwise)}" if bitwise else "")
+            )
         if disagree:
             parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")
     for status in ("crash", "hang"):
         if any(o.status == status for o in outcomes):
-            parts.append(f"{status}es on {by_family(outcomes, _status(status))}" if status == "crash"
-                         else f"hangs on {by_family(outcomes, _status(status))}")
+            parts.append(
+                f"{status}es on {by_family(outcomes, _status(status))}"
+                if status == "crash"
+                else f"hangs on {by_family(outcomes, _status(status))}"
+            )
     verdict = "; ".join(parts) or "conforms: every case bitwise equal to the claim"
     answers = sorted({o.policy for o in outcomes if o.policy})
-    return verdict + (f" (gradients missing on some ranks only: {', '.join(answers)})" if answers else "")
+    return verdict + (
+        f" (gradients missing on some ranks only: {', '.join(answers)})" if answers else ""
+    )
 
 
 __all__ = ["CONVENTION_OPTIONS", "alternatives", "by_family", "diagnose", "find_convention"]

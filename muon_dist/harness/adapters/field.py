@@ -58,13 +58,25 @@ class TorchtitanDistMuon(Adapter):
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         from torch.distributed.tensor import Shard
-        from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, build_dist_muon
+        from torchtitan.distributed.flex_shard import (
+            BucketConfig,
+            ComputeLayout,
+            Owned,
+            build_dist_muon,
+        )
 
         names = [f"p{i}" for i in range(len(params))]
         # the mesh axis is named "fsdp" by the conformance workers (muon_dist/harness/adapters/workers.py)
-        layouts = {n: ComputeLayout({"fsdp": Owned() if p.ndim == 2 else Shard(0)}) for n, p in zip(names, params)}
-        return build_dist_muon([{"params": params, "param_names": names}], compute_sharding_by_fqn=layouts,
-                               bucket_configs=[BucketConfig(patterns=("*",))], **hp)
+        layouts = {
+            n: ComputeLayout({"fsdp": Owned() if p.ndim == 2 else Shard(0)})
+            for n, p in zip(names, params)
+        }
+        return build_dist_muon(
+            [{"params": params, "param_names": names}],
+            compute_sharding_by_fqn=layouts,
+            bucket_configs=[BucketConfig(patterns=("*",))],
+            **hp,
+        )
 
 
 class TorchtitanDistMuonOnCpu(TorchtitanDistMuon):
@@ -99,9 +111,15 @@ def _patch_torchtitan_for_cpu() -> None:
 
     def cpu_context(cls: type, device: torch.device) -> Any:
         def slot() -> Any:
-            return runtime._PipelineSlot(runtime._BufferSlot(), torch.cpu.Event(), torch.cpu.Event(), torch.cpu.Event())
-        return cls(device_handle=torch.cpu, transfer_stream=torch.cpu.Stream(),
-                   slots=tuple(slot() for _ in range(runtime._NUM_PIPELINE_SLOTS)))
+            return runtime._PipelineSlot(
+                runtime._BufferSlot(), torch.cpu.Event(), torch.cpu.Event(), torch.cpu.Event()
+            )
+
+        return cls(
+            device_handle=torch.cpu,
+            transfer_stream=torch.cpu.Stream(),
+            slots=tuple(slot() for _ in range(runtime._NUM_PIPELINE_SLOTS)),
+        )
 
     dist_muon.DistMuon._validate_parameter_storage = storage_device
     runtime._CommunicationContext.create = classmethod(cpu_context)
@@ -142,14 +160,23 @@ class DionMuon(Adapter):
             return "no checkout"
         if not os.path.exists(os.path.join(self.checkout, ".git")):
             return "checkout (no git metadata)"
-        git = subprocess.run(["git", "-C", self.checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True)
-        return f"checkout {git.stdout.strip()}" if git.returncode == 0 else "checkout (no git metadata)"
+        git = subprocess.run(
+            ["git", "-C", self.checkout, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+        )
+        return (
+            f"checkout {git.stdout.strip()}"
+            if git.returncode == 0
+            else "checkout (no git metadata)"
+        )
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         if not self.checkout or not os.path.isdir(os.path.join(self.checkout, "dion")):
-            raise ValueError(f"no Dion checkout: pass DionMuon(checkout=...) or set ${DION_CHECKOUT_ENV} to the folder "
-                             f"holding the dion package (got {self.checkout!r})")
+            raise ValueError(
+                f"no Dion checkout: pass DionMuon(checkout=...) or set ${DION_CHECKOUT_ENV} to the folder "
+                f"holding the dion package (got {self.checkout!r})"
+            )
         if self.checkout not in sys.path:
             sys.path.insert(0, self.checkout)
         _run_eagerly()
@@ -157,7 +184,9 @@ class DionMuon(Adapter):
 
         mesh = getattr(params[0], "device_mesh", None)
         renamed = {"mu" if k == "momentum" else k: v for k, v in hp.items()}
-        return dion.Muon([{"params": params, "flatten": params[0].ndim >= 4}], distributed_mesh=mesh, **renamed)
+        return dion.Muon(
+            [{"params": params, "flatten": params[0].ndim >= 4}], distributed_mesh=mesh, **renamed
+        )
 
 
 class GramNewtonSchulzMuon(Adapter):
@@ -177,10 +206,21 @@ class GramNewtonSchulzMuon(Adapter):
     is the rest; 4-D params are outside its contract (2-D or 3-D, muon.py:261-263). Momentum in state["momentum"]."""
 
     name, preset = "gram_newton_schulz.Muon (torch ops, eager)", None
-    overrides = {"momentum_style": "sum", "nesterov_form": "mul_add", "weight_decay_form": "mul",
-                 "lr_scale": "match_rms_adamw", "scale_sqrt": "sqrt", "scale_apply": "update_lr",
-                 "update_dtype": torch.bfloat16, "schedule": "polar_express_dao", "eps": 1e-7, "eps_mode": "add",
-                 "ns_dtype": torch.float16, "step_form": "addmm", "normalize_before_cast": True}
+    overrides = {
+        "momentum_style": "sum",
+        "nesterov_form": "mul_add",
+        "weight_decay_form": "mul",
+        "lr_scale": "match_rms_adamw",
+        "scale_sqrt": "sqrt",
+        "scale_apply": "update_lr",
+        "update_dtype": torch.bfloat16,
+        "schedule": "polar_express_dao",
+        "eps": 1e-7,
+        "eps_mode": "add",
+        "ns_dtype": torch.float16,
+        "step_form": "addmm",
+        "normalize_before_cast": True,
+    }
     families = SINGLE_FAMILIES - {"conv4d"}
     state_key = "momentum"
 
@@ -194,4 +234,10 @@ class GramNewtonSchulzMuon(Adapter):
         return gram_newton_schulz.Muon(params, ns_use_kernels=False, **hp)
 
 
-__all__ = ["DION_CHECKOUT_ENV", "DionMuon", "GramNewtonSchulzMuon", "TorchtitanDistMuon", "TorchtitanDistMuonOnCpu"]
+__all__ = [
+    "DION_CHECKOUT_ENV",
+    "DionMuon",
+    "GramNewtonSchulzMuon",
+    "TorchtitanDistMuon",
+    "TorchtitanDistMuonOnCpu",
+]

@@ -34,7 +34,12 @@ from .cases import NONE_POLICIES, Case, asym_step, initial_params, local_box, or
 
 # Hyperparameters every case runs with (values unlike every preset's defaults, so that a dropped or renamed
 # argument shows): each goes to the candidate when its adapter accepts it, and always into the claim.
-HYPERPARAMETERS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True}
+HYPERPARAMETERS: dict[str, Any] = {
+    "lr": 0.02,
+    "weight_decay": 0.1,
+    "momentum": 0.9,
+    "nesterov": True,
+}
 HP_FIELDS = tuple(HYPERPARAMETERS)
 
 
@@ -79,28 +84,48 @@ class Outcome:
         return None if first is None else self.param_diffs[-1] > self.param_diffs[first - 1]
 
     def summary(self) -> dict[str, Any]:
-        return {"case": self.case.label(), "family": self.case.family, "dtype": self.case.dtype,
-                "mode": self.case.mode, "world_size": self.case.world_size,
-                "resume_world_size": self.case.resume_world_size, "shapes": self.case.shapes,
-                "steps": self.case.steps, "status": self.status, "max_diff": self.max_diff,
-                "param_diffs": list(self.param_diffs), "state_diff": self.state_diff,
-                "first_step": self.first_step, "grows": self.grows, "error": self.error,
-                "replicas": self.replicas, "policy": self.policy}
+        return {
+            "case": self.case.label(),
+            "family": self.case.family,
+            "dtype": self.case.dtype,
+            "mode": self.case.mode,
+            "world_size": self.case.world_size,
+            "resume_world_size": self.case.resume_world_size,
+            "shapes": self.case.shapes,
+            "steps": self.case.steps,
+            "status": self.status,
+            "max_diff": self.max_diff,
+            "param_diffs": list(self.param_diffs),
+            "state_diff": self.state_diff,
+            "first_step": self.first_step,
+            "grows": self.grows,
+            "error": self.error,
+            "replicas": self.replicas,
+            "policy": self.policy,
+        }
 
 
-Reference = dict[str, tuple[list, list]]  # policy -> (params after each step, final momentum buffers)
-Segment = tuple[int, list[dict]]  # (world size, each rank's result: muon_dist/harness/adapters/workers.py)
+Reference = dict[
+    str, tuple[list, list]
+]  # policy -> (params after each step, final momentum buffers)
+Segment = tuple[
+    int, list[dict]
+]  # (world size, each rank's result: muon_dist/harness/adapters/workers.py)
 
 
 def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> Reference:
     """muon_ref.Muon under (preset, overrides and the case's options) on the full tensors, on the case's device, for
     each policy the case's family admits: (params after each step, final momentum buffers; zeros for a param that
     never stepped), as CPU copies."""
-    return {policy: _reference_run(case, preset, overrides, policy)
-            for policy in (NONE_POLICIES if case.family == "asym_none" else NONE_POLICIES[:1])}
+    return {
+        policy: _reference_run(case, preset, overrides, policy)
+        for policy in (NONE_POLICIES if case.family == "asym_none" else NONE_POLICIES[:1])
+    }
 
 
-def _reference_run(case: Case, preset: str | None, overrides: dict[str, Any], policy: str) -> tuple[list, list]:
+def _reference_run(
+    case: Case, preset: str | None, overrides: dict[str, Any], policy: str
+) -> tuple[list, list]:
     params = initial_params(case)
     groups = [{"params": [p], "flatten": p.ndim >= 4} for p in params]
     opt = muon_ref.Muon(groups, preset=preset, **{**overrides, **dict(case.options)})
@@ -110,7 +135,9 @@ def _reference_run(case: Case, preset: str | None, overrides: dict[str, Any], po
             p.grad = g
         opt.step()
         per_step.append([p.detach().cpu().clone() for p in params])
-    return per_step, [opt.state[p].get("momentum_buffer", torch.zeros_like(p)).cpu() for p in params]
+    return per_step, [
+        opt.state[p].get("momentum_buffer", torch.zeros_like(p)).cpu() for p in params
+    ]
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
@@ -138,8 +165,10 @@ def _policy(case: Case, segments: list[Segment]) -> tuple[str, str | None]:
         return "raise", None
     quiet = sorted(r for r, e in errs.items() if not e)
     rank, error = next((r, e) for r, e in sorted(errs.items()) if e)
-    return "", (f"at step {step + 1} rank {rank} raised {error[:200]}"
-                + (f"; ranks {quiet} did not" if quiet else "; the ranks raised different errors"))
+    return "", (
+        f"at step {step + 1} rank {rank} raised {error[:200]}"
+        + (f"; ranks {quiet} did not" if quiet else "; the ranks raised different errors")
+    )
 
 
 def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcome:
@@ -171,12 +200,19 @@ def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcom
     replicas = _disagreement(case, segments)
     bitwise &= not replicas
     answer = _policy_label(policy, segments, bitwise) if case.family == "asym_none" else None
-    return Outcome(case, "bitwise" if bitwise else "differs", tuple(diffs), state_diff, results=segments,
-                   replicas=replicas, policy=answer)
+    return Outcome(
+        case,
+        "bitwise" if bitwise else "differs",
+        tuple(diffs),
+        state_diff,
+        results=segments,
+        replicas=replicas,
+        policy=answer,
+    )
 
 
 def _policy_label(policy: str, segments: list[Segment], bitwise: bool) -> str:
-    """"raise <exception type>", "skip" (no rank raised, and the oracle that skips agrees), or "no error raised"."""
+    """ "raise <exception type>", "skip" (no rank raised, and the oracle that skips agrees), or "no error raised"."""
     if policy == "raise":
         error = next(e for _, results in segments for r in results for e in r["errors"] if e)
         return f"raise {error.split(':')[0]}"
@@ -191,13 +227,20 @@ def _disagreement(case: Case, segments: list[Segment]) -> str | None:
         for k in range(len(results[0]["params"])):
             step = results[0]["first_step"] + k
             for i in range(len(case.shapes)):
-                differ = [rank for rank, r in enumerate(results[1:], 1)
-                          if not same_bits(r["params"][k][i], results[0]["params"][k][i])]
+                differ = [
+                    rank
+                    for rank, r in enumerate(results[1:], 1)
+                    if not same_bits(r["params"][k][i], results[0]["params"][k][i])
+                ]
                 if differ:
                     return f"param {i} after step {step + 1}: ranks {differ} differ from rank 0 (W={world})"
     world, results = segments[-1]
     for i in range(len(case.shapes)):
-        held = [(rank, r["momentum"][i]) for rank, r in enumerate(results) if r["momentum"][i] is not None]
+        held = [
+            (rank, r["momentum"][i])
+            for rank, r in enumerate(results)
+            if r["momentum"][i] is not None
+        ]
         differ = [rank for rank, m in held[1:] if not same_bits(m, held[0][1])]
         if differ:
             return f"momentum of param {i} at the end: ranks {differ} differ from rank {held[0][0]} (W={world})"
@@ -206,7 +249,12 @@ def _disagreement(case: Case, segments: list[Segment]) -> str | None:
 
 def matches(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> bool:
     """Does muon_ref under (preset, overrides) reproduce the candidate's recorded results bit for bit?"""
-    return compare(outcome.case, outcome.results, reference_steps(outcome.case, preset, overrides)).status == "bitwise"
+    return (
+        compare(
+            outcome.case, outcome.results, reference_steps(outcome.case, preset, overrides)
+        ).status
+        == "bitwise"
+    )
 
 
 def resolved_hyperparameters(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any]:

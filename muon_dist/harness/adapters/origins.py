@@ -22,7 +22,9 @@ from . import Adapter
 from .cases import FUSED_FAMILIES, MATRIX_FAMILIES
 from .shipped import KellerSingleDevice, TorchMuon
 
-FP32 = ("float32",)  # the presets' bitwise claims are for fp32 params (docs/conventions.md, "Noticed in the field")
+FP32 = (
+    "float32",
+)  # the presets' bitwise claims are for fp32 params (docs/conventions.md, "Noticed in the field")
 
 
 class Restated(torch.optim.Optimizer):
@@ -66,15 +68,23 @@ class Moonlight(RestatedAdapter):
     variants = ({}, {"nesterov": False})
 
 
-DION_LR_SCALES = {"spectral_norm": "spectral_norm", "match_rms_adamw": "rms_norm"}  # muon_ref name -> Dion's
+DION_LR_SCALES = {
+    "spectral_norm": "spectral_norm",
+    "match_rms_adamw": "rms_norm",
+}  # muon_ref name -> Dion's
 
 
 class Dion(RestatedAdapter):
     name, preset, state_key = "microsoft/dion dion/muon.py", "dion", "momentum"
     families = MATRIX_FAMILIES | {"experts3d"}
     restates = staticmethod(origins.dion_step)
-    names = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "mu", "nesterov": "nesterov",
-             "lr_scale": "adjust_lr"}
+    names = {
+        "lr": "lr",
+        "weight_decay": "weight_decay",
+        "momentum": "mu",
+        "nesterov": "nesterov",
+        "lr_scale": "adjust_lr",
+    }
     values = {"lr_scale": DION_LR_SCALES}
     variants = ({}, {"nesterov": False, "lr_scale": "match_rms_adamw"})
 
@@ -90,11 +100,19 @@ class Xtuner(Dion):
 class Emerging(RestatedAdapter):
     name, preset, families = "NVIDIA-NeMo/Emerging-Optimizers muon.py", "emerging", MATRIX_FAMILIES
     restates = staticmethod(origins.emerging_step)
-    names = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum_beta", "nesterov": "use_nesterov"}
+    names = {
+        "lr": "lr",
+        "weight_decay": "weight_decay",
+        "momentum": "momentum_beta",
+        "nesterov": "use_nesterov",
+    }
     variants = ({}, {"nesterov": False})
 
 
-TORCH_ADJUST_LR = {"original": "original", "match_rms_adamw": "match_rms_adamw"}  # muon_ref name -> torch's
+TORCH_ADJUST_LR = {
+    "original": "original",
+    "match_rms_adamw": "match_rms_adamw",
+}  # muon_ref name -> torch's
 
 
 class TorchOrigin(TorchMuon):
@@ -103,7 +121,9 @@ class TorchOrigin(TorchMuon):
     families, dtypes = MATRIX_FAMILIES, FP32
     variants = ({}, {"nesterov": False, "lr_scale": "match_rms_adamw"})
 
-    def build(self, params: list[Tensor], lr_scale: str = "original", **hp: Any) -> torch.optim.Optimizer:
+    def build(
+        self, params: list[Tensor], lr_scale: str = "original", **hp: Any
+    ) -> torch.optim.Optimizer:
         return torch.optim.Muon(params, adjust_lr_fn=TORCH_ADJUST_LR[lr_scale], **hp)
 
 
@@ -115,6 +135,10 @@ class KellerOrigin(KellerSingleDevice):
 
 
 ORIGINS: dict[str, type[Adapter]] = {
-    "torch": TorchOrigin, "keller": KellerOrigin, "moonlight": Moonlight, "dion": Dion, "xtuner": Xtuner,
+    "torch": TorchOrigin,
+    "keller": KellerOrigin,
+    "moonlight": Moonlight,
+    "dion": Dion,
+    "xtuner": Xtuner,
     "emerging": Emerging,
 }

@@ -25,16 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muon_dist.comm import older_collective_names
 from muon_ref import MatrixLayout, lr_scale, matrix_layout, momentum_direction, orthogonalize
 from muon_ref.config import MuonConfig
-from muon_dist.comm import older_collective_names
 from muon_ref.functional import apply_update, decay
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
 from ..fixtures import chunk, local
 from . import Adapter
-from .cases import CHECKPOINT_FAMILIES, DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
+from .cases import (
+    CHECKPOINT_FAMILIES,
+    DIST_FAMILIES,
+    REPLICATED_FAMILIES,
+    SINGLE_FAMILIES,
+    UNREDUCED_FAMILIES,
+)
 
 
 def _groups(params: list[Tensor]) -> list[dict[str, Any]]:
@@ -57,8 +63,10 @@ def agreed_gradients(params: list[Tensor]) -> list[bool]:
     differ = torch.nonzero(flags.amin(0) != flags.amax(0)).flatten().tolist()
     if differ:
         ranks = torch.nonzero(flags[:, differ[0]]).flatten().tolist()
-        raise ValueError(f"param {differ[0]} of shape {tuple(params[differ[0]].shape)} has a gradient on ranks "
-                         f"{ranks} only")
+        raise ValueError(
+            f"param {differ[0]} of shape {tuple(params[differ[0]].shape)} has a gradient on ranks "
+            f"{ranks} only"
+        )
     return flags[0].bool().tolist()
 
 
@@ -122,7 +130,9 @@ class InPlaceForeachScale(SmallMuon):
 
     def applied(self, p: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
         scaled = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
-        torch._foreach_mul_([scaled], cfg.lr * lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt))
+        torch._foreach_mul_(
+            [scaled], cfg.lr * lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt)
+        )
         return decay(p, cfg).sub(scaled).to(p.dtype)
 
 
@@ -144,7 +154,9 @@ class MuonPerMicroBatch(SmallMuon):
         cfg = group_config(group)
         buf = self.state[p].get("momentum_buffer", torch.zeros_like(p))
         self.state[p]["momentum_buffer"], direction = momentum_direction(grad, buf, cfg)
-        return self.orthogonalized(direction, _layout(p, group), cfg).to(grad.dtype)  # a gradient has p's dtype
+        return self.orthogonalized(direction, _layout(p, group), cfg).to(
+            grad.dtype
+        )  # a gradient has p's dtype
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         """P' = applied(P, what autograd accumulated of the hooks' updates)."""
@@ -193,7 +205,9 @@ class GatherMuon(torch.optim.Optimizer):
         state = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         G, M, P = (self.gathered(t) for t in (p.grad, state, p))
         new_buf, direction = momentum_direction(G, M, cfg)
-        new = apply_update(P, orthogonalize(direction, layout, cfg), self.scale_layout(p, layout), cfg)
+        new = apply_update(
+            P, orthogonalize(direction, layout, cfg), self.scale_layout(p, layout), cfg
+        )
         local(p).copy_(self._box(new, p))
         local(state).copy_(self._box(new_buf, p))
 
@@ -301,17 +315,21 @@ class RoundRobinMuon(torch.optim.Optimizer):
         directions = {}
         for p, group in entries:
             buf = self.state[p]["momentum_buffer"]
-            self.state[p]["momentum_buffer"], directions[p] = momentum_direction(p.grad, buf, group_config(group))
+            self.state[p]["momentum_buffer"], directions[p] = momentum_direction(
+                p.grad, buf, group_config(group)
+            )
         W, rank = dist.get_world_size(), dist.get_rank()
         slots = entries + [None] * self.padding(len(entries), W)
         for start in range(0, len(entries), W):
-            batch = slots[start:start + W]
+            batch = slots[start : start + W]
             size = max(p.numel() for p, _ in filter(None, batch))
             mine = torch.zeros(size, dtype=entries[0][0].dtype)
             if batch[rank] is not None:
                 p, group = batch[rank]
                 cfg, layout = group_config(group), _layout(p, group)
-                mine[:p.numel()] = apply_update(p, orthogonalize(directions[p], layout, cfg), layout, cfg).flatten()
+                mine[: p.numel()] = apply_update(
+                    p, orthogonalize(directions[p], layout, cfg), layout, cfg
+                ).flatten()
             gathered = torch.empty(W * size, dtype=mine.dtype)
             with older_collective_names():  # names every supported torch has
                 dist.all_gather_into_tensor(gathered, mine)
@@ -327,7 +345,7 @@ class RoundRobinMuon(torch.optim.Optimizer):
         for entry, row in zip(batch, gathered):
             if entry is not None:
                 p, _ = entry
-                p.copy_(row[:p.numel()].view(p.shape))
+                p.copy_(row[: p.numel()].view(p.shape))
 
 
 class RemainderPadding(RoundRobinMuon):
@@ -350,7 +368,7 @@ class GatherNeverLands(RoundRobinMuon):
         rank = dist.get_rank()
         if batch[rank] is not None:
             p, _ = batch[rank]
-            p.copy_(gathered[rank][:p.numel()].view(p.shape))
+            p.copy_(gathered[rank][: p.numel()].view(p.shape))
 
 
 # ---------------------------------------------------------------- unreduced, ZeRO-1/2 style
@@ -384,8 +402,12 @@ class ZeroMuon(torch.optim.Optimizer):
         """Reduce-scatter the flat gradients, whole_gradient, step what overlaps this partition, all-gather params."""
         W, (lo, hi) = dist.get_world_size(), self.mine
         stepping = agreed_gradients([p for p, *_ in self.spans])
-        flat = torch.cat([p.grad.flatten() if on else torch.zeros(p.numel(), dtype=p.dtype)
-                          for (p, *_), on in zip(self.spans, stepping)])
+        flat = torch.cat(
+            [
+                p.grad.flatten() if on else torch.zeros(p.numel(), dtype=p.dtype)
+                for (p, *_), on in zip(self.spans, stepping)
+            ]
+        )
         flat = torch.cat([flat, flat.new_zeros(W * self.part - flat.numel())])
         reduced = torch.empty(self.part, dtype=flat.dtype)
         with older_collective_names():  # names every supported torch has
@@ -398,8 +420,12 @@ class ZeroMuon(torch.optim.Optimizer):
             if on and a < hi and b > lo:
                 cfg, layout = group_config(group), _layout(p, group)
                 buf = self.state[p]["momentum_buffer"]
-                self.state[p]["momentum_buffer"], direction = momentum_direction(whole[a:b].view(p.shape), buf, cfg)
-                new[a:b] = apply_update(p, orthogonalize(direction, layout, cfg), layout, cfg).flatten()
+                self.state[p]["momentum_buffer"], direction = momentum_direction(
+                    whole[a:b].view(p.shape), buf, cfg
+                )
+                new[a:b] = apply_update(
+                    p, orthogonalize(direction, layout, cfg), layout, cfg
+                ).flatten()
         gathered = torch.empty_like(new)
         with older_collective_names():  # names every supported torch has
             dist.all_gather_into_tensor(gathered, new[lo:hi].clone())
@@ -434,8 +460,14 @@ class PlantedAdapter(Adapter):
     """One of this module's optimizers behind the conformance check: built on one group per param, claiming
     `preset` (torch unless said), for the families of its kind that the suite runs."""
 
-    def __init__(self, optimizer: type[torch.optim.Optimizer], distributed: str | None, families: frozenset[str],
-                 preset: str = "torch", dtypes: tuple[str, ...] = ("float32",)) -> None:
+    def __init__(
+        self,
+        optimizer: type[torch.optim.Optimizer],
+        distributed: str | None,
+        families: frozenset[str],
+        preset: str = "torch",
+        dtypes: tuple[str, ...] = ("float32",),
+    ) -> None:
         self.optimizer, self.distributed, self.families = optimizer, distributed, families
         self.name, self.preset, self.dtypes = optimizer.__name__, preset, dtypes
 
@@ -466,41 +498,115 @@ class Planted:
 
 _SHOWN = frozenset({"tall", "square", "experts3d"})  # single-device families that must stay bitwise
 PLANTED: tuple[Planted, ...] = (
-    Planted(1, "microsoft/dion #74", PlantedAdapter(EmptyBoxSkipsItsParam, "dtensor", DIST_FAMILIES), "hang",
-            frozenset({"empty"}), DIST_FAMILIES - {"empty"}),
-    Planted(2, "KellerJordan/Muon #37", PlantedAdapter(LocalGradientDecision, "dtensor", DIST_FAMILIES), "hang",
-            frozenset({"asym_none"}), DIST_FAMILIES - {"asym_none"}),
-    Planted(3, "KellerJordan muon-optimizer 0.1.0", PlantedAdapter(RemainderPadding, "replicated",
-                                                                    REPLICATED_FAMILIES), "crash",
-            frozenset({"remainder"}), REPLICATED_FAMILIES - {"remainder"}, world_sizes=(2, 4)),
-    Planted(4, "NVIDIA/Megatron-LM #6683", PlantedAdapter(PaddedShapeScale, "dtensor", DIST_FAMILIES), "bug",
-            frozenset({"padded_scale", "uneven"}), frozenset({"even", "empty", "remainder", "experts"})),
-    Planted(5, "InternLM/xtuner PR 1716", PlantedAdapter(ShardShapeScale, "dtensor", DIST_FAMILIES), "bug",
-            frozenset({"padded_scale"}), frozenset({"even", "uneven", "remainder", "experts"})),
-    Planted(6, "deepspeedai/DeepSpeed #7807", PlantedAdapter(PartlyReducedStraddlers, "unreduced",
-                                                              UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES), "replicas",
-            frozenset({"straddle"}), frozenset({"even", "experts"})),
-    Planted(7, "deepspeedai/DeepSpeed #8443", PlantedAdapter(MuonPerMicroBatch, None, SINGLE_FAMILIES), "bug",
-            frozenset({"micro_batches"}), SINGLE_FAMILIES - {"micro_batches"}),
-    Planted(8, "microsoft/dion #18", PlantedAdapter(LazyState, "dtensor", DIST_FAMILIES), "crash",
-            frozenset({"checkpoint_unstepped"}), DIST_FAMILIES - {"checkpoint_unstepped"}),
-    Planted(9, "karpathy/nanochat #843", PlantedAdapter(GatherNeverLands, "replicated", REPLICATED_FAMILIES),
-            "replicas", frozenset({"even", "remainder", "mixed"})),
-    Planted(11, "torch.optim.Muon 2.13", PlantedAdapter(InPlaceNormalisedInput, None, _SHOWN | {"nesterov_off"},
-                                                         dtypes=("float32", "bfloat16")), "bug",
-            frozenset({"nesterov_off"}), _SHOWN),
-    Planted(12, "InternLM/xtuner vs microsoft/dion", PlantedAdapter(InPlaceForeachScale, None, _SHOWN, preset="dion"),
-            "convention", _SHOWN, names="scale_apply='update_lr_cast'"),
-    Planted(13, "muon-fsdp2 0.3.0", PlantedAdapter(EqualShardGather, "dtensor", DIST_FAMILIES), "crash",
-            frozenset({"uneven", "empty"}), frozenset({"even", "remainder"})),
+    Planted(
+        1,
+        "microsoft/dion #74",
+        PlantedAdapter(EmptyBoxSkipsItsParam, "dtensor", DIST_FAMILIES),
+        "hang",
+        frozenset({"empty"}),
+        DIST_FAMILIES - {"empty"},
+    ),
+    Planted(
+        2,
+        "KellerJordan/Muon #37",
+        PlantedAdapter(LocalGradientDecision, "dtensor", DIST_FAMILIES),
+        "hang",
+        frozenset({"asym_none"}),
+        DIST_FAMILIES - {"asym_none"},
+    ),
+    Planted(
+        3,
+        "KellerJordan muon-optimizer 0.1.0",
+        PlantedAdapter(RemainderPadding, "replicated", REPLICATED_FAMILIES),
+        "crash",
+        frozenset({"remainder"}),
+        REPLICATED_FAMILIES - {"remainder"},
+        world_sizes=(2, 4),
+    ),
+    Planted(
+        4,
+        "NVIDIA/Megatron-LM #6683",
+        PlantedAdapter(PaddedShapeScale, "dtensor", DIST_FAMILIES),
+        "bug",
+        frozenset({"padded_scale", "uneven"}),
+        frozenset({"even", "empty", "remainder", "experts"}),
+    ),
+    Planted(
+        5,
+        "InternLM/xtuner PR 1716",
+        PlantedAdapter(ShardShapeScale, "dtensor", DIST_FAMILIES),
+        "bug",
+        frozenset({"padded_scale"}),
+        frozenset({"even", "uneven", "remainder", "experts"}),
+    ),
+    Planted(
+        6,
+        "deepspeedai/DeepSpeed #7807",
+        PlantedAdapter(
+            PartlyReducedStraddlers, "unreduced", UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES
+        ),
+        "replicas",
+        frozenset({"straddle"}),
+        frozenset({"even", "experts"}),
+    ),
+    Planted(
+        7,
+        "deepspeedai/DeepSpeed #8443",
+        PlantedAdapter(MuonPerMicroBatch, None, SINGLE_FAMILIES),
+        "bug",
+        frozenset({"micro_batches"}),
+        SINGLE_FAMILIES - {"micro_batches"},
+    ),
+    Planted(
+        8,
+        "microsoft/dion #18",
+        PlantedAdapter(LazyState, "dtensor", DIST_FAMILIES),
+        "crash",
+        frozenset({"checkpoint_unstepped"}),
+        DIST_FAMILIES - {"checkpoint_unstepped"},
+    ),
+    Planted(
+        9,
+        "karpathy/nanochat #843",
+        PlantedAdapter(GatherNeverLands, "replicated", REPLICATED_FAMILIES),
+        "replicas",
+        frozenset({"even", "remainder", "mixed"}),
+    ),
+    Planted(
+        11,
+        "torch.optim.Muon 2.13",
+        PlantedAdapter(
+            InPlaceNormalisedInput, None, _SHOWN | {"nesterov_off"}, dtypes=("float32", "bfloat16")
+        ),
+        "bug",
+        frozenset({"nesterov_off"}),
+        _SHOWN,
+    ),
+    Planted(
+        12,
+        "InternLM/xtuner vs microsoft/dion",
+        PlantedAdapter(InPlaceForeachScale, None, _SHOWN, preset="dion"),
+        "convention",
+        _SHOWN,
+        names="scale_apply='update_lr_cast'",
+    ),
+    Planted(
+        13,
+        "muon-fsdp2 0.3.0",
+        PlantedAdapter(EqualShardGather, "dtensor", DIST_FAMILIES),
+        "crash",
+        frozenset({"uneven", "empty"}),
+        frozenset({"even", "remainder"}),
+    ),
 )
 UNREACHABLE: dict[int, str] = {
     10: "PrimeIntellect/prime-rl #3490: a first-step all-to-all deadlock across nodes (EP8/CP4) until NCCL "
-        "connections were warmed up. The check runs gloo ranks on one machine: no NCCL, no second node.",
+    "connections were warmed up. The check runs gloo ranks on one machine: no NCCL, no second node.",
 }
 # Each base conforms on every family of its kind (tests/test_planted.py): the planted defect is the only departure.
 BASES: tuple[PlantedAdapter, ...] = (
-    PlantedAdapter(SmallMuon, None, SINGLE_FAMILIES), PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES),
+    PlantedAdapter(SmallMuon, None, SINGLE_FAMILIES),
+    PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES),
     PlantedAdapter(RoundRobinMuon, "replicated", REPLICATED_FAMILIES),
     PlantedAdapter(ZeroMuon, "unreduced", UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES),
 )
@@ -515,15 +621,31 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
         if o["status"] != "bitwise":
             by.setdefault(o["family"], set()).add(o["status"])
     expected_status = {"crash": "crash", "hang": "hang"}.get(planted.diagnosis)
-    kind = {"bug": diagnosis.startswith("bug:"), "replicas": "replicas disagree on" in diagnosis,
-            "convention": diagnosis.startswith("convention:") and planted.names in diagnosis,
-            "crash": "crashes on" in diagnosis, "hang": "hangs on" in diagnosis}[planted.diagnosis]
+    kind = {
+        "bug": diagnosis.startswith("bug:"),
+        "replicas": "replicas disagree on" in diagnosis,
+        "convention": diagnosis.startswith("convention:") and planted.names in diagnosis,
+        "crash": "crashes on" in diagnosis,
+        "hang": "hangs on" in diagnosis,
+    }[planted.diagnosis]
     wrong = [f"not {planted.diagnosis}"] if not kind else []
     wrong += [f"{f} did not depart" for f in sorted(planted.caught_by - set(by))]
-    wrong += [f"{f} departed ({', '.join(sorted(by[f]))})" for f in sorted(planted.bitwise_on & set(by))]
+    wrong += [
+        f"{f} departed ({', '.join(sorted(by[f]))})" for f in sorted(planted.bitwise_on & set(by))
+    ]
     if expected_status:
-        wrong += [f"{f}: {', '.join(sorted(by[f]))}, not {expected_status}" for f in sorted(planted.caught_by & set(by))
-                  if by[f] != {expected_status}]
-    return {"field_bug": planted.field_bug, "source": planted.source, "optimizer": planted.adapter.name,
-            "caught": bool(by), "by": {f: sorted(s) for f, s in sorted(by.items())}, "right": not wrong,
-            "wrong": wrong, "diagnosis": diagnosis}
+        wrong += [
+            f"{f}: {', '.join(sorted(by[f]))}, not {expected_status}"
+            for f in sorted(planted.caught_by & set(by))
+            if by[f] != {expected_status}
+        ]
+    return {
+        "field_bug": planted.field_bug,
+        "source": planted.source,
+        "optimizer": planted.adapter.name,
+        "caught": bool(by),
+        "by": {f: sorted(s) for f, s in sorted(by.items())},
+        "right": not wrong,
+        "wrong": wrong,
+        "diagnosis": diagnosis,
+    }

@@ -156,9 +156,18 @@ class Muonium(Adapter):
     NS on every rank, redistribute."""
 
     name, preset, distributed = "muonium.Muon", None, "dtensor"
-    overrides = {"momentum_style": "sum", "nesterov_form": "mul_add", "lr_scale": "original",
-                 "scale_apply": "update_lr", "update_dtype": torch.float32, "schedule": "polar_express_modded",
-                 "eps": 1e-6, "eps_mode": "add", "step_form": "dion", "weight_decay": 0.0}
+    overrides = {
+        "momentum_style": "sum",
+        "nesterov_form": "mul_add",
+        "lr_scale": "original",
+        "scale_apply": "update_lr",
+        "update_dtype": torch.float32,
+        "schedule": "polar_express_modded",
+        "eps": 1e-6,
+        "eps_mode": "add",
+        "step_form": "dion",
+        "weight_decay": 0.0,
+    }
     families = SINGLE_FAMILIES | DIST_FAMILIES
     hyperparameters = frozenset({"lr", "momentum", "nesterov"})
 
@@ -188,9 +197,14 @@ class MuoniumNoTriton(Muonium):
 
 
 SHIPPED: dict[str, type[Adapter]] = {
-    "torch": TorchMuon, "keller": KellerSingleDevice, "keller-distributed": KellerDistributed,
-    "muon-fsdp2": MuonFsdp2, "muonium": Muonium, "muonium-no-triton": MuoniumNoTriton,
-    "torchtitan": TorchtitanDistMuon, "torchtitan-cpu": TorchtitanDistMuonOnCpu,
+    "torch": TorchMuon,
+    "keller": KellerSingleDevice,
+    "keller-distributed": KellerDistributed,
+    "muon-fsdp2": MuonFsdp2,
+    "muonium": Muonium,
+    "muonium-no-triton": MuoniumNoTriton,
+    "torchtitan": TorchtitanDistMuon,
+    "torchtitan-cpu": TorchtitanDistMuonOnCpu,
     "gram-newton-schulz": GramNewtonSchulzMuon,
 }
 # Dion is a checkout, not a package: in the set only when $MUON_DION_CHECKOUT names one (a clone may lack it)

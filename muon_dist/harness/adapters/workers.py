@@ -46,7 +46,11 @@ def _params(case: Case, zeros: bool = False) -> torch.nn.Module:
     torch.distributed.checkpoint.state_dict uses as the optimizer state's keys."""
     module = torch.nn.Module()
     module.params = torch.nn.ParameterList(
-        [torch.nn.Parameter(_on_rank(torch.zeros_like(p) if zeros else p, case)) for p in initial_params(case)])
+        [
+            torch.nn.Parameter(_on_rank(torch.zeros_like(p) if zeros else p, case))
+            for p in initial_params(case)
+        ]
+    )
     return module
 
 
@@ -61,8 +65,13 @@ def _feed(params: list[torch.Tensor], case: Case, step: int) -> None:
             torch.autograd.backward([p * 1.0 for p, _ in fed], [g for _, g in fed])
 
 
-def _steps(adapter: Adapter, case: Case, opt: torch.optim.Optimizer, params: list[torch.Tensor],
-           steps: range) -> dict[str, Any]:
+def _steps(
+    adapter: Adapter,
+    case: Case,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    steps: range,
+) -> dict[str, Any]:
     """Run `steps`. After each, every rank meets at the harness barrier: a rank that finished its step cannot run
     ahead into the next step's collectives while a peer is still inside this one (the peer then waits, and the
     case is a hang, as in the field). The step of asym_none may raise: the error is recorded, not raised."""
@@ -81,8 +90,12 @@ def _steps(adapter: Adapter, case: Case, opt: torch.optim.Optimizer, params: lis
         per_step.append([local(p.detach()).cpu().clone() for p in params])
         errors.append(error)
     momenta = [adapter.momentum(opt, p) for p in params]
-    return {"first_step": steps.start, "params": per_step, "errors": errors,
-            "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta]}
+    return {
+        "first_step": steps.start,
+        "params": per_step,
+        "errors": errors,
+        "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta],
+    }
 
 
 def candidate_steps(adapter: Adapter, case: Case, hp: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +118,10 @@ def candidate_save(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) 
     module = _params(case)
     opt = adapter.build(list(module.params), **{**hp, **dict(case.options)})
     result = _steps(adapter, case, opt, list(module.params), range(save_step(case)))
-    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}, checkpoint_id=path)
+    dcp.save(
+        {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)},
+        checkpoint_id=path,
+    )
     return result
 
 
@@ -114,7 +130,10 @@ def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str
     loaded from `path` (its own state dict as the template, set_optimizer_state_dict to install it), then the
     remaining steps."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     _harness_group()
     module = _params(case, zeros=True)
@@ -124,4 +143,7 @@ def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str
     module.load_state_dict(state["model"])
     set_optimizer_state_dict(module, opt, state["optim"])
     loaded = [local(p.detach()).cpu().clone() for p in module.params]
-    return {**_steps(adapter, case, opt, list(module.params), range(save_step(case), case.steps)), "loaded": loaded}
+    return {
+        **_steps(adapter, case, opt, list(module.params), range(save_step(case), case.steps)),
+        "loaded": loaded,
+    }
