@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test lint test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
+.PHONY: verify test lint notebooks test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ test-thorough: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# every notebook executed headless; its figures written to notebooks/figures/*.png (the stored notebooks unchanged)
+notebooks: $(STAMP)
+	$(PY) notebooks/run_all.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

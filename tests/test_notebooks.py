@@ -119,3 +119,29 @@ def test_notebooks_import_only_muon_refs_public_api(name: str) -> None:
         if module == "muon_ref" and imported:
             assert imported in muon_ref.__all__, f"{name}: {imported} is not in muon_ref.__all__"
     assert "muon_ref._" not in path.read_text(), f"{name} reaches into a private muon_ref module"
+
+
+def test_the_headless_recipe_writes_each_figure_of_a_notebook_as_a_png(tmp_path: Path) -> None:
+    # `make notebooks` (notebooks/run_all.py) on a small notebook: two figures in one cell, none in another
+    nbformat = notebook_package("nbformat")
+    notebook_package("nbclient")
+    notebook_package("matplotlib")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", NOTEBOOK_DIR / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    new = nbformat.v4.new_code_cell
+    cells = [
+        new("import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()"),
+        new("print('no figure')"),
+        new("plt.plot([1, 0])\nplt.show()\nplt.plot([0, 0])\nplt.show()"),
+    ]
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    written = run_all.run(path, tmp_path / "figures", timeout=120)
+    assert [p.name for p in written] == ["tiny_cell0_0.png", "tiny_cell2_0.png", "tiny_cell2_1.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    assert (
+        run_all.main(["no_such_notebook"]) == 2
+    )  # an unknown name is refused, listing the valid ones
