@@ -205,6 +205,14 @@ class Muon(torch.optim.Optimizer):
         keys = {k: group.get(k, default) for k, default in LAYOUT_DEFAULTS.items()}
         return matrix_layout(p.shape, flatten=group["flatten"], name=name, **keys)
 
+    def param_step(
+        self, p: Tensor, grad: Tensor, buf: Tensor, cfg: MuonConfig, layout: MatrixLayout
+    ) -> tuple[Tensor, Tensor]:
+        """(P', M') of one param: muon_step (pure). The one place a subclass changes the math of a step
+        (muon_dist.harness's oracle runs the elementwise stages per shard box here); validation, the
+        non-finite policy and the state stay this class's."""
+        return muon_step(p, grad, buf, cfg, layout)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -237,7 +245,7 @@ class Muon(torch.optim.Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            new_p, new_buf = muon_step(p, p.grad, buf, cfg, layout)
+            new_p, new_buf = self.param_step(p, p.grad, buf, cfg, layout)
             for b in skipped:  # exact copies: the skipped blocks keep their param and momentum bits
                 new_p[b.index], new_buf[b.index] = p[b.index], buf[b.index]
             p.copy_(new_p)

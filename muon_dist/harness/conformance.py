@@ -44,7 +44,7 @@ from .adapters.cases import (
     smaller,
 )
 from .adapters.diagnose import diagnose
-from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, compare, reference_steps
+from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, judge, reference_steps
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
 
@@ -58,7 +58,7 @@ def run_here(adapter: Adapter, case: Case) -> Outcome:
     for tests that draw many cases (errors propagate instead of becoming a crash outcome)."""
     preset, overrides = claim_of(adapter)
     results = [candidate_steps(adapter, case, candidate_hyperparameters(adapter))]
-    return compare(case, [(1, results)], reference_steps(case, preset, overrides))
+    return judge(case, [(1, results)], preset, overrides)
 
 
 class Runner:
@@ -106,7 +106,7 @@ class Runner:
                 segments.append((world, pool.collect(timeout or self.timeout)))
             except RankFailure as failure:
                 return _failed(case, failure)
-        return compare(case, segments, reference)
+        return judge(case, segments, self.preset, self.overrides, reference)
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -274,7 +274,11 @@ def _line(o: Outcome) -> str:
     )
     notes = [
         n
-        for n in (o.policy and f"None grads: {o.policy}", o.replicas and f"replicas: {o.replicas}")
+        for n in (
+            o.policy and f"None grads: {o.policy}",
+            o.replicas and f"replicas: {o.replicas}",
+            o.elementwise and f"elementwise: {o.elementwise}",
+        )
         if n
     ]
     return f"  {o.case.label():<58} {o.status:<8} {detail}{'; ' if detail and notes else ''}{'; '.join(notes)}"

@@ -98,7 +98,10 @@ def _fmt(option: dict[str, Any]) -> str:
 
 
 def find_convention(
-    outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]
+    outcomes: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    match: Callable[[Outcome, str | None, dict[str, Any]], bool] = matches,
 ) -> str | None:
     """The first configuration of the search that reproduces every completed case; None if none does."""
     departing = [o for o in outcomes if o.status == "differs"]
@@ -106,9 +109,60 @@ def find_convention(
     if not departing:
         return None
     for description, p, trial in alternatives(preset, overrides):
-        if all(matches(o, p, trial) for o in departing) and all(matches(o, p, trial) for o in kept):
+        if all(match(o, p, trial) for o in departing) and all(match(o, p, trial) for o in kept):
             return description
     return None
+
+
+def _memo() -> Callable[[Outcome, str | None, dict[str, Any]], bool]:
+    """matches, remembered per (outcome, configuration): the partitions of one diagnosis ask again."""
+    seen: dict[tuple, bool] = {}
+
+    def match(o: Outcome, p: str | None, trial: dict[str, Any]) -> bool:
+        key = (id(o), p, repr(sorted(trial.items())))
+        if key not in seen:
+            seen[key] = matches(o, p, trial)
+        return seen[key]
+
+    return match
+
+
+# Partitions of the cases, coarsest first: a convention is searched on all cases, then per dtype, then per dtype
+# and mode (one device, or the adapter's distributed mode). Not per family or world size: there a configuration
+# matches by coincidence (a scale computed from the shard's shape equals lr_scale="none" on a family whose
+# shards are square), and a convention is a property of the candidate's arithmetic, not of a parameter set. The
+# departures no partition explains are the bug, located by family, world size and dtype (by_family).
+PARTITIONS: tuple[tuple[str, ...], ...] = ((), ("dtype",), ("dtype", "mode"))
+
+
+def _key(o: Outcome, fields: tuple[str, ...]) -> tuple:
+    return tuple(getattr(o.case, f) for f in fields)
+
+
+def _partition_label(fields: tuple[str, ...], key: tuple) -> str:
+    return " ".join("1 device" if v == "single" else str(v) for v in key) or "all cases"
+
+
+def explain(
+    outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]
+) -> tuple[list[tuple[str, str]], list[Outcome]]:
+    """(the conventions found, each with the partition it explains, coarsest first; the departing cases that no
+    convention of any partition explains). A partition is explained when one configuration of the search
+    reproduces every completed case in it (the departing and the bitwise ones)."""
+    match = _memo()
+    found: list[tuple[str, str]] = []
+    open_cases = [o for o in outcomes if o.status == "differs"]
+    for fields in PARTITIONS:
+        if not open_cases:
+            break
+        keys = list(dict.fromkeys(_key(o, fields) for o in open_cases))
+        for key in keys:
+            part = [o for o in outcomes if _key(o, fields) == key]
+            convention = find_convention(part, preset, overrides, match)
+            if convention:
+                found.append((_partition_label(fields, key), convention))
+                open_cases = [o for o in open_cases if _key(o, fields) != key]
+    return found, open_cases
 
 
 def by_family(outcomes: list[Outcome], hit: Callable[[Outcome], bool]) -> str:
@@ -139,22 +193,29 @@ def _status(status: str) -> Callable[[Outcome], bool]:
 
 
 def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str:
-    """One line: conforms, a convention, or a bug named by the families that depart (replicas that disagree,
-    crashes and hangs after)."""
+    """One line: conforms, the conventions that explain the departures (with the partition each explains when
+    no single one explains all), or a bug named by the partition it lives in (the families, world sizes and
+    dtypes of the departures no convention explains); replicas that disagree, crashes and hangs after; the
+    elementwise rounding of the cases that needed a shard-local one."""
     parts = []
     departing = [o for o in outcomes if o.status == "differs"]
     if departing:
         disagree = any(o.replicas for o in departing)
-        convention = None if disagree else find_convention(outcomes, preset, overrides)
-        if convention:
-            parts.append(f"convention: {convention}")
-        else:
+        found, unexplained = ([], departing) if disagree else explain(outcomes, preset, overrides)
+        if found and found[0][0] == "all cases":
+            parts.append(f"convention: {found[0][1]}")
+        elif found:
+            parts.append(
+                "conventions by partition: " + "; ".join(f"{where}: {c}" for where, c in found)
+            )
+        if unexplained:
             bitwise = sorted(
                 {o.case.family for o in outcomes if o.status == "bitwise"}
-                - {o.case.family for o in departing}
+                - {o.case.family for o in unexplained}
             )
-            kind = "bug" if bitwise else "departs everywhere"
-            departs = by_family(outcomes, _status("differs"))
+            kind = "bug" if bitwise or found else "departs everywhere"
+            ids = {id(o) for o in unexplained}
+            departs = by_family(outcomes, lambda o: id(o) in ids)
             parts.append(
                 f"{kind}: no muon_ref convention explains it; departs on {departs}"
                 + (f"; bitwise on {', '.join(bitwise)}" if bitwise else "")
@@ -169,10 +230,23 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
                 else f"hangs on {by_family(outcomes, _status(status))}"
             )
     verdict = "; ".join(parts) or "conforms: every case bitwise equal to the claim"
+    local = [o for o in outcomes if o.elementwise]
+    if local:
+        verdict += (
+            f" (elementwise stages shard-local, a rounding convention, on "
+            f"{by_family(outcomes, lambda o: bool(o.elementwise))})"
+        )
     answers = sorted({o.policy for o in outcomes if o.policy})
     return verdict + (
         f" (gradients missing on some ranks only: {', '.join(answers)})" if answers else ""
     )
 
 
-__all__ = ["CONVENTION_OPTIONS", "alternatives", "by_family", "diagnose", "find_convention"]
+__all__ = [
+    "CONVENTION_OPTIONS",
+    "alternatives",
+    "by_family",
+    "diagnose",
+    "explain",
+    "find_convention",
+]

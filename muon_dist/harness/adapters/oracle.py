@@ -26,11 +26,20 @@ import torch
 from torch import Tensor
 
 import muon_ref
+from muon_ref.functional import apply_update, momentum_direction, orthogonalize
 from muon_ref.presets import preset_defaults
 
 from ..fixtures import same_bits
 from . import Adapter
-from .cases import NONE_POLICIES, Case, asym_step, initial_params, local_box, oracle_gradients
+from .cases import (
+    NONE_POLICIES,
+    Case,
+    asym_step,
+    initial_params,
+    local_box,
+    oracle_gradients,
+    world_at,
+)
 
 # Hyperparameters every case runs with (values unlike every preset's defaults, so that a dropped or renamed
 # argument shows): each goes to the candidate when its adapter accepts it, and always into the claim.
@@ -67,6 +76,7 @@ class Outcome:
     results: list | None = field(default=None, repr=False, compare=False)
     replicas: str | None = None
     policy: str | None = None
+    elementwise: str | None = None
 
     @property
     def max_diff(self) -> float | None:
@@ -102,6 +112,7 @@ class Outcome:
             "error": self.error,
             "replicas": self.replicas,
             "policy": self.policy,
+            "elementwise": self.elementwise or "whole",
         }
 
 
@@ -113,24 +124,138 @@ Segment = tuple[
 ]  # (world size, each rank's result: muon_dist/harness/adapters/workers.py)
 
 
-def reference_steps(case: Case, preset: str | None, overrides: dict[str, Any]) -> Reference:
+# Where the elementwise stages (momentum, and decay + update) round: on the whole parameter (muon_ref.Muon's own
+# calls), or on each rank's shard as its own tensor ("shard-local": on CPU a bf16 elementwise op rounds an element
+# differently in the vectorised body and in the scalar tail of its loop, so the bits depend on where the shard
+# boundaries fall; muon_dist/elementwise.py). Both are correct; the check names the one a candidate uses.
+# name -> (momentum stage per shard, update stage per shard)
+ELEMENTWISE: dict[str, tuple[bool, bool]] = {
+    "whole": (False, False),
+    "shard-local": (True, True),
+    "shard-local momentum": (True, False),
+    "shard-local update": (False, True),
+}
+
+
+def shard_ranges(case: Case, step: int) -> list[list[tuple[int, int]]]:
+    """Per param, the flat element ranges [a, b) of the ranks' shards at `step` (world_at(case, step) ranks): in
+    dtensor mode torch.chunk's boxes along dim 0 (whole rows); in replicated and unreduced modes ZeRO-1/2's flat
+    partitions (the params' concatenation cut into W parts of ceil(total / W) elements, DeepSpeed
+    stage_1_and_2.py), each cut to the param. Empty ranges are left out; the ranges tile each param."""
+    W = world_at(case, step)
+    sizes = [math.prod(s) for s in case.shapes]
+    if case.mode == "dtensor":
+        out = []
+        for shape, numel in zip(case.shapes, sizes):
+            per_row, rows = numel // shape[0], shape[0]
+            c = math.ceil(rows / W)
+            out.append(
+                [
+                    (k * c * per_row, min(rows, (k + 1) * c) * per_row)
+                    for k in range(W)
+                    if k * c < rows
+                ]
+            )
+        return out
+    part, start, out = math.ceil(sum(sizes) / W), 0, []
+    for numel in sizes:
+        cuts = sorted(
+            {start, start + numel}
+            | {k * part for k in range(W) if start < k * part < start + numel}
+        )
+        out.append([(a - start, b - start) for a, b in zip(cuts, cuts[1:])])
+        start += numel
+    return out
+
+
+def elementwise_label(case: Case, elementwise: str) -> str:
+    """'shard-local, boundaries [0:3 | 3:5] of (5, 5) at W=2' (each distinct shape once; rows in dtensor mode,
+    flat elements in ZeRO partitions)."""
+    if elementwise == "whole":
+        return "whole"
+    seen, parts = set(), []
+    for step in sorted({0, case.steps - 1}):
+        for shape, ranges in zip(case.shapes, shard_ranges(case, step)):
+            per = math.prod(shape) // shape[0] if case.mode == "dtensor" else 1
+            key = (shape, tuple(ranges))
+            if key in seen:
+                continue
+            seen.add(key)
+            unit = "rows" if case.mode == "dtensor" else "elements"
+            cuts = " | ".join(f"{a // per}:{b // per}" for a, b in ranges)
+            parts.append(f"{unit} [{cuts}] of {tuple(shape)} at W={world_at(case, step)}")
+    return f"{elementwise}, boundaries {'; '.join(parts)}"
+
+
+class _ShardLocalMuon(muon_ref.Muon):
+    """muon_ref.Muon whose elementwise stages run on each of `ranges[id(p)]` (flat element ranges) as its own
+    contiguous tensor, the way a candidate applies them to its shard; Newton-Schulz on the whole matrices.
+    Reference equation, per range R of a param:  (M'[R], D[R]) = momentum_direction(G[R], M[R]),
+    O = orthogonalize(D),  P'[R] = apply_update(P[R], O[R])  (either stage on the whole param when not local)."""
+
+    def configure(self, ranges: dict[int, list[tuple[int, int]]], local: tuple[bool, bool]) -> None:
+        self.ranges, self.local = ranges, local
+
+    def param_step(self, p, grad, buf, cfg, layout):
+        if layout.separate:  # blocks stepped as separate params: no conformance family has them
+            return super().param_step(p, grad, buf, cfg, layout)
+        ranges = self.ranges[id(p)]
+        local_momentum, local_update = self.local
+        if local_momentum:
+            new_buf, direction = _per_range(
+                lambda g, m: momentum_direction(g, m, cfg), ranges, grad, buf
+            )
+        else:
+            new_buf, direction = momentum_direction(grad, buf, cfg)
+        update = orthogonalize(direction, layout, cfg)
+        if not local_update:
+            return apply_update(p, update, layout, cfg), new_buf
+        (new_p,) = _per_range(lambda q, u: (apply_update(q, u, layout, cfg),), ranges, p, update)
+        return new_p, new_buf
+
+
+def _per_range(stage, ranges: list[tuple[int, int]], *tensors: Tensor) -> tuple[Tensor, ...]:
+    """stage on each flat range of the tensors, as fresh contiguous 1-D tensors, written back whole."""
+    outs: list[Tensor] = []
+    for a, b in ranges:
+        results = stage(*(t.reshape(-1)[a:b].clone() for t in tensors))
+        if not outs:
+            outs = [
+                torch.empty(tensors[0].numel(), dtype=r.dtype, device=r.device) for r in results
+            ]
+        for out, r in zip(outs, results):
+            out[a:b] = r
+    return tuple(out.reshape(tensors[0].shape) for out in outs)
+
+
+def reference_steps(
+    case: Case, preset: str | None, overrides: dict[str, Any], elementwise: str = "whole"
+) -> Reference:
     """muon_ref.Muon under (preset, overrides and the case's options) on the full tensors, on the case's device, for
     each policy the case's family admits: (params after each step, final momentum buffers; zeros for a param that
-    never stepped), as CPU copies."""
+    never stepped), as CPU copies. elementwise: a key of ELEMENTWISE (where the elementwise stages round)."""
     return {
-        policy: _reference_run(case, preset, overrides, policy)
+        policy: _reference_run(case, preset, overrides, policy, elementwise)
         for policy in (NONE_POLICIES if case.family == "asym_none" else NONE_POLICIES[:1])
     }
 
 
 def _reference_run(
-    case: Case, preset: str | None, overrides: dict[str, Any], policy: str
+    case: Case, preset: str | None, overrides: dict[str, Any], policy: str, elementwise: str
 ) -> tuple[list, list]:
     params = initial_params(case)
     groups = [{"params": [p], "flatten": p.ndim >= 4} for p in params]
-    opt = muon_ref.Muon(groups, preset=preset, **{**overrides, **dict(case.options)})
+    options = {**overrides, **dict(case.options)}
+    local = ELEMENTWISE[elementwise]
+    if any(local):
+        opt = _ShardLocalMuon(groups, preset=preset, **options)
+    else:
+        opt = muon_ref.Muon(groups, preset=preset, **options)
     per_step = []
     for step in range(case.steps):
+        if any(local):
+            ranges = shard_ranges(case, step)
+            opt.configure({id(p): r for p, r in zip(params, ranges)}, local)
         for p, g in zip(params, oracle_gradients(case, step, policy)):
             p.grad = g
         opt.step()
@@ -138,6 +263,28 @@ def _reference_run(
     return per_step, [
         opt.state[p].get("momentum_buffer", torch.zeros_like(p)).cpu() for p in params
     ]
+
+
+def judge(
+    case: Case,
+    segments: list[Segment],
+    preset: str | None,
+    overrides: dict[str, Any],
+    reference: Reference | None = None,
+) -> Outcome:
+    """compare against the reference with whole-parameter elementwise stages (`reference`, when already
+    computed), and where that is not bitwise on a distributed case, against each shard-local rounding of
+    ELEMENTWISE: the first bitwise one is the outcome, named in Outcome.elementwise (a convention, never a
+    departure)."""
+    whole = compare(case, segments, reference or reference_steps(case, preset, overrides))
+    if whole.status != "differs" or case.mode == "single" or whole.replicas:
+        return whole
+    for name in list(ELEMENTWISE)[1:]:
+        trial = compare(case, segments, reference_steps(case, preset, overrides, name))
+        if trial.status == "bitwise":
+            trial.elementwise = elementwise_label(case, name)
+            return trial
+    return whole
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
@@ -248,13 +395,9 @@ def _disagreement(case: Case, segments: list[Segment]) -> str | None:
 
 
 def matches(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> bool:
-    """Does muon_ref under (preset, overrides) reproduce the candidate's recorded results bit for bit?"""
-    return (
-        compare(
-            outcome.case, outcome.results, reference_steps(outcome.case, preset, overrides)
-        ).status
-        == "bitwise"
-    )
+    """Does muon_ref under (preset, overrides) reproduce the candidate's recorded results bit for bit, with the
+    elementwise stages on the whole params or on the shards (judge)?"""
+    return judge(outcome.case, outcome.results, preset, overrides).status == "bitwise"
 
 
 def resolved_hyperparameters(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
