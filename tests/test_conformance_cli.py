@@ -40,9 +40,13 @@ def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
         )
         == 0
     )
-    (report,) = json.loads(out.read_text())
-    assert report["partial"] is False and report["provenance"]["torch"] == torch.__version__
-    assert report["provenance"]["cpu_capability"] and "--json" in report["provenance"]["command"]
+    payload = json.loads(out.read_text())
+    (report,) = payload["reports"]
+    origin = payload["provenance"]
+    assert payload["partial"] is False and report["partial"] is False
+    assert origin["torch"] == torch.__version__ and origin["project"].startswith("muon-ref ")
+    assert origin["cpu_capability"] and "--json" in origin["command"] and origin["seed"] == 0
+    assert report["verdict"] == "conforms" and report["seed"] == 0
     assert report["conforms"] and report["diagnosis"].startswith("conforms")
     assert {o["family"] for o in report["outcomes"]} == {"tall", "square", "row", "experts3d"}
     assert all(o["status"] == "bitwise" and o["max_diff"] == 0 for o in report["outcomes"])
@@ -54,8 +58,8 @@ def test_wrong_momentum_style_is_diagnosed_as_that_convention(tmp_path) -> None:
     code = conformance.main(
         ["--adapter", f"{__name__}:SumMomentum", *FAST, "--dtypes", "float32", "--json", str(out)]
     )
-    (report,) = json.loads(out.read_text())
-    assert code == 1 and not report["conforms"]
+    (report,) = json.loads(out.read_text())["reports"]
+    assert code == 1 and not report["conforms"] and report["verdict"] == "departs"
     assert report["diagnosis"] == (
         "convention: matches claimed preset 'torch' with momentum_style='sum', "
         "nesterov_form='add_alpha'"

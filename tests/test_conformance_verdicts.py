@@ -12,7 +12,6 @@ import torch
 
 from muon_dist.harness.adapters.cases import Case, family_shapes, local_box
 from muon_dist.harness.adapters.controls import (
-    CONTROLS,
     GatherControl,
     GatherEngine,
     newton_schulz,
@@ -30,17 +29,6 @@ pytestmark = pytest.mark.timeout(300)
 
 def quiet(*_: Any) -> None:
     pass
-
-
-@pytest.mark.parametrize("control", CONTROLS, ids=lambda c: c.__name__)
-def test_every_correct_control_conforms(control):
-    report = check(control(), (1, 2, 3), 2, 60.0, 0.0, log=quiet)
-    assert report["conforms"], report["diagnosis"]
-    assert len(report["outcomes"]) > 40
-    # the bf16 cases on several ranks needed the shard-local rounding, and the report names it
-    named = [o for o in report["outcomes"] if o["elementwise"] != "whole"]
-    assert named and all("shard-local" in o["elementwise"] for o in named)
-    assert "shard-local" in report["diagnosis"]
 
 
 def test_shard_ranges_tile_every_param():

@@ -40,8 +40,8 @@ NEW_FAMILIES = {
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
-    """One run of the CLI's planted suite (30-35 s here on 2 loaded cores): exit code, --json report, printed
-    lines."""
+    """One run of the CLI's planted suite (the controls and the planted bugs; about a minute on 2 cores): exit
+    code, --json report, printed lines."""
     out, printed = tmp_path_factory.mktemp("planted") / "suite.json", io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = conformance.main(["--planted", "--json", str(out)])
@@ -65,6 +65,22 @@ def test_the_cli_catches_every_planted_bug_and_prints_the_figure(
     assert code == 0 and report["caught"] == report["right"] == report["total"] == n, printed
     assert f"caught {n}/{n} planted bugs, diagnosis right for {n}" in printed
     assert "#10  not reachable: PrimeIntellect/prime-rl #3490" in printed
+    assert (
+        f"verdict accuracy: false positives 0/4 correct controls, misses 0/{n} planted" in printed
+    )
+
+
+def test_every_correct_control_conforms_with_its_rounding_named(
+    suite: tuple[int, dict, str],
+) -> None:
+    """The controls (muon_dist/harness/adapters/controls.py) are FSDP2 engines in four styles with shard-local
+    elementwise stages: each conforms, and the diagnosis names the shard-local rounding (some bf16 case needed
+    it: without it these engines were called buggy)."""
+    controls = suite[1]["controls"]
+    assert len(controls) == 4 and suite[1]["false_positives"] == 0
+    for c in controls:
+        assert c["conforms"] and c["cases"] > 40, c
+        assert "elementwise stages shard-local" in c["diagnosis"], c
 
 
 @pytest.mark.parametrize("planted", PLANTED, ids=lambda p: f"bug{p.field_bug}")

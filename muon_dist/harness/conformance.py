@@ -26,14 +26,15 @@ import argparse
 import functools
 import json
 import os
+import pickle
 import re
 import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
-from .adapters import HYPERPARAMETERS, Adapter, load_adapter
+from .adapters import HYPERPARAMETERS, Adapter, ImportPath, load_adapter
 from .adapters.cases import (
     CHECKPOINT_FAMILIES,
     FAMILY_OPTIONS,
@@ -61,13 +62,29 @@ def run_here(adapter: Adapter, case: Case) -> Outcome:
     return judge(case, [(1, results)], preset, overrides)
 
 
-class Runner:
-    """Runs cases of one adapter on pools of gloo ranks (one pool per world size, kept across cases)."""
+def hash_seeds(seed: int, world_size: int) -> list[int]:
+    """The PYTHONHASHSEED of each rank of a pool: distinct per rank (a candidate whose order of work depends on
+    a set's or dict's order of strings differs across ranks, as in separate training processes), nonzero (0
+    turns hashing randomisation off), and a function of --seed (a run is reproducible)."""
+    return [1 + 1000 * seed + rank for rank in range(world_size)]
 
-    def __init__(self, adapter: Adapter, timeout: float) -> None:
-        self.adapter, self.timeout = adapter, timeout
+
+class Runner:
+    """Runs cases of one adapter on pools of gloo ranks (one pool per world size, kept across cases). Ranks are
+    spawned, each with its own PYTHONHASHSEED (hash_seeds); a non-distributed adapter's ranks have no process
+    group, so a candidate that calls torch.distributed shows itself (LOOKS_DISTRIBUTED)."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        timeout: float,
+        seed: int = 0,
+        pools: dict[tuple, RankPool] | None = None,
+    ) -> None:
+        self.adapter, self.timeout, self.seed = adapter, timeout, seed
         self.preset, self.overrides = claim_of(adapter)
-        self.pools: dict[int, RankPool] = {}
+        self.shared = pools is not None  # pools of a suite of adapters, closed by the suite
+        self.pools: dict[tuple, RankPool] = {} if pools is None else pools
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
         """The case's outcome; a checkpoint case runs its save on world_size ranks, its resume on
@@ -94,7 +111,17 @@ class Runner:
         reference, segments = None, []
         for world, fn, args in phases:
             idle = IDLE_S if case.device == "cpu" else None
-            pool = self.pools.setdefault(world, RankPool(world, case.device, idle_s=idle))
+            grouped = self.adapter.distributed is not None
+            key = (world, case.device, self.seed, grouped)
+            if key not in self.pools:
+                self.pools[key] = RankPool(
+                    world,
+                    case.device,
+                    idle_s=idle,
+                    hash_seed=hash_seeds(self.seed, world)[0],
+                    process_group=grouped,
+                )
+            pool = self.pools[key]
             pool.submit(fn, *args)
             if reference is None:
                 try:
@@ -109,8 +136,14 @@ class Runner:
         return judge(case, segments, self.preset, self.overrides, reference)
 
     def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
+        if not self.shared:
+            close_pools(self.pools)
+
+
+def close_pools(pools: dict[tuple, RankPool]) -> None:
+    for pool in pools.values():
+        pool.close()
+    pools.clear()
 
 
 def _failed(case: Case, failure: RankFailure) -> Outcome:
@@ -118,8 +151,17 @@ def _failed(case: Case, failure: RankFailure) -> Outcome:
     "Connection reset by peer"; a rank that gloo aborted, e.g. on a collective of mismatched sizes, just dies)."""
     raised = {r: _last_line(m) for r, m in failure.messages.items() if r not in failure.hung}
     if not raised:
-        why = failure.messages[min(failure.hung)].split("no answer: ", 1)[-1]
-        return Outcome(case, "hang", error=f"no answer from ranks {sorted(failure.hung)}: {why}")
+        whys = {r: failure.messages[r].split("no answer: ", 1)[-1] for r in sorted(failure.hung)}
+        common = whys[min(whys)].split("; ", 1)[0]
+        places = "; ".join(
+            f"rank {r} {why.split('; ', 1)[1]}" for r, why in whys.items() if "; " in why
+        )
+        return Outcome(
+            case,
+            "hang",
+            error=f"no answer from ranks {sorted(failure.hung)}: {common}"
+            + (f"; {places}" if places else ""),
+        )
     secondary = ("Connection reset by peer", "Connection closed by peer", "the rank died")
     own = {r: m for r, m in raised.items() if not any(s in m for s in secondary)}
     died = sorted(r for r, m in raised.items() if "the rank died" in m)
@@ -189,6 +231,32 @@ def _smaller_worlds(case: Case) -> list[Case]:
     return out
 
 
+# Verdicts of one adapter and the exit status of a run (the worst of its adapters' in this order of precedence:
+# a departure is the finding a user must see first).
+EXIT = {"conforms": 0, "departs": 1, "incomplete": 2, "refused": 2, "could not run": 3}
+PRECEDENCE = ("departs", "refused", "incomplete", "could not run", "conforms")
+
+# Errors of a candidate that uses torch.distributed in ranks without a process group (a non-distributed adapter)
+LOOKS_DISTRIBUTED = (
+    "Default process group has not been initialized",
+    "init_process_group",
+    "environment variable RANK",
+    "environment variable MASTER_ADDR",
+    "DeviceMesh",
+)
+IMPORT_ERRORS = ("ModuleNotFoundError", "ImportError")
+
+
+def verdict(outcomes: list[Outcome], adapter: Adapter) -> str:
+    """conforms (every case bitwise), could not run (no case ran to completion: every one crashed or hung),
+    incomplete (momentum the check could not compare: unmapped state keys), or departs."""
+    if all(o.status in ("crash", "hang") for o in outcomes):
+        return "could not run"
+    if adapter.state_key is not None and any(o.unmapped for o in outcomes):
+        return "incomplete"
+    return "conforms" if all(o.status == "bitwise" for o in outcomes) else "departs"
+
+
 def check(
     adapter: Adapter,
     world_sizes: tuple[int, ...],
@@ -199,25 +267,71 @@ def check(
     dtypes: tuple[str, ...] | None = None,
     log=_print,
     device: str = "cpu",
+    seed: int = 0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    pools: dict[tuple, RankPool] | None = None,
 ) -> dict[str, Any]:
-    """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json)."""
-    runner = Runner(adapter, timeout)
+    """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json).
+    progress(report so far) is called after every case (the CLI writes its JSON there: an interrupted run leaves
+    the cases it finished, marked partial). The run stops early, without a verdict on the rest, when the candidate
+    cannot be imported (could not run) or, not declared distributed, calls torch.distributed (refused). pools:
+    rank pools shared with other checks of a suite (Runner), closed by the caller."""
+    runner = Runner(adapter, timeout, seed, pools)
     started = time.monotonic()
     chosen = adapter.families & frozenset(families) if families else adapter.families
     chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
     dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
+    outcomes: list[Outcome] = []
+    shrunk: list[dict[str, Any]] = []
+    stopped = None
+
+    def report(partial: bool, diagnosis: str, result: str) -> dict[str, Any]:
+        return {
+            "adapter": adapter.name,
+            "version": adapter.version(),
+            "claim": adapter.describe(),
+            "device": device,
+            "distributed": adapter.distributed,
+            "seed": seed,
+            "hash_seeds": "PYTHONHASHSEED of rank r = 1 + 1000 * seed + r",
+            "outcomes": [o.summary() for o in outcomes],
+            "verdict": result,
+            "conforms": result == "conforms",
+            "diagnosis": diagnosis,
+            "minimal_failing_cases": shrunk,
+            "partial": partial,
+            "cases_planned": len(cases),
+            "wall_s": round(time.monotonic() - started, 1),
+        }
+
     try:
         cases = default_cases(
             chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants
         )
-        outcomes = []
+        if not cases:  # nothing selected is never a pass
+            return _unselected(adapter, device, started)
         for case in cases:
             outcomes.append(runner.run(case))
             log(_line(outcomes[-1]))
-        diagnosis = diagnose(outcomes, runner.preset, runner.overrides)
-        shrunk, firsts = [], _first_of_each_failure(outcomes)
-        for o in firsts:
-            if shrink_budget > 0:
+            stopped = _stop(adapter, outcomes[-1])
+            if stopped:
+                break
+            if progress:
+                progress(report(True, "partial: the run goes on", "partial"))
+        if stopped:
+            result, diagnosis = stopped
+        else:
+            result = verdict(outcomes, adapter)
+            diagnosis = diagnose(outcomes, runner.preset, runner.overrides)
+            unmapped = sorted({k for o in outcomes for k in o.unmapped})
+            if unmapped and adapter.state_key is not None:
+                diagnosis = (
+                    f"momentum not compared: state keys {unmapped} (the check looked for "
+                    f"{adapter.state_key!r}); name the momentum's key with --state-map KEY, or "
+                    f"--state-map none to leave it out; params: {diagnosis}"
+                )
+            firsts = _first_of_each_failure(outcomes) if shrink_budget > 0 else []
+            for o in firsts:
                 small = shrink(runner, o, shrink_budget / len(firsts))
                 shrunk.append(
                     {
@@ -230,16 +344,37 @@ def check(
                 )
     finally:
         runner.close()
+    return report(False, diagnosis, result)
+
+
+def _stop(adapter: Adapter, o: Outcome) -> tuple[str, str] | None:
+    """(verdict, diagnosis) when the run cannot go on: the candidate does not import (could not run), or a
+    candidate not declared distributed calls torch.distributed (refused, with the fix)."""
+    if o.status != "crash" or not o.error:
+        return None
+    if any(e in o.error for e in IMPORT_ERRORS):
+        return "could not run", f"could not run: {o.error}"
+    if adapter.distributed is None and any(e in o.error for e in LOOKS_DISTRIBUTED):
+        return "refused", (
+            f"refused: {adapter.name} looks distributed (it uses torch.distributed: {o.error[:160]}); "
+            "rerun with --distributed dtensor, replicated or unreduced"
+        )
+    return None
+
+
+def _unselected(adapter: Adapter, device: str, started: float) -> dict[str, Any]:
+    """The report of an adapter that none of the selected cases applies to: not a verdict (conforms None)."""
     return {
         "adapter": adapter.name,
         "version": adapter.version(),
         "claim": adapter.describe(),
         "device": device,
         "distributed": adapter.distributed,
-        "outcomes": [o.summary() for o in outcomes],
-        "conforms": all(o.status == "bitwise" for o in outcomes),
-        "diagnosis": diagnosis,
-        "minimal_failing_cases": shrunk,
+        "outcomes": [],
+        "verdict": "not checked",
+        "conforms": None,
+        "diagnosis": "not checked: no case of the selected families, dtypes and world sizes applies",
+        "minimal_failing_cases": [],
         "wall_s": round(time.monotonic() - started, 1),
     }
 
@@ -285,6 +420,7 @@ def _line(o: Outcome) -> str:
 
 
 def print_report(report: dict[str, Any], log=_print) -> None:
+    log(f"verdict: {report['verdict']}")
     log(f"diagnosis: {report['diagnosis']}")
     for s in report["minimal_failing_cases"]:
         log(
@@ -332,7 +468,10 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    from .adapters import package_version
+
     return {
+        "project": f"muon-ref {package_version('muon-ref')}",
         "commit": commit,
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
@@ -362,11 +501,17 @@ def _parser() -> argparse.ArgumentParser:
     epilog = (
         f"presets: {', '.join(sorted(PRESETS))}\n"
         f"families: {', '.join(sorted(_known_families()))}\n"
-        "exit codes: 0 conforms, 1 bug found, 2 usage error"
+        "world sizes: any positive ints (default 1 2 3 4; the unreduced families run at powers of two only)\n"
+        "exit codes: 0 conforms; 1 departs from the claim (a bug, or a convention the diagnosis names);\n"
+        "  2 usage error (an unknown name, an empty selection, a distributed-looking candidate without\n"
+        "  --distributed, momentum state the check could not map); 3 could not run (import error, or every\n"
+        "  case crashed or hung)"
     )
-    p = argparse.ArgumentParser(
-        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=Formatter)
     p.add_argument(
         "--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS"
     )
@@ -387,7 +532,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the planted-bug suite (muon_dist.harness.adapters."
         "planted): a small Muon per reachable class of field bug; prints caught K/N",
     )
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
         "--families", nargs="+", help="only these case families (default: all the adapter supports)"
@@ -409,7 +554,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shrink-budget", type=float, default=60.0, help="seconds of shrinking per adapter, in all"
     )
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the ranks' PYTHONHASHSEED (1 + 1000 * seed + rank), recorded in the report",
+    )
+    p.add_argument(
+        "--state-map",
+        metavar="KEY",
+        help="the optimizer-state key of the candidate's momentum (momentum_buffer=KEY or KEY); "
+        "none: do not compare momentum. Default: the adapter's (momentum_buffer)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="the report: provenance and every adapter's cases, rewritten after every case "
+        '("partial": true until the run ends)',
+    )
     p.add_argument("--markdown", action="store_true", help="print the README's conformance table")
     g = p.add_argument_group("for an optimizer class given by import path")
     g.add_argument("--preset", default="torch")
@@ -423,14 +585,49 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
-    """Every planted bug through the check (its families, dtypes and world sizes, no shrinking), judged
-    (muon_dist.harness.adapters.planted.judge); one line per bug and the figure."""
+    """The check measured on candidates it has not seen: the correct controls (muon_dist.harness.adapters.controls:
+    each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
+    muon_dist.harness.adapters.planted.judge); one line each, then both figures: false positives (controls not
+    conforming) and misses (planted bugs not caught, or caught with the wrong diagnosis)."""
+    pools: dict[tuple, RankPool] = {}  # the suite's own code: its adapters share rank pools
+    try:
+        return _planted_suite(timeout, steps, log, pools)
+    finally:
+        close_pools(pools)
+
+
+def _planted_suite(
+    timeout: float, steps: int, log: Callable[..., None], pools: dict[tuple, RankPool]
+) -> dict[str, Any]:
+    from .adapters.controls import CONTROLS
     from .adapters.planted import PLANTED, UNREACHABLE, judge
 
-    started, verdicts = time.monotonic(), []
+    started, verdicts, controls = time.monotonic(), [], []
+    for control in CONTROLS:
+        report = check(control(), (2, 3), steps, timeout, 0.0, log=lambda *_: None, pools=pools)
+        controls.append(
+            {
+                "control": report["adapter"],
+                "conforms": report["conforms"],
+                "cases": len(report["outcomes"]),
+                "diagnosis": report["diagnosis"],
+            }
+        )
+        log(
+            f"control {report['adapter']:<40} {'conforms' if report['conforms'] else 'FALSE POSITIVE'} "
+            f"({len(report['outcomes'])} cases, {report['wall_s']} s)"
+        )
+        if not report["conforms"]:
+            log(f"     {report['diagnosis']}")
     for planted in PLANTED:
         report = check(
-            planted.adapter, planted.world_sizes, steps, timeout, 0.0, log=lambda *_: None
+            planted.adapter,
+            planted.world_sizes,
+            steps,
+            timeout,
+            0.0,
+            log=lambda *_: None,
+            pools=pools,
         )
         verdicts.append(judge(planted, report))
         v = verdicts[-1]
@@ -447,15 +644,23 @@ def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
         sum(v["caught"] for v in verdicts),
         sum(v["caught"] and v["right"] for v in verdicts),
     )
+    false_positives = sum(not c["conforms"] for c in controls)
     wall = round(time.monotonic() - started, 1)
     log(
         f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
         f"{len(UNREACHABLE)} class not reachable ({wall} s)"
     )
+    log(
+        f"verdict accuracy: false positives {false_positives}/{len(controls)} correct controls, "
+        f"misses {len(verdicts) - right}/{len(verdicts)} planted bugs (not caught or wrong diagnosis)"
+    )
     return {
+        "controls": controls,
+        "false_positives": false_positives,
         "planted": verdicts,
         "caught": caught,
         "right": right,
+        "misses": len(verdicts) - right,
         "total": len(verdicts),
         "wall_s": wall,
     }
@@ -474,6 +679,42 @@ def _unknown_names(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _distributed_arguments(adapter: Adapter) -> list[str]:
+    """The constructor arguments of an ImportPath candidate that name a process group or a mesh (a candidate
+    that declares itself distributed); [] for other adapters."""
+    if not isinstance(adapter, ImportPath):
+        return []
+    import inspect
+
+    try:
+        params = inspect.signature(adapter._class()).parameters
+    except (TypeError, ValueError):
+        return []
+    return [name for name in params if name in DISTRIBUTED_ARGUMENTS]
+
+
+DISTRIBUTED_ARGUMENTS = frozenset(
+    {"process_group", "device_mesh", "distributed_mesh", "mesh", "group", "dp_group", "pg"}
+)
+
+
+def _state_map(value: str | None) -> str | None | bool:
+    """--state-map: KEY or momentum_buffer=KEY (the state key of the candidate's momentum), or none (leave the
+    momentum out); False when not given."""
+    if value is None:
+        return False
+    key = value.split("=", 1)[1] if value.startswith("momentum_buffer=") else value
+    return None if key.lower() in ("none", "") else key
+
+
+def _write_json(path: str, payload: Any) -> None:
+    """Written to a temporary file and renamed: a reader (or an interrupt) never sees half a report."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -485,9 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(suite, f, indent=1, default=str)
-        return 0 if suite["right"] == suite["total"] else 1
+            _write_json(args.json, suite)
+        return 0 if suite["right"] == suite["total"] and not suite["false_positives"] else 1
     bad = _unknown_names(args)
     if bad:
         print(f"error: {bad}", file=sys.stderr)
@@ -504,7 +744,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             for spec in args.adapter
         ]
-    except (ValueError, ImportError) as e:
+    except ImportError as e:
+        print(f"error: could not import the adapter: {e}", file=sys.stderr)
+        return 3
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.all:
@@ -518,6 +761,33 @@ def main(argv: list[str] | None = None) -> int:
     if not adapters:
         print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
+    state_key = _state_map(args.state_map)
+    for adapter in adapters:
+        if state_key is not False:
+            adapter.state_key = state_key
+        if adapter.distributed is None:
+            try:
+                declared = _distributed_arguments(adapter)
+            except ImportError as e:
+                print(f"error: could not import {adapter.name}: {e}", file=sys.stderr)
+                return 3
+            if declared:
+                print(
+                    f"error: {adapter.name} takes {', '.join(declared)}: it looks distributed; rerun "
+                    "with --distributed dtensor, replicated or unreduced",
+                    file=sys.stderr,
+                )
+                return 2
+        try:
+            pickle.dumps(adapter)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is the same usage error
+            print(
+                f"error: adapter {adapter.name!r} cannot be sent to the ranks ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); define it at module level, under the name "
+                "--adapter gives",
+                file=sys.stderr,
+            )
+            return 2
     supported = frozenset().union(*(a.families for a in adapters))
     if args.families and not supported & frozenset(args.families):
         print(
@@ -526,10 +796,26 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    reports = []
-    origin = provenance(argv)
-    _print(f"provenance: {json.dumps(origin)}")
-    for i, adapter in enumerate(adapters):
+    origin = {**provenance(argv), "seed": args.seed}
+    for key in ("project", "commit", "torch", "cpu_capability", "gpu", "python", "date", "command"):
+        _print(f"{key + ':':<16}{origin.get(key)}")
+    _print(
+        f"{'world sizes:':<16}{' '.join(map(str, args.world_sizes))}; "
+        f"ranks spawned, PYTHONHASHSEED 1 + 1000 * {args.seed} + rank"
+    )
+    reports: list[dict[str, Any]] = []
+
+    def save(current: dict[str, Any] | None = None) -> None:
+        if args.json:
+            done = reports + ([current] if current else [])
+            payload = {
+                "provenance": origin,
+                "partial": current is not None or len(done) < len(adapters),
+                "reports": done,
+            }
+            _write_json(args.json, payload)
+
+    for adapter in adapters:
         _print(adapter.describe())
         reports.append(
             check(
@@ -541,26 +827,29 @@ def main(argv: list[str] | None = None) -> int:
                 args.families,
                 args.dtypes,
                 device=args.device,
+                seed=args.seed,
+                progress=lambda r: save(r),
             )
         )
-        reports[-1]["provenance"] = origin
-        reports[-1]["partial"] = i + 1 < len(adapters)  # later adapters not yet checked
         print_report(reports[-1])
-        if args.json:  # written adapter by adapter: an interrupted run leaves what it finished
-            with open(args.json, "w") as f:
-                json.dump(reports, f, indent=1, default=str)
+        save()
     if args.markdown:
-        print(markdown(reports))
+        print(markdown([r for r in reports if r["conforms"] is not None]))
+    judged = [r for r in reports if r["conforms"] is not None]
+    if not judged:
+        print(
+            "error: no case of the selected families, dtypes and world sizes applies to these adapters",
+            file=sys.stderr,
+        )
+        return 2
     if len(reports) > 1:
         cases = [o for r in reports for o in r["outcomes"]]
         _print(
-            f"{sum(r['conforms'] for r in reports)}/{len(reports)} adapters conform to their claims; "
+            f"{sum(r['conforms'] for r in judged)}/{len(judged)} adapters conform to their claims; "
             f"{sum(o['status'] == 'bitwise' for o in cases)}/{len(cases)} cases bitwise equal"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1, default=str)
-    return 0 if all(r["conforms"] for r in reports) else 1
+    worst = min((r["verdict"] for r in judged), key=PRECEDENCE.index)
+    return EXIT[worst]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import re
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -34,7 +37,9 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(messages.items())))
 
 
-def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -> None:
+def _serve(
+    rank: int, world_size: int, init_file: str, conn: Any, device: str, process_group: bool = True
+) -> None:
     # the rank's stderr goes to a file of the pool (stderr_path): gloo's C++ threads print there when a peer
     # dies (`terminate called ... gloo::EnforceNotMet`), which the parent reports with the rank that died
     # instead of interleaving it with the report
@@ -52,9 +57,14 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    if process_group:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+    if hasattr(
+        signal, "SIGUSR1"
+    ):  # the parent asks a hung rank where it is blocked (RankPool.stacks)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -64,7 +74,8 @@ def _serve(rank: int, world_size: int, init_file: str, conn: Any, device: str) -
             conn.send(("ok", fn(*args)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             conn.send(("error", traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def stderr_path(init_file: str, rank: int) -> str:
@@ -78,6 +89,40 @@ def _tail(path: str, limit: int = 600) -> str:
             return f.read()[-limit:].strip()
     except OSError:
         return ""
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+_WRAPPERS = frozenset(
+    {"wrapper", "inner", "_fn", "decorate_context"}
+)  # decorators around collectives
+
+
+def blocked_frame(dump: str) -> str | None:
+    """From a faulthandler dump (most recent call first): the torch.distributed call the rank's own code made
+    and is blocked in (the outermost torch.distributed frame below the first frame outside torch), the innermost
+    torch.distributed frame, and the calling frame; None without a torch.distributed frame."""
+    frames = [m.groupdict() for m in map(_FRAME.match, dump.splitlines()) if m]
+    paths = [f["file"].replace(os.sep, "/") for f in frames]
+    dist_frames = [i for i, p in enumerate(paths) if "/torch/distributed/" in p]
+    if not dist_frames:
+        return None
+    j = dist_frames[0]
+    while j + 1 < len(frames) and "/torch/" in paths[j + 1]:
+        j += 1
+    named = [i for i in dist_frames if i <= j and frames[i]["func"] not in _WRAPPERS]
+    entered = frames[max(named)] if named else frames[dist_frames[0]]
+    innermost = frames[dist_frames[0]]
+    where = f"blocked in torch.distributed {entered['func']} ({os.path.basename(entered['file'])})"
+    if innermost is not entered:
+        where += f" at {innermost['func']}"
+    if j + 1 < len(frames):
+        caller = frames[j + 1]
+        where += (
+            f", called from {os.path.basename(caller['file'])}:{caller['line']} in {caller['func']}"
+        )
+    return where
 
 
 DEVICES = ("cpu", "cuda")
@@ -151,6 +196,8 @@ class RankPool:
         device: str = "cpu",
         start_method: str | None = None,
         idle_s: float | None = None,
+        hash_seed: int | None = None,
+        process_group: bool = True,
     ) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -158,8 +205,12 @@ class RankPool:
             raise ValueError(
                 f"idle_s needs CPU ranks (a CUDA rank waiting for its GPU uses no CPU), got {device!r}"
             )
+        if hash_seed is not None and start_method not in (None, "spawn"):
+            raise ValueError(f"hash_seed needs spawned ranks, got start_method={start_method!r}")
         self.world_size, self.device, self.idle_s = world_size, device, idle_s
-        self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
+        self.hash_seed, self.process_group = hash_seed, process_group
+        spawned = device == "cuda" or hash_seed is not None
+        self.start_method = start_method or ("spawn" if spawned else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
 
@@ -171,10 +222,19 @@ class RankPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_serve,
-                args=(rank, self.world_size, init_file, child, self.device),
+                args=(rank, self.world_size, init_file, child, self.device, self.process_group),
                 daemon=True,
             )
-            proc.start()
+            saved = os.environ.get("PYTHONHASHSEED")
+            if self.hash_seed is not None:  # read by the spawned interpreter at its start
+                os.environ["PYTHONHASHSEED"] = str(self.hash_seed + rank)
+            try:
+                proc.start()
+            finally:
+                if saved is None:
+                    os.environ.pop("PYTHONHASHSEED", None)
+                else:
+                    os.environ["PYTHONHASHSEED"] = saved
             self.procs.append(proc)
             self.conns.append(parent)
 
@@ -223,15 +283,46 @@ class RankPool:
             if busy.stalled_at is None
             else f"no answer: no CPU used for {busy.window} s (blocked)"
         )
-        errors.update({rank: why for rank in waiting})
+        for rank in sorted(waiting):
+            where = self.blocked_at(rank) if self.procs[rank].is_alive() else None
+            errors[rank] = f"{why}; {where}" if where else why
         if errors:
-            self.kill()
+            self.kill(restart=True)
             raise RankFailure(errors, frozenset(waiting))
         return [results[r] for r in range(self.world_size)]
 
-    def kill(self) -> None:
+    def blocked_at(self, rank: int, wait_s: float = 0.5) -> str | None:
+        """Where a live rank that does not answer is blocked, from the Python stack that faulthandler dumps on
+        SIGUSR1 (registered by _serve): 'blocked in torch.distributed NAME, called from FILE:LINE in FUNC'
+        (NAME: the outermost torch.distributed frame, the collective the caller entered); None where no stack
+        came (no SIGUSR1, or a rank stuck where Python cannot run its handler)."""
+        if not hasattr(signal, "SIGUSR1"):
+            return None
+        path = stderr_path(self.init_file, rank)
+        try:
+            before = os.path.getsize(path)
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        except OSError:
+            return None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                with open(path, errors="replace") as f:
+                    f.seek(before)
+                    dump = f.read()
+            except OSError:
+                return None
+            found = blocked_frame(dump)
+            if found:
+                return found
+        return None
+
+    def kill(self, restart: bool = False) -> None:
         """SIGKILL every rank before waiting for any: a rank that outlives a killed peer sees gloo's connection
-        drop in a background thread and dies printing `terminate called ... gloo::EnforceNotMet`."""
+        drop in a background thread and dies printing `terminate called ... gloo::EnforceNotMet`. restart: start
+        the next pool's ranks at once (after a failure), so that a spawned rank's start (importing torch: about
+        2 s for 4 ranks on 2 cores) overlaps the caller's work instead of delaying its next call."""
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -240,6 +331,8 @@ class RankPool:
         if self.procs:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.procs, self.conns = [], []
+        if restart:
+            self.start()
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):

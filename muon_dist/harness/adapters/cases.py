@@ -13,7 +13,8 @@ Families, each with the modes it applies to and the field bug it targets (docs/f
         by the reference: flatten=True); experts_fused ([E * m, n] with the param-group key num_experts = E, xtuner's
         layout: only for adapters that list it); nesterov_off (nesterov=False on both sides, for adapters that take
         it; bug 11: torch.optim.Muon 2.13 normalises its bf16 momentum buffer in place); micro_batches
-        (MICRO_BATCHES micro-batches through autograd, then one step; bug 7).
+        (MICRO_BATCHES micro-batches through autograd, then one step; bug 7); tiny (gradients times TINY = 2**-40:
+        ||X|| below Newton-Schulz's eps, so a scale bug reaches the update).
     dtensor, the Hypothesis suite's families: even (rows % W == 0, W params), uneven (rows % W != 0, no empty box;
         rows and cols chosen so that padding rows to a multiple of W would flip the transpose decision), empty
         (rows < W: some rank holds nothing; bug 1), remainder (more params than W and not a multiple), experts (3-D
@@ -24,6 +25,9 @@ Families, each with the modes it applies to and the field bug it targets (docs/f
     unreduced: the replicated families with per-rank gradients, and straddle (every boundary of W equal partitions
         of the params' concatenation falls inside a param: ZeRO-1/2's flat partitions; bug 6). Only for W a power of
         two, so that the mean is exact whatever the order of sums and the place of the division by W.
+    dtensor, replicated, unreduced: badly_scaled (len(BADLY_SCALED) params, param i's gradients times
+        BADLY_SCALED[i]: from 2**-40 to 2**16; a scale bug that Newton-Schulz's normalisation cancels at ordinary
+        scales, e.g. a sum over W = 2 ranks taken for their mean, shows on the tiny ones).
     dtensor, replicated: asym_none (at step asym_step, param i < W - 1 has no gradient on rank (i + 1) % W only; bug 2).
     dtensor, replicated, unreduced: accumulation (micro_batches on W ranks; bug 7); checkpoint (save_step steps, a
         torch.distributed.checkpoint save at W, a fresh candidate loaded at W' = case.resume_world_size, the
@@ -56,12 +60,14 @@ SINGLE_FAMILIES = frozenset(
         "conv4d",
         "micro_batches",
         "nesterov_off",
+        "tiny",
     }
 )
-MATRIX_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes"})  # 2-D params only
+MATRIX_FAMILIES = frozenset({"tall", "wide", "square", "row", "primes", "tiny"})  # 2-D params only
 FUSED_FAMILIES = frozenset({"experts_fused"})
 DIST_FAMILIES = frozenset(
     {
+        "badly_scaled",
         "even",
         "uneven",
         "empty",
@@ -76,6 +82,7 @@ DIST_FAMILIES = frozenset(
 )
 REPLICATED_FAMILIES = frozenset(
     {
+        "badly_scaled",
         "even",
         "remainder",
         "mixed",
@@ -88,6 +95,7 @@ REPLICATED_FAMILIES = frozenset(
 )
 UNREDUCED_FAMILIES = frozenset(
     {
+        "badly_scaled",
         "even",
         "remainder",
         "mixed",
@@ -120,7 +128,14 @@ _SINGLE_SHAPES = {
     "experts_fused": ((4 * 3, 5),),
     "micro_batches": ((6, 4),),
     "nesterov_off": ((6, 8),),  # wide: not torch.optim.Muon's bf16 tall-matrix ulp
+    "tiny": ((8, 6),),
 }
+# Gradient scales (powers of two: exact in every dtype) of the families whose gradients are tiny or badly scaled.
+# Newton-Schulz divides by max(||X||, eps): for ordinary gradients a candidate that scales its gradient by a
+# power of two (a sum over W = 2 or 4 ranks taken for their mean) gets the same update bits, and only its
+# momentum shows it; at ||X|| < eps (eps 1e-7 or 1e-8 in every preset) the scale reaches the update.
+TINY = 2.0**-40
+BADLY_SCALED = (2.0**-40, 2.0**-24, 1.0, 2.0**16)
 # options a family sets on both sides (param-group keys and hyperparameters of muon_ref; the adapter maps them to
 # its own; a family whose option is a hyperparameter the adapter does not take is not run for it)
 FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
@@ -178,6 +193,8 @@ def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...]
         return None
     if family in ("even", "accumulation"):
         return ((2 * W, 5),) * W
+    if family == "badly_scaled":  # one param per scale of BADLY_SCALED, uneven boxes where W > 1
+        return ((2 * W + 1, 4),) * len(BADLY_SCALED)
     if family == "remainder":
         return ((2 * W, 5),) * (W + 1) if W > 1 else None
     if family == "experts":
@@ -219,6 +236,7 @@ def in_family(case: Case) -> bool:
             "experts_fused": len(shapes[0]) == 2 and shapes[0][0] % experts == 0,
             "micro_batches": True,
             "nesterov_off": True,
+            "tiny": True,
         }[fam]
     if case.mode == "unreduced" and W & (W - 1):
         return False
@@ -242,6 +260,8 @@ def in_family(case: Case) -> bool:
     if fam == "asym_none":
         return W > 1
     if fam == "checkpoint_unstepped":
+        return len(shapes) > 1
+    if fam == "badly_scaled":
         return len(shapes) > 1
     return fam in ("accumulation", "checkpoint") or (fam == "mixed" and len(set(shapes)) > 1)
 
@@ -318,10 +338,22 @@ def initial_params(case: Case) -> list[torch.Tensor]:
     ]
 
 
+def gradient_scale(case: Case, index: int) -> float:
+    """The power of two that param `index`'s gradients are drawn times: TINY for tiny, BADLY_SCALED in turn for
+    badly_scaled, 1 elsewhere."""
+    if case.family == "tiny":
+        return TINY
+    if case.family == "badly_scaled":
+        return BADLY_SCALED[index % len(BADLY_SCALED)]
+    return 1.0
+
+
 def gradients(case: Case, step: int) -> list[torch.Tensor]:
-    """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
+    """The full gradients of a step: the same on every rank and in the parent (seeded per step and param, times
+    gradient_scale: exact)."""
     return [
         seeded(s, case.seed * 104729 + 1000 * step + i + 1, case.dtype, case.device)
+        * gradient_scale(case, i)
         for i, s in enumerate(case.shapes)
     ]
 
@@ -387,6 +419,7 @@ def rank_gradients(case: Case, step: int, rank: int) -> list[list[torch.Tensor |
             None
             if i in missing
             else exact_gradient(s, _seed(case, step, micro, drawer, i), case.dtype, case.device)
+            * gradient_scale(case, i)
             for i, s in enumerate(case.shapes)
         ]
         for micro in range(MICRO_BATCHES if case.family in ACCUMULATION_FAMILIES else 1)

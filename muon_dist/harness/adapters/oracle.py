@@ -77,6 +77,7 @@ class Outcome:
     replicas: str | None = None
     policy: str | None = None
     elementwise: str | None = None
+    unmapped: tuple[str, ...] = ()
 
     @property
     def max_diff(self) -> float | None:
@@ -113,6 +114,7 @@ class Outcome:
             "replicas": self.replicas,
             "policy": self.policy,
             "elementwise": self.elementwise or "whole",
+            "momentum_not_compared": list(self.unmapped),
         }
 
 
@@ -265,6 +267,17 @@ def _reference_run(
     ]
 
 
+def unmapped_state(segments: list[Segment]) -> tuple[str, ...]:
+    """The state keys of params whose momentum the adapter did not expose on any rank, where the candidate keeps
+    param-sized state (workers.param_sized_state): momentum the check cannot compare."""
+    keys: set[str] = set()
+    for _, results in segments:
+        for i in range(len(results[0].get("state_keys", []))):
+            if all(r["momentum"][i] is None for r in results):
+                keys.update(k for r in results for k in r["state_keys"][i])
+    return tuple(sorted(keys))
+
+
 def judge(
     case: Case,
     segments: list[Segment],
@@ -277,12 +290,13 @@ def judge(
     ELEMENTWISE: the first bitwise one is the outcome, named in Outcome.elementwise (a convention, never a
     departure)."""
     whole = compare(case, segments, reference or reference_steps(case, preset, overrides))
+    whole.unmapped = unmapped_state(segments)
     if whole.status != "differs" or case.mode == "single" or whole.replicas:
         return whole
     for name in list(ELEMENTWISE)[1:]:
         trial = compare(case, segments, reference_steps(case, preset, overrides, name))
         if trial.status == "bitwise":
-            trial.elementwise = elementwise_label(case, name)
+            trial.elementwise, trial.unmapped = elementwise_label(case, name), whole.unmapped
             return trial
     return whole
 

@@ -18,7 +18,7 @@ from . import Adapter, package_version
 from .cases import DIST_FAMILIES, REPLICATED_FAMILIES, SINGLE_FAMILIES, UNREDUCED_FAMILIES
 from .field import DionMuon, GramNewtonSchulzMuon, TorchtitanDistMuon, TorchtitanDistMuonOnCpu
 
-_2D = frozenset({"tall", "wide", "square", "row", "primes"})
+_2D = frozenset({"tall", "wide", "square", "row", "primes", "tiny"})
 
 
 def _groups(params: list[Tensor]) -> list[dict[str, Any]]:

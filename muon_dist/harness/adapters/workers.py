@@ -95,7 +95,21 @@ def _steps(
         "params": per_step,
         "errors": errors,
         "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta],
+        "state_keys": [
+            [] if m is not None else param_sized_state(opt, p) for m, p in zip(momenta, params)
+        ],
     }
+
+
+def param_sized_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
+    """The keys of p's optimizer state that hold a tensor with as many elements as p or its shard: state the
+    check would compare as momentum if it knew the key (a scalar step counter is not one)."""
+    sizes = {p.numel(), local(p.detach()).numel()}
+    return sorted(
+        str(k)
+        for k, v in opt.state.get(p, {}).items()
+        if isinstance(v, torch.Tensor) and v.numel() > 1 and v.numel() in sizes
+    )
 
 
 def candidate_steps(adapter: Adapter, case: Case, hp: dict[str, Any]) -> dict[str, Any]:
