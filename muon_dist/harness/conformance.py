@@ -508,8 +508,17 @@ def _parser() -> argparse.ArgumentParser:
         "  case crashed or hung)"
     )
 
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
+    class Formatter(argparse.RawDescriptionHelpFormatter):
+        """Each option's default, where it has one worth saying (not None, False or empty)."""
+
+        def _get_help_string(self, action: argparse.Action) -> str:
+            text = action.help or ""
+            if (
+                action.default not in (None, False, [], {}, argparse.SUPPRESS)
+                and "default" not in text
+            ):
+                text += " (default: %(default)s)"
+            return text
 
     p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=Formatter)
     p.add_argument(
@@ -532,8 +541,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the planted-bug suite (muon_dist.harness.adapters."
         "planted): a small Muon per reachable class of field bug; prints caught K/N",
     )
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4],
+        help="ranks of the distributed cases (3: a scale bug that a power of two hides shows)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per case")
     p.add_argument(
         "--families", nargs="+", help="only these case families (default: all the adapter supports)"
     )
@@ -558,7 +573,7 @@ def _parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        help="seeds the ranks' PYTHONHASHSEED (1 + 1000 * seed + rank), recorded in the report",
+        help="seeds the ranks' PYTHONHASHSEED (1 + 1000 * seed + rank), recorded in the report (default: 0)",
     )
     p.add_argument(
         "--state-map",

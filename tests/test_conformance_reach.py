@@ -1,0 +1,299 @@
+"""What the conformance check reaches and how it answers: per-rank hash seeds, state it cannot map, scale bugs that
+Newton-Schulz hides at powers of two, candidates that look distributed, candidates that cannot run, hangs named by
+rank and collective, and reports written case by case. Each capability comes with its negative control: the same
+candidate passing where the check does not look."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import muon_ref
+from muon_dist.harness import conformance
+from muon_dist.harness.adapters import Adapter
+from muon_dist.harness.adapters.cases import Case, family_shapes
+from muon_dist.harness.adapters.controls import GatherControl, GatherEngine
+from muon_dist.harness.adapters.oracle import candidate_hyperparameters, judge
+from muon_dist.harness.adapters.planted import PLANTED
+from muon_dist.harness.adapters.workers import candidate_steps
+from muon_dist.harness.conformance import check, main
+from muon_dist.harness.launch import RankPool, blocked_frame
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def quiet(*_: Any) -> None:
+    pass
+
+
+def run_main(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+# ---------------------------------------------------------------- per-rank hash seeds
+
+
+class HashOrderEngine(GatherEngine):
+    """Gathers the params in the order of a set of their names: the order depends on the process's hash seed, so
+    ranks with different seeds gather different params into each other's (same-shaped) slots."""
+
+    def orthogonalized(self, work):
+        order = [int(name[1:]) for name in {f"p{i}" for i in range(len(work))}]
+        done = dict(zip(order, super().orthogonalized([work[i] for i in order])))
+        return [done[i] for i in range(len(work))]
+
+
+class HashOrderControl(GatherControl):
+    name, engine = "gathers in set order", HashOrderEngine
+    families = frozenset({"even"})
+    dtypes = ("float32",)
+
+
+def test_a_candidate_ordered_by_a_hash_seed_is_caught_on_spawned_ranks():
+    report = check(HashOrderControl(), (4,), 1, 60.0, 0.0, log=quiet)
+    assert report["verdict"] == "departs", report["diagnosis"]
+
+
+def test_negative_control_forked_ranks_share_the_seed_and_miss_it():
+    adapter = HashOrderControl()
+    case = Case("even", "dtensor", 4, family_shapes("even", "dtensor", 4), steps=1)
+    pool = RankPool(4)  # forked from this process: one hash seed for all ranks
+    try:
+        results = pool.run(
+            candidate_steps, adapter, case, candidate_hyperparameters(adapter), timeout=60
+        )
+    finally:
+        pool.close()
+    assert judge(case, [(4, results)], "torch", candidate_hyperparameters(adapter)).status == (
+        "bitwise"
+    )
+
+
+def test_ranks_get_distinct_recorded_hash_seeds():
+    assert conformance.hash_seeds(0, 3) == [1, 2, 3] and conformance.hash_seeds(2, 2) == [
+        2001,
+        2002,
+    ]
+
+
+# ---------------------------------------------------------------- state the check cannot map
+
+
+class KeyedMuon(muon_ref.Muon):
+    """muon_ref.Muon whose momentum lives under the state key "mom"."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "mom" in self.state[p]:
+                    self.state[p]["momentum_buffer"] = self.state[p].pop("mom")
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" in self.state[p]:
+                    self.state[p]["mom"] = self.state[p].pop("momentum_buffer")
+
+
+FAST = ["--steps", "2", "--shrink-budget", "0", "--families", "square", "tall"]
+
+
+def test_momentum_under_an_unknown_key_is_reported_and_fails_until_mapped(tmp_path):
+    spec = f"{__name__}:KeyedMuon"
+    code, out, _ = run_main(["--adapter", spec, *FAST])
+    assert code == 2, out
+    assert "momentum not compared: state keys ['mom']" in out and "--state-map" in out
+    code, out, _ = run_main(["--adapter", spec, *FAST, "--state-map", "mom"])
+    assert code == 0 and "verdict: conforms" in out, out
+    code, out, _ = run_main(["--adapter", spec, *FAST, "--state-map", "none"])
+    assert code == 0, out
+
+
+def test_negative_control_a_known_key_is_compared_without_a_map():
+    code, out, _ = run_main(["--adapter", "muon_ref:Muon", *FAST])
+    assert code == 0 and "momentum not compared" not in out, out
+
+
+# ---------------------------------------------------------------- scale bugs Newton-Schulz hides
+
+
+class ScaledGradientEngine(GatherEngine):
+    """Uses W times the gradient (a sum over ranks taken for their mean); its momentum is not exposed."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    W = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+                    p.grad.mul_(W)
+        super().step(closure)
+
+
+class ScaledGradientControl(GatherControl):
+    name, engine, state_key = "gradient times W", ScaledGradientEngine, None
+    dtypes = ("float32",)
+
+
+def _verdict(families: set[str], world_sizes: tuple[int, ...]) -> str:
+    adapter = ScaledGradientControl()
+    adapter.families = frozenset(families)
+    return check(adapter, world_sizes, 2, 60.0, 0.0, log=quiet)["verdict"]
+
+
+def test_a_scale_bug_hidden_at_two_ranks_is_caught_at_three_and_by_tiny_gradients():
+    # negative control: at W = 2 on ordinary gradients, Newton-Schulz cancels the exact factor 2
+    assert _verdict({"even", "uneven"}, (2,)) == "conforms"
+    assert _verdict({"even", "uneven"}, (3,)) == "departs"
+    assert _verdict({"badly_scaled"}, (2,)) == "departs"
+
+
+# ---------------------------------------------------------------- candidates that look distributed
+
+
+class CountsRanks(muon_ref.Muon):
+    """A correct single-device Muon that asks for the world size (a distributed candidate in disguise)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        dist.get_world_size()
+        return super().step(closure)
+
+
+class TakesAGroup(muon_ref.Muon):
+    def __init__(
+        self, params, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, process_group=None
+    ):
+        super().__init__(
+            params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov
+        )
+
+
+def test_a_candidate_that_uses_torch_distributed_without_distributed_is_refused():
+    code, out, _ = run_main(["--adapter", f"{__name__}:CountsRanks", *FAST])
+    assert code == 2 and "refused" in out and "--distributed" in out, out
+    code, _, err = run_main(["--adapter", f"{__name__}:TakesAGroup", *FAST])
+    assert code == 2 and "process_group" in err and "--distributed" in err, err
+    # negative control: declared distributed, the same candidate runs (replicated: every rank the same)
+    code, out, _ = run_main(
+        [
+            "--adapter",
+            f"{__name__}:CountsRanks",
+            *FAST,
+            "--distributed",
+            "replicated",
+            "--world-sizes",
+            "2",
+            "--families",
+            "even",
+        ]
+    )
+    assert code == 0, out
+
+
+# ---------------------------------------------------------------- could not run
+
+
+class Missing(Adapter):
+    name = "needs a package that is not there"
+
+    def build(self, params, **hp):
+        import a_package_that_does_not_exist  # noqa: F401
+
+
+def test_a_candidate_that_cannot_import_exits_3():
+    code, out, _ = run_main(["--adapter", f"{__name__}:Missing", *FAST])
+    assert code == 3 and "could not run: " in out and "ModuleNotFoundError" in out, out
+    code, _, err = run_main(["--adapter", "a_module_that_does_not_exist:Muon"])
+    assert code == 3 and "could not import" in err, err
+
+
+def test_an_adapter_that_cannot_be_pickled_is_a_usage_error():
+    class Local(Adapter):  # defined in a function: the ranks cannot import it
+        name = "local"
+
+    globals()["LocalAdapter"] = Local
+    try:
+        code, _, err = run_main(["--adapter", f"{__name__}:LocalAdapter", *FAST])
+    finally:
+        del globals()["LocalAdapter"]
+    assert code == 2 and "cannot be sent to the ranks" in err and "\n" not in err.strip(), err
+
+
+# ---------------------------------------------------------------- hangs named by rank and collective
+
+
+def test_a_hang_names_each_rank_and_the_collective_it_is_blocked_in():
+    planted = PLANTED[0]  # an empty box skips its param: the other rank waits in its gather
+    report = check(planted.adapter, planted.world_sizes, 2, 10.0, 0.0, log=quiet)
+    (hang,) = [o for o in report["outcomes"] if o["status"] == "hang"]
+    assert "rank 0 blocked in torch.distributed full_tensor" in hang["error"], hang["error"]
+    assert "called from planted.py:" in hang["error"], hang["error"]
+
+
+def test_blocked_frame_reads_a_faulthandler_dump():
+    dump = (
+        "Thread 0x1 (most recent call first):\n"
+        '  File "/x/torch/distributed/distributed_c10d.py", line 10 in all_reduce\n'
+        '  File "/x/torch/distributed/c10d_logger.py", line 5 in wrapper\n'
+        '  File "/y/mine.py", line 7 in step\n'
+    )
+    assert blocked_frame(dump) == (
+        "blocked in torch.distributed all_reduce (distributed_c10d.py), called from mine.py:7 in step"
+    )
+    assert blocked_frame(dump.replace("torch/distributed", "torch/optim")) is None  # no collective
+
+
+# ---------------------------------------------------------------- reports written case by case
+
+
+def test_the_json_is_written_after_every_case_and_marked_partial_until_the_end(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "report.json"
+    real = conformance.check
+
+    def interrupted(*args, progress=None, **kwargs):
+        calls = []
+
+        def after_case(report):
+            progress(report)
+            calls.append(report)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+        return real(*args, progress=after_case, **kwargs)
+
+    monkeypatch.setattr(conformance, "check", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_main(["--adapter", "muon_ref:Muon", *FAST, "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["partial"] is True and payload["provenance"]["seed"] == 0
+    (report,) = payload["reports"]
+    assert report["partial"] is True and len(report["outcomes"]) == 2 < report["cases_planned"]
+
+
+def test_help_lists_presets_families_world_sizes_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for needle in (
+        "presets: ",
+        "families: ",
+        "badly_scaled",
+        "world sizes: ",
+        "(default: [1, 2, 3, 4])",
+        "exit codes: 0 conforms",
+        "3 could not run",
+        "--state-map",
+    ):
+        assert needle in text, needle
