@@ -1,10 +1,11 @@
 """A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_dist.harness.verify` and
 `muon_dist.harness.conformance` (measured facts: docs/testing.md).
 
-Workers are forked once per world size; each sets torch.set_num_threads(1) first, joins a gloo group through
-a file:// rendezvous in a fresh temporary directory (runs never collide), then serves calls: a module-level
-function and picklable args, run on every rank. A call that raises on any rank or outlives its timeout
-kills the pool (the next call starts a fresh one) and raises RankFailure in the parent.
+Workers are started once per world size (forked, or spawned with their own hash seeds: RankPool); each sets
+torch.set_num_threads(1) first, joins a gloo group through a file:// rendezvous in a fresh temporary directory
+(runs never collide), then serves calls: a module-level function and picklable args, run on every rank. A call
+that raises on any rank or outlives its timeout kills the pool (its next ranks start at once) and raises
+RankFailure in the parent.
 
 device="cuda": W ranks share the node's GPUs (rank r on cuda:r mod #GPUs; several ranks on one GPU), gloo
 carrying CUDA tensors (docs/gpu.md: all_to_all_single, all_gather_into_tensor and
@@ -14,6 +15,7 @@ CUDA cannot be used in a child forked from a parent that has used it. Results mu
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -25,7 +27,7 @@ import tempfile
 import time
 import traceback
 from multiprocessing import connection
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class RankFailure(AssertionError):
@@ -183,9 +185,85 @@ def _cpu_ticks(pids: list[int]) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _hash_seed(seed: int | None) -> Iterator[None]:
+    """PYTHONHASHSEED set to `seed` while a process is spawned (read by the new interpreter at its start)."""
+    saved = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = saved
+
+
+def _zygote(conn: Any) -> None:
+    """Forks ranks on request: (rank, world_size, init_file, device, process_group, address, authkey) -> a child
+    that connects to `address`, sends (rank, pid) and serves (_serve); answers nothing. Its children are reaped
+    by the kernel (SIGCHLD ignored): the pool kills them by pid."""
+    import torch  # noqa: F401 - imported once here, inherited by every fork
+    import torch.distributed  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        rank, world_size, init_file, device, process_group, address, authkey = msg
+        if os.fork() == 0:
+            code = 0
+            try:
+                conn.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                link = connection.Client(address, family="AF_UNIX", authkey=authkey)
+                link.send((rank, os.getpid()))
+                _serve(rank, world_size, init_file, link, device, process_group)
+            except BaseException:  # noqa: BLE001 - a forked child never returns into the zygote's loop
+                code = 1
+            finally:
+                os._exit(code)
+
+
+class _Forked:
+    """A rank forked by a zygote, known by its pid (not this process's child: no waitpid)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 class RankPool:
     """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
-    with `start_method` (default: fork on CPU, spawn with CUDA). idle_s: a call counts as hung before its timeout
+    with `start_method` (default: fork on CPU, spawn with CUDA or a hash seed). hash_seed: rank r is spawned with
+    PYTHONHASHSEED = hash_seed + r (its own string-hashing seed, as separate training processes have; forked
+    ranks share the parent's). process_group=False: the ranks join no group (a single-device candidate that calls
+    torch.distributed fails there instead of running as a group of one). A rank that does not answer is asked
+    where it is blocked (blocked_at: faulthandler's stack on SIGUSR1) before the pool is torn down. idle_s: a call counts as hung before its timeout
     once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
     ranks, Linux /proc: they are blocked, in a collective that a peer never joins; not for CUDA, where a rank may
     wait for its GPU)."""
@@ -213,11 +291,15 @@ class RankPool:
         self.start_method = start_method or ("spawn" if spawned else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self.zygotes: list[tuple[Any, Any]] = []
 
     def start(self) -> None:
-        ctx = mp.get_context(self.start_method)
         self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
         init_file = self.init_file = os.path.join(self.tmpdir, "rendezvous")
+        if self.hash_seed is not None and self.device == "cpu":
+            self._start_from_zygotes(init_file)
+            return
+        ctx = mp.get_context(self.start_method)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -225,18 +307,50 @@ class RankPool:
                 args=(rank, self.world_size, init_file, child, self.device, self.process_group),
                 daemon=True,
             )
-            saved = os.environ.get("PYTHONHASHSEED")
-            if self.hash_seed is not None:  # read by the spawned interpreter at its start
-                os.environ["PYTHONHASHSEED"] = str(self.hash_seed + rank)
-            try:
+            with _hash_seed(None if self.hash_seed is None else self.hash_seed + rank):
                 proc.start()
-            finally:
-                if saved is None:
-                    os.environ.pop("PYTHONHASHSEED", None)
-                else:
-                    os.environ["PYTHONHASHSEED"] = saved
             self.procs.append(proc)
             self.conns.append(parent)
+
+    def _start_from_zygotes(self, init_file: str) -> None:
+        """Rank r forked by zygote r: a process spawned once per pool with PYTHONHASHSEED = hash_seed + r and torch
+        imported, which forks a fresh rank on request (its hash seed, not the parent's; a restart after a failure
+        costs a fork, not a spawn). The rank connects back to the pool's listener and says which it is."""
+        if not self.zygotes:
+            ctx = mp.get_context("spawn")
+            self.authkey = os.urandom(16)
+            self.listener = connection.Listener(
+                os.path.join(tempfile.mkdtemp(prefix="muon_dist_zygotes_"), "sock"),
+                family="AF_UNIX",
+                authkey=self.authkey,
+            )
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_zygote, args=(child,), daemon=True)
+                with _hash_seed(self.hash_seed + rank):
+                    proc.start()
+                self.zygotes.append((proc, parent))
+        address = self.listener.address
+        for rank, (_, zconn) in enumerate(self.zygotes):
+            zconn.send(
+                (
+                    rank,
+                    self.world_size,
+                    init_file,
+                    self.device,
+                    self.process_group,
+                    address,
+                    self.authkey,
+                )
+            )
+        by_rank: dict[int, Any] = {}
+        pids: dict[int, int] = {}
+        for _ in range(self.world_size):
+            conn = self.listener.accept()
+            rank, pid = conn.recv()
+            by_rank[rank], pids[rank] = conn, pid
+        self.conns = [by_rank[r] for r in range(self.world_size)]
+        self.procs = [_Forked(pids[r]) for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
         """fn(*args) on every rank; the per-rank results, or RankFailure (and a killed pool)."""
@@ -342,3 +456,16 @@ class RankPool:
                 pass
             proc.join(timeout=5)
         self.kill()
+        for proc, zconn in self.zygotes:
+            try:
+                zconn.send(None)
+            except OSError:
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        if self.zygotes:
+            folder = os.path.dirname(self.listener.address)
+            self.listener.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        self.zygotes = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -10,15 +11,28 @@ from muon_dist.harness.launch import RankFailure, RankPool
 from .workers import fail_on
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["raise", "hang"])
 def test_a_failing_or_hung_rank_fails_the_call_and_the_next_call_gets_a_fresh_pool(how: str) -> None:
     pool = RankPool(3)
     try:
+        pool.start()
+        failed = [p.pid for p in pool.procs]
         start = time.monotonic()
         with pytest.raises(RankFailure, match="deliberate failure" if how == "raise" else "no answer"):
             pool.run(fail_on, 1, how, timeout=3)
-        assert time.monotonic() - start < 10 and not pool.procs
+        assert time.monotonic() - start < 10
+        # the failed ranks are gone and the next ones already started (kill(restart=True))
+        assert not any(_alive(pid) for pid in failed)
+        assert pool.procs and not {p.pid for p in pool.procs} & set(failed)
         assert pool.run(fail_on, -1, how, timeout=30) == [0, 1, 2]
     finally:
         pool.close()
