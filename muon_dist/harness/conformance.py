@@ -10,14 +10,18 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
 
 Each case (muon_dist/harness/adapters/cases.py) runs the candidate on a pool of gloo ranks
-(muon_dist.harness.launch.RankPool; one rank for single-device cases; with --device cuda the candidate, its tensors
-and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a checkpoint case
-saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may torch.compile),
-and muon_ref.Muon under the adapter's claim on the full tensors; the contract is in
-muon_dist/harness/adapters/oracle.py. Per case: bitwise, differs (max |dP|, the first step that differs and whether
-the difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang. A failing
-case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure kind) and the departure
-diagnosed (muon_dist/harness/adapters/diagnose.py). Exit status 1 on any departure from the claim, 2 on a usage error.
+(muon_dist.harness.launch.RankPool: spawned ranks, each with its own PYTHONHASHSEED from --seed; one rank without a
+process group for the single-device cases of a candidate not declared distributed; with --device cuda the candidate,
+its tensors and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a
+checkpoint case saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may
+torch.compile), and muon_ref.Muon under the adapter's claim on the full tensors, with its elementwise stages on the
+whole params or on the ranks' shards; the contract is in muon_dist/harness/adapters/oracle.py. Per case: bitwise
+(naming a shard-local rounding where one was needed), differs (max |dP|, the first step that differs and whether the
+difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang (each rank's
+blocked collective). A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure
+kind) and the departures diagnosed by partition (muon_dist/harness/adapters/diagnose.py). Exit status (EXIT): 0
+conforms, 1 departs, 2 usage error (also: a distributed-looking candidate without --distributed, unmapped momentum
+state), 3 could not run. docs/conformance.md says how to read and cite a verdict.
 """
 
 from __future__ import annotations
@@ -278,9 +282,6 @@ def check(
     rank pools shared with other checks of a suite (Runner), closed by the caller."""
     runner = Runner(adapter, timeout, seed, pools)
     started = time.monotonic()
-    chosen = adapter.families & frozenset(families) if families else adapter.families
-    chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
-    dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
     outcomes: list[Outcome] = []
     shrunk: list[dict[str, Any]] = []
     stopped = None
@@ -305,9 +306,7 @@ def check(
         }
 
     try:
-        cases = default_cases(
-            chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants
-        )
+        cases = selected_cases(adapter, world_sizes, steps, families, dtypes, device)
         if not cases:  # nothing selected is never a pass
             return _unselected(adapter, device, started)
         for case in cases:
@@ -345,6 +344,23 @@ def check(
     finally:
         runner.close()
     return report(False, diagnosis, result)
+
+
+def selected_cases(
+    adapter: Adapter,
+    world_sizes: tuple[int, ...],
+    steps: int,
+    families: tuple[str, ...] | None,
+    dtypes: tuple[str, ...] | None,
+    device: str,
+) -> list[Case]:
+    """The cases check() runs for the adapter under these selections."""
+    chosen = adapter.families & frozenset(families) if families else adapter.families
+    chosen = frozenset(f for f in chosen if _runs_for(adapter, f))
+    dtypes = tuple(d for d in adapter.dtypes if d in dtypes) if dtypes else adapter.dtypes
+    return default_cases(
+        chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants
+    )
 
 
 def _stop(adapter: Adapter, o: Outcome) -> tuple[str, str] | None:
@@ -830,8 +846,25 @@ def main(argv: list[str] | None = None) -> int:
             }
             _write_json(args.json, payload)
 
-    for adapter in adapters:
-        _print(adapter.describe())
+    planned = [
+        len(
+            selected_cases(
+                a, tuple(args.world_sizes), args.steps, args.families, args.dtypes, args.device
+            )
+        )
+        for a in adapters
+    ]
+    if len(adapters) > 1:
+        _print(f"{len(adapters)} adapters, {sum(planned)} cases")
+    run_started = time.monotonic()
+    for i, adapter in enumerate(adapters):
+        if len(adapters) > 1 and i:
+            done, elapsed = sum(planned[:i]), time.monotonic() - run_started
+            left = elapsed / max(done, 1) * sum(planned[i:])
+            _print(
+                f"[{done}/{sum(planned)} cases in {elapsed:.0f} s; about {left:.0f} s left at this pace]"
+            )
+        _print(f"{adapter.describe()}: {planned[i]} cases")
         reports.append(
             check(
                 adapter,

@@ -2,6 +2,9 @@
 
 Contract checked per case (Outcome.status == "bitwise"), for every step s, rank r and parameter i:
     bits(candidate_r,s[i]) == bits(box_r(reference_s[i]))      (bits: -0.0 and +0.0 differ; dtype must match)
+for one rounding of ELEMENTWISE, the same for every step, rank and param of the case: the reference's elementwise
+stages on the whole params (muon_ref.Muon itself), or on each rank's shard as its own tensor (_ShardLocalMuon;
+Outcome.elementwise names it: a rounding convention, never a departure).
 and for the final momentum buffers the candidate exposes: the same, against box_r(reference momentum). The
 reference steps on cases.oracle_gradients (the sum of the micro-batches, the mean over ranks in unreduced mode).
 Replica agreement, on every case whose ranks hold replicated data (modes replicated and unreduced: every param, and
