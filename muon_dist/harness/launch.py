@@ -48,10 +48,12 @@ def _serve(
     log = os.open(stderr_path(init_file, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 2)
     os.close(log)
-    if (
-        faulthandler.is_enabled()
-    ):  # inherited (pytest enables it on its own copy of stderr): to the file too
-        faulthandler.enable(file=os.fdopen(2, "w", closefd=False))
+    # sys.stderr may be an object without a file descriptor in the parent (pytest's capsys): the rank's own
+    # stderr is fd 2, which faulthandler needs
+    sys.stderr = os.fdopen(2, "w", closefd=False)
+    # faulthandler inherited enabled (pytest enables it on its own copy of stderr): to the file too
+    if faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr)
     import torch
 
     torch.set_num_threads(1)

@@ -59,7 +59,7 @@ class DroppedRemainder(DistributedReference):
 def _report(tmp_path, adapter: str, *extra: str) -> tuple[int, dict]:
     out = tmp_path / "report.json"
     code = conformance.main(["--adapter", adapter, *DIST_FAST, *extra, "--json", str(out)])
-    (report,) = json.loads(out.read_text())
+    (report,) = json.loads(out.read_text())["reports"]
     return code, report
 
 

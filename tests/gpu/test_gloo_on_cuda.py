@@ -58,6 +58,6 @@ def test_distributed_muon_conforms_on_cuda_under_the_conformance_check(tmp_path)
         str(out),
     ]
     assert conformance.main(argv) == 0
-    (report,) = json.loads(out.read_text())
+    (report,) = json.loads(out.read_text())["reports"]
     assert report["device"] == "cuda" and report["conforms"]
     assert {o["mode"] for o in report["outcomes"]} == {"single", "dtensor"}
