@@ -172,3 +172,18 @@ def test_a_family_no_chosen_adapter_supports_is_a_usage_error(capsys) -> None:
     argv = ["--adapter", "muon_dist.harness.adapters.shipped:Reference", "--families", "straddle"]
     assert conformance.main(argv) == 2
     assert "selects no case" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_several_adapters_print_the_planned_cases_and_the_progress(tmp_path, capsys) -> None:
+    reference = "muon_dist.harness.adapters.shipped:Reference"
+    argv = ["--adapter", reference, "--adapter", reference, "--families", "tall", "row"]
+    assert conformance.main([*argv, "--json", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    reports = json.loads((tmp_path / "r.json").read_text())["reports"]
+    per_adapter = [len(r["outcomes"]) for r in reports]
+    assert len(per_adapter) == 2 and per_adapter[0] == per_adapter[1] > 0
+    total = sum(per_adapter)
+    assert f"2 adapters, {total} cases" in printed
+    assert f": {per_adapter[0]} cases" in printed  # each adapter's count before it runs
+    assert f"[{per_adapter[0]}/{total} cases in " in printed and " s left at this pace]" in printed
