@@ -137,10 +137,11 @@ GRACE_IDLE_S = (
 
 class _Progress:
     """Whether processes still work: stalled(pids, window) is True once they and their descendants together used
-    less than 1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last `window`
-    seconds. A rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (measured
-    here: a tick every 2 s); a working rank uses tens of ticks a second even on 2 loaded cores. Never True without
-    idle_s (the pool's) or without /proc."""
+    less than 1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last
+    `window` seconds, and none of their threads waited on the disk (state D) at any sample of it. A rank blocked
+    in a gloo collective uses none; one blocked in a store-based barrier polls (a tick every 2 s, measured on
+    Linux with torch 2.13.0); a working rank uses tens of ticks a second even on 2 loaded cores. Never True
+    without idle_s (the pool's) or without /proc."""
 
     def __init__(self, idle_s: float | None) -> None:
         self.idle_s, self.samples, self.pids, self.stalled_at, self.window = (
@@ -157,34 +158,52 @@ class _Progress:
         now = time.monotonic()
         if pids != self.pids:  # a rank answered: its ticks leave the sum
             self.pids, self.samples = list(pids), []
-        self.samples.append((now, _cpu_ticks(pids)))
+        ticks, disk_wait = _activity(pids)
+        if disk_wait:  # waiting for the disk is work: the window starts again
+            self.samples = []
+        self.samples.append((now, ticks))
         old = [ticks for t, ticks in self.samples if t <= now - window]
         if old and self.samples[-1][1] - old[-1] < len(pids) * window:
             self.stalled_at, self.window = now, window
         return self.stalled_at is not None
 
 
-def _cpu_ticks(pids: list[int]) -> int:
-    """utime + stime, in clock ticks, of the processes and all their descendants (found by their parent pids)."""
+def _activity(pids: list[int]) -> tuple[int, bool]:
+    """(utime + stime in clock ticks, whether a thread waits on the disk) of the processes and all their
+    descendants (found by their parent pids). A thread in state D (uninterruptible sleep: an fsync or a read
+    of a checkpoint on a busy disk) uses no CPU but is not blocked on a peer."""
     table = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = (
-                    f.read().rsplit(")", 1)[1].split()
-                )  # after "pid (comm)": state, ppid, ..., utime, stime
-        except (OSError, IndexError):
-            continue
-        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    total, frontier, seen = 0, list(pids), set()
+        fields = _stat_fields(f"/proc/{entry}/stat")
+        if fields:  # after "pid (comm)": state, ppid, ..., utime (11), stime (12)
+            table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    total, disk_wait, frontier, seen = 0, False, list(pids), set()
     while frontier:
         pid = frontier.pop()
         if pid in seen or pid not in table:
             continue
         seen.add(pid)
         total += table[pid][1]
+        disk_wait = disk_wait or _waits_on_disk(pid)
         frontier += [child for child, (parent, _) in table.items() if parent == pid]
-    return total
+    return total, disk_wait
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _waits_on_disk(pid: int) -> bool:
+    """Whether a thread of pid is in state D (its threads' states are in /proc/PID/task/TID/stat)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any((_stat_fields(f"/proc/{pid}/task/{tid}/stat") or ["?"])[0] == "D" for tid in tids)
 
 
 @contextlib.contextmanager

@@ -45,3 +45,36 @@ def test_a_rank_that_computes_longer_than_idle_s_is_not_reported_hung() -> None:
         assert pool.run(blocked_or_busy, "busy", 3.0, timeout=40) == [0, 1]
     finally:
         pool.close()
+
+
+def _simulated(monkeypatch: pytest.MonkeyPatch, disk_wait: bool) -> bool:
+    """Whether _Progress calls a process stalled after 5 s of samples without CPU ticks, each sample reporting
+    `disk_wait` (a thread in state D), on a simulated clock."""
+    from muon_dist.harness import launch
+
+    clock = [0.0]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(launch, "_activity", lambda pids: (100, disk_wait))
+    progress = launch._Progress(idle_s=2.0)
+    for _ in range(50):
+        if progress.stalled([1234], 2.0):
+            return True
+        clock[0] += 0.1
+    return False
+
+
+def test_a_rank_waiting_on_the_disk_is_not_reported_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an fsync of a checkpoint on a busy disk uses no CPU for seconds: state D is work, not a hang
+    assert not _simulated(monkeypatch, disk_wait=True)
+    # negative control: the same samples without the disk wait are a hang
+    assert _simulated(monkeypatch, disk_wait=False)
+
+
+def test_activity_reads_this_process_from_proc() -> None:
+    import os
+
+    from muon_dist.harness.launch import _activity
+
+    sum(range(10**6))  # some CPU time of its own
+    ticks, disk_wait = _activity([os.getpid()])
+    assert ticks > 0 and isinstance(disk_wait, bool)
