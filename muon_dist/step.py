@@ -95,6 +95,19 @@ def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
     ]
 
 
+def _nonfinite_flags(pieces: Sequence[Tensor | None], device: torch.device) -> Tensor:
+    """uint8 per piece: 1 where it holds a NaN or an infinity (0 for None or an empty piece). One aminmax per
+    piece: its min and max are both finite iff every element is (it propagates NaN; an infinity is its min or
+    max), in one pass without isfinite's boolean copy; then one isfinite over all the extremes."""
+    present = [i for i, x in enumerate(pieces) if x is not None and x.numel()]
+    local = torch.zeros(len(pieces), dtype=torch.uint8, device=device)
+    if present:
+        extremes = torch.stack([torch.stack(torch.aminmax(pieces[i])) for i in present])
+        bad = extremes.isfinite().all(dim=1).logical_not()
+        local[present] = bad.to(device, torch.uint8)
+    return local
+
+
 def nonfinite(
     comm: Comm,
     entries: Sequence[Entry],
@@ -106,17 +119,14 @@ def nonfinite(
     blocks, whose other blocks step as muon_ref steps them); ValueError naming the first such param whose group
     says nonfinite="raise"."""
     units = [_flag_units(e, comm.rank) for e in entries]
-    flags = []
-    for x, parts in zip(inputs, units):
-        for part in parts:
-            present = x.grad is not None and part is not None
-            flags.append(
-                torch.isfinite(x.grad[part.index]).all().logical_not() if present else None
-            )
-    local = torch.zeros(len(flags), dtype=torch.uint8, device=comm.device)
-    present = [i for i, f in enumerate(flags) if f is not None]
-    if present:
-        local[present] = torch.stack([flags[i] for i in present]).to(comm.device, torch.uint8)
+    local = _nonfinite_flags(
+        [
+            x.grad[part.index] if x.grad is not None and part is not None else None
+            for x, parts in zip(inputs, units)
+            for part in parts
+        ],
+        comm.device,
+    )
     gathered = (
         comm.all_gather(local, comm.world_group(), "nonfinite_check")
         .cpu()
