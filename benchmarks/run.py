@@ -22,7 +22,7 @@
    A line per set and W prints the ratios of DistributedMuon's modes to the peers of the same run.
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
    warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
-   benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest and non-finite-flag all-gathers are
+   benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest, non-finite-flag and failure-check all-gathers are
    listed apart as control bytes. Bound: muon_dist.harness.verify's lower bound per rank. Every method's params after
    all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
 2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
