@@ -9,15 +9,17 @@ Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" 
 
 Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested one),
 measured by wrapping the step's functions for the duration of the run (a wrapper costs about a microsecond per
-call, which lands in the calling stage); `host` is the step's time outside every stage (validation, layout and
-config look-ups, writing the results). Per step the slowest rank's total; per stage its mean over ranks; medians
+call, which lands in the calling stage); `host` is the step's time outside every stage (configs, the plan's
+bookkeeping, the params' copies, the report). Per step the slowest rank's total; per stage its mean over ranks; medians
 over the timed steps. Stages:
+    collect       DistributedMuon._collect: validating the gradients, reading the layouts, the local shards
     plan          muon_dist.plan.plan and the write groups
     nonfinite     the non-finite flags of the gradients (without their collective)
     momentum      muon_ref's momentum_direction on the shards      apply   muon_ref's apply_update on the shards
     shard pad     run_stage's padding and tail handling around those two (elementwise.py)
     pack/unpack   the exchange's buffers, the joins of boxes into matrices and the cuts of updates into boxes
     NS            the backend's orthogonalize
+    write         the new momentum buffers into the old ones' storage
     COLL[name]    each collective, by the name it is logged under (a path, or a check of the step)
 """
 
@@ -33,7 +35,17 @@ from typing import Any
 
 import torch
 
-STAGES = ("plan", "nonfinite", "momentum", "apply", "shard pad", "pack/unpack", "NS")
+STAGES = (
+    "collect",
+    "plan",
+    "nonfinite",
+    "momentum",
+    "apply",
+    "shard pad",
+    "pack/unpack",
+    "NS",
+    "write",
+)
 
 
 class StageClock:
@@ -73,13 +85,16 @@ def _collective(op: str) -> Callable[..., str]:
 @contextmanager
 def instrumented(clock: StageClock) -> Iterator[None]:
     """The step's functions wrapped by `clock` (restored on exit)."""
-    from muon_dist import comm, step
+    from muon_dist import comm, optim, step
     from muon_dist.paths import agrs, exchange
 
     targets = [
         (step, "plan", "plan"),
         (step, "write_groups", "plan"),
+        (step, "local_flags", "nonfinite"),
         (step, "nonfinite", "nonfinite"),
+        (optim.DistributedMuon, "_write_buffer", "write"),
+        (optim.DistributedMuon, "_collect", "collect"),
         (step, "momentum_direction", "momentum"),
         (step, "apply_update", "apply"),
         (step, "run_stage", "shard pad"),
