@@ -7,11 +7,12 @@ fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per ran
 Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global", and with --dion PATH
 (a microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
 
-Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested one),
-measured by wrapping the step's functions for the duration of the run (a wrapper costs about a microsecond per
-call, which lands in the calling stage); `host` is the step's time outside every stage (configs, the plan's
-bookkeeping, the params' copies, the report). Per step the slowest rank's total; per stage its mean over ranks; medians
-over the timed steps. Stages:
+Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested
+one), measured by wrapping the step's functions for the duration of the run (a wrapper's own cost lands in
+the calling stage: 0.41 us per call of an empty function, min of 5 x 200,000 calls with timeit on the CPU of
+docs/benchmarks.md); `host` is the step's time outside every stage
+(configs, the plan's bookkeeping, the params' copies, the report). Per step the slowest rank's total; per
+stage its mean over ranks; medians over the timed steps. Stages:
     collect       DistributedMuon._collect: validating the gradients, reading the layouts, the local shards
     plan          muon_dist.plan.plan and the write groups
     nonfinite     the non-finite flags of the gradients (without their collective)
@@ -126,46 +127,60 @@ def timed_backend(opt: Any, clock: StageClock) -> None:
     opt.backend = Backend(b.name, clock.timed("NS", b.orthogonalize), b.bitwise)
 
 
-def rank_stages(dion_path: str | None, world_size: int, warmup: int, steps: int) -> dict:
-    """Per method: per timed step, this rank's total and its stage times (ms)."""
-    import torch.distributed as dist
-
+def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, dict]:
+    """({name: optimizer}, {name: its params}): DistributedMuon in both dispatch modes (NS timed by `clock`), and
+    dion.Muon given a checkout, each on its own copy of the initial params."""
     from muon_dist.optim import DistributedMuon
 
     from .peers import dion_muon, load_dion
-    from .run import Bench, gradients, initial, muon_specs, set_grads, shard
+    from .run import initial, muon_specs, shard
 
-    b = Bench("dense", world_size, warmup, steps)
     names = [s.name for s in muon_specs(b.table)]
-    clock = StageClock()
     methods: dict[str, Any] = {}
-    params = {}
+    chosen = ("batched", "global") + (("dion",) if dion_path is not None else ())
+    params = {m: [shard(t) for t in initial(b)] for m in chosen}
     for dispatch in ("batched", "global"):
-        params[dispatch] = [shard(t) for t in initial(b)]
-        opt = DistributedMuon(
+        methods[dispatch] = DistributedMuon(
             [{"params": params[dispatch], "param_names": names}], preset=b.preset, dispatch=dispatch
         )
-        timed_backend(opt, clock)
-        methods[dispatch] = opt
+        timed_backend(methods[dispatch], clock)
     if dion_path is not None:
-        params["dion"] = [shard(t) for t in initial(b)]
         methods["dion"] = dion_muon(load_dion(dion_path), params["dion"])
-    out: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    return methods, params
+
+
+def timed_step(opt: Any, params: list[torch.Tensor], grads: list, clock: StageClock) -> dict:
+    """One step after a barrier: {"total": its time, stage: time} in seconds."""
+    import torch.distributed as dist
+
+    from .run import set_grads
+
+    set_grads(params, grads)
+    dist.barrier()
+    clock.take()
+    start = time.perf_counter()
+    opt.step()
+    total = time.perf_counter() - start
+    return {"total": total, **clock.take()}
+
+
+def rank_stages(dion_path: str | None, world_size: int, warmup: int, steps: int) -> dict:
+    """Per method: per timed step, this rank's total and its stage times (ms); Dion's total only."""
+    from .run import Bench, gradients
+
+    b = Bench("dense", world_size, warmup, steps)
+    clock = StageClock()
+    methods, params = methods_of(b, dion_path, clock)
+    order = list(methods)
+    out: dict[str, list[dict[str, float]]] = {m: [] for m in order}
     with instrumented(clock):
         for step in range(b.total_steps):
             grads = gradients(b, step)
-            for k in range(len(methods)):
-                method = list(methods)[(step + k) % len(methods)]
-                set_grads(params[method], grads)
-                dist.barrier()
-                clock.take()
-                start = time.perf_counter()
-                methods[method].step()
-                total = time.perf_counter() - start
+            for k in range(len(order)):
+                method = order[(step + k) % len(order)]
+                row = timed_step(methods[method], params[method], grads, clock)
                 if step >= b.warmup:
-                    out[method].append(
-                        {"total": total, **clock.take()} if method != "dion" else {"total": total}
-                    )
+                    out[method].append(row if method != "dion" else {"total": row["total"]})
     return {m: [{k: 1e3 * v for k, v in row.items()} for row in rows] for m, rows in out.items()}
 
 
