@@ -46,8 +46,9 @@ test-gpu: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) notebooks/run_all.py
 
+# gloo on CPU: W = 1, 2, 4; with Dion beside: make bench ARGS="--dion ../dion" (a microsoft/dion checkout)
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks $(ARGS)
 
 # one GPU: the step and kernel tables in one run; options in ARGS, e.g. make bench-gpu ARGS="--dion ../dion"
 bench-gpu: $(STAMP)

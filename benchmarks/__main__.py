@@ -7,6 +7,11 @@ if sys.argv[1:2] == [
 
     sys.exit(gpu_main(sys.argv[2:]))
 
+if sys.argv[1:2] == ["stages"]:  # python -m benchmarks stages [options]: the stage profile
+    from .stages import main as stages_main
+
+    sys.exit(stages_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

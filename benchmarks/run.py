@@ -1,6 +1,8 @@
 """Benchmarks: DistributedMuon against the field's baselines on gloo ranks, the planner's load balance, memory.
 
-    python -m benchmarks [--quick] [--world-sizes 2 4] [--sets tiny_moe scaled_moe] [--warmup 2] [--steps 10]
+    python -m benchmarks [--quick] [--world-sizes 1 2 4] [--sets dense tiny_moe scaled_moe] [--dion PATH]
+                         [--warmup 2] [--steps 10]
+    python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_dist.harness.launch.RankPool), fp32 params sharded Shard(0)
@@ -12,9 +14,15 @@
      global             DistributedMuon(dispatch="global"): LPT owners, one ragged all-to-all each way
      full_tensor        (a) all-gather every direction, NS on every rank (LlamaFactory v2, muonium)
      gather_scatter     (c) gather to owner i mod W, NS, scatter (samsja muon_fsdp2)
+   and on a set of 2-D matrices (dense) the peers of benchmarks/peers.py, timed beside them:
+     torch_muon         torch.optim.Muon (at W = 1 on the whole tensors, compared bit for bit; at W > 1 on the
+                        DTensors as they are)
+     dion               dion.Muon, Polar Express off, given --dion PATH (a microsoft/dion checkout) or an
+                        installed dion package; its own conventions, never compared
+   A line per set and W prints the ratios of DistributedMuon's modes to the peers of the same run.
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
    warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
-   benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest and non-finite-flag all-gathers are
+   benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest, non-finite-flag and failure-check all-gathers are
    listed apart as control bytes. Bound: muon_dist.harness.verify's lower bound per rank. Every method's params after
    all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
 2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
@@ -42,8 +50,9 @@ from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
 from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
 from muon_dist.paths import PATHS
 
-from . import balance_table, memory
+from . import balance_table, memory, peers
 
+# compared with muon_ref bit for bit in every run; the peers (benchmarks.peers) are timed beside them
 METHODS = ("distributed", "padded_all_to_all", "global", "full_tensor", "gather_scatter")
 MEMORY_STEPS = 3
 
@@ -66,7 +75,17 @@ def scaled_moe() -> list[ParamSpec]:
     )
 
 
-SETS = {"tiny_moe": tiny_moe, "scaled_moe": scaled_moe}
+def dense() -> list[ParamSpec]:
+    """A dense transformer with d = 256 and ff = 1024, 4 layers: 28 Muon matrices (256 x 256 and 1024 x 256)."""
+    return transformer(layers=4, hidden=256, heads=4, kv_heads=4, head_dim=64, ffn=1024, vocab=512)
+
+
+def tiny_dense() -> list[ParamSpec]:
+    """dense's structure at d = 32, ff = 64, 2 layers (the smoke test's set of 2-D matrices)."""
+    return transformer(layers=2, hidden=32, heads=2, kv_heads=2, head_dim=16, ffn=64, vocab=64)
+
+
+SETS = {"tiny_moe": tiny_moe, "scaled_moe": scaled_moe, "dense": dense, "tiny_dense": tiny_dense}
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,18 @@ class Bench:
     steps: int
     preset: str = "torch"
     seed: int = 0
+    dion: str | None = None  # a microsoft/dion checkout: time dion.Muon beside the others
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """METHODS, and the peers on a set of 2-D matrices (torch.optim.Muon, dion.Muon given a checkout)."""
+        if any(len(s.shape) != 2 for s in muon_specs(self.table)):
+            return METHODS
+        return METHODS + ("torch_muon",) + (("dion",) if self.dion else ())
+
+    def compared(self, method: str) -> bool:
+        """Whether the method's result is compared with muon_ref's (benchmarks.peers: torch.optim.Muon at W = 1)."""
+        return method in METHODS or (method == "torch_muon" and self.world_size == 1)
 
     @property
     def total_steps(self) -> int:
@@ -114,11 +145,18 @@ class Method(Protocol):
     def step(self) -> object: ...
 
 
-def make(method: str, params: list[torch.Tensor], names: list[str], preset: str) -> Method:
+def make(method: str, params: list[torch.Tensor], names: list[str], b: Bench) -> Method:
     from muon_dist.optim import DistributedMuon
 
+    from . import peers
     from .baselines import FullTensorMuon, GatherScatterMuon
     from .counting import CountingCollectives
+
+    preset = b.preset
+    if method == "torch_muon":
+        return peers.torch_muon(params, b.world_size)
+    if method == "dion":
+        return peers.dion_muon(peers.load_dion(b.dion), params)
 
     if method in ("distributed", "padded_all_to_all", "global"):
         options = {
@@ -132,8 +170,11 @@ def make(method: str, params: list[torch.Tensor], names: list[str], preset: str)
     return cls(params, names, preset, CountingCollectives())
 
 
-def step_bytes(opt: Method) -> tuple[int, int, int]:
-    """(data bytes, control bytes, data collectives) of this rank in the optimizer's last step."""
+def step_bytes(opt: Method) -> tuple[int, int, int] | None:
+    """(data bytes, control bytes, data collectives) of this rank in the optimizer's last step (None: a peer,
+    not counted)."""
+    if not hasattr(opt, "comm"):
+        return None
     if hasattr(opt, "last_report"):
         ledger = opt.last_report.bytes_by_path
         data = sum(sent for path, (sent, _) in ledger.items() if path in PATHS)
@@ -152,13 +193,14 @@ def rank_bench(b: Bench) -> dict:
     import torch.distributed as dist
 
     names = [s.name for s in muon_specs(b.table)]
-    params = {m: [shard(t) for t in initial(b)] for m in METHODS}
-    opts = {m: make(m, params[m], names, b.preset) for m in METHODS}
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    methods = b.methods
+    params = {m: [shard(t) for t in initial(b)] for m in methods}
+    opts = {m: make(m, params[m], names, b) for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
     for step in range(b.total_steps):
         grads = gradients(b, step)
-        for k in range(len(METHODS)):
-            method = METHODS[(step + k) % len(METHODS)]
+        for k in range(len(methods)):
+            method = methods[(step + k) % len(methods)]
             set_grads(params[method], grads)
             dist.barrier()
             start = time.perf_counter()
@@ -166,11 +208,11 @@ def rank_bench(b: Bench) -> dict:
             times[method].append(time.perf_counter() - start)
     out = {
         "times": times,
-        "bytes": {m: step_bytes(opts[m]) for m in METHODS},
-        "shards": {m: [p.to_local().clone() for p in params[m]] for m in METHODS},
+        "bytes": {m: step_bytes(opts[m]) for m in methods},
+        "shards": {m: [p.detach().to_local().clone() for p in params[m]] for m in methods},
         "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p}),
     }
-    out["peak_bytes"] = {m: peak_bytes(b, params[m], opts[m]) for m in METHODS}
+    out["peak_bytes"] = {m: peak_bytes(b, params[m], opts[m]) for m in methods}
     return out
 
 
@@ -213,6 +255,9 @@ def equals_reference(results: list[dict], method: str, want: list[torch.Tensor])
     )
 
 
+NAN = float("nan")
+PEER_COLUMNS = (("step_ms", "step"), ("peak_bytes", "peak memory"))
+
 # fp32 directions (the params' dtype here) and bf16 updates (the "torch" preset's ns_dtype)
 DIRECTION_BYTES, UPDATE_BYTES = 4, 2
 
@@ -244,9 +289,23 @@ def bound_per_rank(b: Bench) -> float:
     return total
 
 
+def traffic(results: list[dict], method: str) -> dict[str, float]:
+    """The method's byte columns (NaN for a peer: its collectives are not counted)."""
+    counted = [r["bytes"][method] for r in results]
+    if any(c is None for c in counted):
+        return dict.fromkeys(("sent_per_rank", "max_sent", "control_per_rank", "collectives"), NAN)
+    return {
+        "sent_per_rank": statistics.mean(c[0] for c in counted),
+        "max_sent": max(c[0] for c in counted),
+        "control_per_rank": statistics.mean(c[1] for c in counted),
+        "collectives": max(c[2] for c in counted),
+    }
+
+
 def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
+    """One row per method; equal_muon_ref is None for a method not compared (Bench.compared)."""
     rows = []
-    for method in METHODS:
+    for method in b.methods:
         slowest = [
             max(r["times"][method][s] for r in results) for s in range(b.warmup, b.total_steps)
         ]
@@ -258,16 +317,19 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
                 "step_ms": 1e3 * statistics.median(slowest),
                 "step_ms_min": 1e3 * min(slowest),
                 "step_ms_max": 1e3 * max(slowest),
-                "sent_per_rank": statistics.mean(r["bytes"][method][0] for r in results),
-                "max_sent": max(r["bytes"][method][0] for r in results),
-                "control_per_rank": statistics.mean(r["bytes"][method][1] for r in results),
-                "collectives": max(r["bytes"][method][2] for r in results),
+                **traffic(results, method),
                 "bound_per_rank": bound_per_rank(b),
-                "equal_muon_ref": equals_reference(results, method, want),
+                "equal_muon_ref": equals_reference(results, method, want)
+                if b.compared(method)
+                else None,
                 "peak_bytes": max(r["peak_bytes"][method] for r in results),
             }
         )
     return rows
+
+
+def verdict(equal: bool | None) -> str:
+    return "not comp." if equal is None else "bitwise" if equal else "DIFFERS"
 
 
 def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
@@ -292,14 +354,39 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
         print(
             f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
             f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
-            f"{r['control_per_rank']:>9.0f} {r['collectives']:>5} {r['peak_bytes'] / 1024:>9.1f} "
-            f"{r['peak_bytes'] / padded:>8.2f} "
-            f"{'bitwise' if r['equal_muon_ref'] else 'DIFFERS':>10}"
+            f"{r['control_per_rank']:>9.0f} {r['collectives']:>5.0f} {r['peak_bytes'] / 1024:>9.1f} "
+            f"{r['peak_bytes'] / padded:>8.2f} {verdict(r['equal_muon_ref']):>10}"
         )
+    print_ratios(rows)
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """DistributedMuon's modes against the peers of the same run: step time, and peak memory against
+    torch.optim.Muon's."""
+    by = {r["method"]: r for r in rows}
+    parts = [
+        f"{mine} / {peer} {what} {by[mine][key] / by[peer][key] if by[peer][key] else NAN:.2f}"
+        for peer, pairs in (("dion", (("step_ms", "step"),)), ("torch_muon", PEER_COLUMNS))
+        if peer in by
+        for key, what in pairs
+        for mine in ("distributed", "global")
+    ]
+    if parts:
+        print("ratios of this run: " + "; ".join(parts))
 
 
 def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def header(title: str) -> str:
+    """The first line of a benchmark's output: date, torch, CPU and its capability, load."""
+    return (
+        f"{title}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+        f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+        f"gloo, 1 intra-op thread per rank; load average {load_average()} (other jobs share the cores: "
+        f"step times are noisy, compare ratios within a run)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,9 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smoke size: tiny_moe, W = 2, 1 + 2 steps, W <= 64"
     )
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument(
-        "--sets", nargs="+", choices=sorted(SETS), default=["tiny_moe", "scaled_moe"]
+        "--sets", nargs="+", choices=sorted(SETS), default=["dense", "tiny_moe", "scaled_moe"]
+    )
+    parser.add_argument(
+        "--dion",
+        metavar="PATH",
+        default=peers.installed_dion(),
+        help="a microsoft/dion checkout: time dion.Muon beside the others (default: an installed dion "
+        "package, if any)",
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
@@ -325,11 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     balance_sizes = [2**k for k in range(3, 7 if args.quick else 11)]
     torch.set_num_threads(1)
     start = time.perf_counter()
-    print(
-        f"muon_dist benchmarks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
-        f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, 1 intra-op thread per rank; load average "
-        f"{load_average()} (other jobs share the cores: step times are noisy, compare ratios within a run)"
-    )
+    print(header("muon_dist benchmarks"))
     print(
         f"memory method validated on a known allocation pattern: peak {memory.validate()} B of 6,000 B"
     )
@@ -338,12 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         pool = RankPool(W)
         try:
             for table in args.sets:
-                b = Bench(table, W, args.warmup, args.steps)
+                b = Bench(table, W, args.warmup, args.steps, dion=args.dion)
                 results = pool.run(rank_bench, b, timeout=args.timeout)
                 rows = summarise(b, results, reference(b))
                 print_steps(b, rows, results[0]["paths"])
                 failures += [
-                    f"{table} W={W} {r['method']}" for r in rows if not r["equal_muon_ref"]
+                    f"{table} W={W} {r['method']}" for r in rows if r["equal_muon_ref"] is False
                 ]
                 step_rows += rows
         finally:

@@ -8,7 +8,8 @@ differed between a whole-tensor call and one-element calls. fp32 stages showed n
 Model (TensorIterator's vectorised loop, one thread): in a contiguous call on N elements, element i runs the
 vector body iff i < C * floor(N / C), for a chunk C that divides BLOCK. So with T0 = N - N % BLOCK:
   * an element with global flat index i < T0 is in the body in the reference; we run the stage on the local
-    shard padded with zeros to a multiple of BLOCK, where every element is in the body;
+    shard padded with zeros to a multiple of BLOCK, where every element is in the body (a contiguous shard of a
+    multiple of BLOCK elements, none of them in the tail, needs no padding: the stage runs on it as it is);
   * an element with i >= T0 sits at j = i - T0 of a buffer of length N - T0; j is in the body of that
     buffer iff i is in the body of the reference (T0 is a multiple of C). At most BLOCK - 1 such elements.
 Other elements' values never change an element's bits (the stage is elementwise), so padding is zeros.
@@ -72,9 +73,12 @@ def run_stage(
     if tuple(box.shape) == tuple(global_shape):
         return tuple(stage(*inputs))
     numel = inputs[0].numel()
+    local_idx, tail_pos, tail_len = tail_positions(tuple(global_shape), box)
+    if not local_idx.numel() and numel % BLOCK == 0 and all(x.is_contiguous() for x in inputs):
+        # all in the body on both sides and no padding to add: the padded call without its copies
+        return tuple(y.reshape(box.shape) for y in stage(*(x.reshape(-1) for x in inputs)))
     body = stage(*(_padded(x, math.ceil(numel / BLOCK) * BLOCK) for x in inputs))
     outs = [y[:numel].clone() for y in body]
-    local_idx, tail_pos, tail_len = tail_positions(tuple(global_shape), box)
     if local_idx.numel():
         tail_in = []
         for x in inputs:

@@ -270,7 +270,7 @@ class DistributedMuon(torch.optim.Optimizer):
         ):
             p = params[i]
             _local(p).copy_(new_param)
-            self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)
+            self._write_buffer(p, new_buf)
         self._own_group_params()
         self.last_plan = step_plan
         self.last_report = StepReport(
@@ -278,6 +278,17 @@ class DistributedMuon(torch.optim.Optimizer):
             {k: (v[0], v[1]) for k, v in self.comm.ledger.items()},
         )
         return loss
+
+    def _write_buffer(self, p: Tensor, new_buf: Tensor) -> None:
+        """The new momentum buffer into the storage of the old one where they share dtype and shape (an exact
+        copy: the step's other inputs still hold the old one, so replacing it would hold both until the step
+        ends), else as a new tensor like the param (a loaded buffer of another dtype). As in torch.optim's own
+        optimizers, a state_dict() taken before the step holds the same buffers."""
+        old = _local(self.state[p]["momentum_buffer"])
+        if old.dtype == new_buf.dtype and old.shape == new_buf.shape:
+            old.copy_(new_buf)
+        else:
+            self.state[p]["momentum_buffer"] = self._like_param(new_buf, p)
 
     @staticmethod
     def _like_param(local: Tensor, param: Tensor) -> Tensor:

@@ -5,10 +5,13 @@ it, as muon_ref.Muon is over muon_ref.functional).
     for index, new_param, new_buf in execute(comm, step_plan, inputs, configs, backend, group_for): ...
 
 Protocol, the same on every rank (so a disagreement is an error on every rank, never a hang):
-  1. all-gather the digest of the plan of the step (a pure function of every param's layout, muon_dist/plan.py),
-     or of this rank's local error; raise ValueError on every rank if any differ ("plan_digest");
-  2. all-gather the non-finite flags of the gradients; a param with a non-finite gradient on any rank raises
-     ValueError on every rank (nonfinite="raise") or does not step on any rank ("skip") ("nonfinite_check");
+  1. all-gather the digest of the plan of the step (a pure function of every param's layout, muon_dist/plan.py)
+     tagged with whether this rank has a non-finite gradient, or the digest of this rank's local error; raise
+     ValueError on every rank if any plan differs, after a second all-gather that names the ranks
+     ("plan_digest": one collective per step when all agree);
+  2. only when a rank has a non-finite gradient: all-gather the non-finite flags of the gradients; a param with a
+     non-finite gradient on any rank raises ValueError on every rank (nonfinite="raise") or does not step on any
+     rank ("skip") ("nonfinite_check");
   3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element);
   4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
      blocks; every member gets back its box of each update;
@@ -29,7 +32,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -62,24 +65,47 @@ class ParamInput:
     buf: Tensor
 
 
-def agree(comm: Comm, step_plan: Plan, error: str | None) -> None:
-    """Step 1: every rank all-gathers the plan's digest (or its local error's); ValueError on every rank."""
-    digest = hashlib.sha256(b"error:" + error.encode()).digest() if error else step_plan.digest()
-    digests = comm.check_agreement(digest, "plan_digest")
+def _error_digest(error: str) -> bytes:
+    return hashlib.sha256(b"error:" + error.encode()).digest()
+
+
+def agree(comm: Comm, step_plan: Plan, error: str | None, nonfinite_here: bool) -> bool:
+    """Step 1 with step 2's question, in one all-gather of 32 bytes per rank: the plan's digest tagged with
+    whether this rank holds a non-finite gradient piece (or its local error's digest). Returns whether any rank
+    does; a digest that is neither tag of this rank's plan (a local error, another plan) takes every rank to
+    disagree(), which raises ValueError."""
+    tagged = {
+        here: hashlib.sha256(tag + step_plan.digest()).digest()
+        for here, tag in ((False, b"finite:"), (True, b"nonfinite:"))
+    }
+    digests = comm.check_agreement(
+        _error_digest(error) if error else tagged[nonfinite_here], "plan_digest"
+    )
+    if any(d not in tagged.values() for d in digests):
+        disagree(comm, step_plan, error)
+    return tagged[True] in digests
+
+
+def disagree(comm: Comm, step_plan: Plan, error: str | None) -> NoReturn:
+    """ValueError on every rank, after a second all-gather of the untagged digests (or the local errors'), which
+    every rank reaches together: if two ranks' plans differ, every rank's differs from one of them, and a local
+    error's digest is no plan's. The message names the ranks whose digest differs from rank 0's."""
+    digests = comm.check_agreement(
+        _error_digest(error) if error else step_plan.digest(), "plan_digest"
+    )
     if error:
         raise ValueError(error)
-    if len(set(digests)) > 1:
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        mine = [
-            (e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
-            for e in step_plan.entries
-        ]
-        raise ValueError(
-            f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
-            f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
-            f"error on that rank); rank {comm.rank} sees (name, shape, placements, dtype, has grad): "
-            f"{mine}"
-        )
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    mine = [
+        (e.layout.name, e.layout.global_shape, e.layout.placements, e.layout.dtype, e.active)
+        for e in step_plan.entries
+    ]
+    raise ValueError(
+        f"DistributedMuon: ranks {differ} disagree with rank 0 on the step's plan (param shapes, "
+        f"dtypes, placements, meshes, param groups, which params have gradients, or a local "
+        f"error on that rank); rank {comm.rank} sees (name, shape, placements, dtype, has grad): "
+        f"{mine}"
+    )
 
 
 def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
@@ -95,30 +121,46 @@ def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
     ]
 
 
+def _nonfinite_flags(pieces: Sequence[Tensor | None], device: torch.device) -> Tensor:
+    """uint8 per piece: 1 where it holds a NaN or an infinity (0 for None or an empty piece). One aminmax per
+    piece: its min and max are both finite iff every element is (it propagates NaN; an infinity is its min or
+    max), in one pass without isfinite's boolean copy; then one isfinite over all the extremes."""
+    present = [i for i, x in enumerate(pieces) if x is not None and x.numel()]
+    local = torch.zeros(len(pieces), dtype=torch.uint8, device=device)
+    if present:
+        extremes = torch.stack([torch.stack(torch.aminmax(pieces[i])) for i in present])
+        bad = extremes.isfinite().all(dim=1).logical_not()
+        local[present] = bad.to(device, torch.uint8)
+    return local
+
+
+def local_flags(comm: Comm, entries: Sequence[Entry], inputs: Sequence[ParamInput]) -> Tensor:
+    """This rank's non-finite flag of every flag unit (_flag_units) of every param, in order."""
+    units = [_flag_units(e, comm.rank) for e in entries]
+    return _nonfinite_flags(
+        [
+            x.grad[part.index] if x.grad is not None and part is not None else None
+            for x, parts in zip(inputs, units)
+            for part in parts
+        ],
+        comm.device,
+    )
+
+
 def nonfinite(
     comm: Comm,
     entries: Sequence[Entry],
-    inputs: Sequence[ParamInput],
+    flags: Tensor,
     configs: Sequence[MuonConfig],
 ) -> tuple[set[int], dict[int, tuple[int, ...]]]:
-    """Step 2: the params whose gradient is non-finite on any rank (one small all-gather over the world, one
-    device-to-host copy): (params skipped whole, {param: its skipped blocks} for separate layouts with some finite
-    blocks, whose other blocks step as muon_ref steps them); ValueError naming the first such param whose group
-    says nonfinite="raise"."""
+    """Step 2, when agree() found a non-finite gradient piece on some rank: the params whose gradient is
+    non-finite on any rank (one small all-gather of every rank's `flags` over the world, one device-to-host
+    copy): (params skipped whole, {param: its skipped blocks} for separate layouts with some finite blocks, whose
+    other blocks step as muon_ref steps them); ValueError naming the first such param whose group says
+    nonfinite="raise"."""
     units = [_flag_units(e, comm.rank) for e in entries]
-    flags = []
-    for x, parts in zip(inputs, units):
-        for part in parts:
-            present = x.grad is not None and part is not None
-            flags.append(
-                torch.isfinite(x.grad[part.index]).all().logical_not() if present else None
-            )
-    local = torch.zeros(len(flags), dtype=torch.uint8, device=comm.device)
-    present = [i for i, f in enumerate(flags) if f is not None]
-    if present:
-        local[present] = torch.stack([flags[i] for i in present]).to(comm.device, torch.uint8)
     gathered = (
-        comm.all_gather(local, comm.world_group(), "nonfinite_check")
+        comm.all_gather(flags, comm.world_group(), "nonfinite_check")
         .cpu()
         .reshape(comm.world_size, -1)
     )
@@ -259,8 +301,12 @@ def prepare(
     """Steps 1-2: the plan every rank agreed on, without the params skipped as non-finite, and the blocks skipped
     inside params that step (nonfinite()). `entries` say which params have a gradient on this rank (active);
     `error` is this rank's first local error (raised on every rank)."""
-    agree(comm, plan(entries, options), error)
-    skip, partial = nonfinite(comm, entries, inputs, configs)
+    flags = None if error else local_flags(comm, entries, inputs)
+    here = flags is not None and bool(flags.any())
+    if agree(comm, plan(entries, options), error, here):
+        skip, partial = nonfinite(comm, entries, flags, configs)
+    else:
+        skip, partial = set(), {}
     if not skip:
         return plan(entries, options), partial
     return plan(

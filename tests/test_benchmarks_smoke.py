@@ -10,8 +10,17 @@ import math
 import pytest
 import torch
 
-from benchmarks import balance_table, memory
-from benchmarks.run import METHODS, Bench, equals_reference, main, muon_specs, rank_bench, reference
+from benchmarks import balance_table, memory, peers
+from benchmarks.run import (
+    METHODS,
+    Bench,
+    equals_reference,
+    main,
+    muon_specs,
+    rank_bench,
+    reference,
+    summarise,
+)
 from muon_dist.geometry import chunk_bounds
 from muon_dist.harness.launch import RankPool
 
@@ -83,6 +92,23 @@ def test_no_assignment_beats_the_bound_in_the_load_balance_table():
         assert all(
             row[rule] >= row["bound"] - 1e-12 for rule in ("round_robin", "per_shape", "lpt")
         )
+
+
+@pytest.mark.timeout(120)
+def test_torch_optim_muon_on_one_rank_equals_muon_ref_and_the_peers_are_timed_beside():
+    """At W = 1 torch.optim.Muon runs on the whole tensors and is compared bit for bit; without a dion package
+    or --dion the run has no dion row (the benchmark never needs Dion)."""
+    bench = Bench("tiny_dense", world_size=1, warmup=0, steps=1, dion=peers.installed_dion())
+    pool = RankPool(1)
+    try:
+        results = pool.run(rank_bench, bench, timeout=120)
+    finally:
+        pool.close()
+    rows = {r["method"]: r for r in summarise(bench, results, reference(bench))}
+    assert rows["torch_muon"]["equal_muon_ref"] is True
+    assert all(rows[m]["equal_muon_ref"] is True for m in METHODS)
+    assert ("dion" in rows) == (bench.dion is not None)
+    assert rows["torch_muon"]["peak_bytes"] > 0
 
 
 @pytest.mark.timeout(60)

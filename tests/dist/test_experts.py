@@ -144,7 +144,7 @@ def test_local_experts_move_no_bytes(E: int, ep: int, fsdp: int, fused: bool) ->
     W, case = expert_case(E, 2, 3, fused, ep, fsdp, 2)
     for r in run_case(W, case):
         assert {p for _, p in r["paths"]} == {"local"}
-        assert set(r["bytes"]) == set(CHECKS), r["bytes"]  # the step's checks only
+        assert set(r["bytes"]) == {"plan_digest", "failure_check"}, r["bytes"]  # the step's checks only
 
 
 @pytest.mark.timeout(60)

@@ -154,6 +154,45 @@ def test_params_that_differ_across_ranks_raise_value_error_on_every_rank() -> No
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("planted", [None, float("nan")])
+def test_a_step_agrees_in_one_control_all_gather_unless_a_gradient_is_non_finite(planted) -> None:
+    """The plan digest carries whether a rank has a non-finite gradient: the flags are gathered only then
+    (negative control: a NaN on rank 1 adds the flags' all-gather on every rank, and the param skips)."""
+
+    def rank_main(comm: ThreadComm) -> tuple[list[str], bool]:
+        w = seeded((4, 4), 0)
+        opt = DistributedMuon([{"params": [w], "param_names": ["w"]}], comm=comm, nonfinite="skip")
+        w.grad = seeded((4, 4), 1)
+        if planted is not None and comm.rank == 1:
+            w.grad[0, 0] = planted
+        opt.step()
+        before_data = [what for what, *_ in comm.calls][:2]
+        return before_data, bool(torch.equal(w, seeded((4, 4), 0)))
+
+    results = on_threads(2, rank_main)
+    if planted is None:
+        assert all(r[0][0] == "plan_digest" and r[0][1] != "nonfinite_check" for r in results), results
+        assert not any(unchanged for _, unchanged in results), results
+    else:
+        assert all(r == (["plan_digest", "nonfinite_check"], True) for r in results), results
+
+
+@pytest.mark.timeout(60)
+def test_a_disagreement_beside_a_non_finite_gradient_names_the_disagreeing_rank_on_every_rank() -> None:
+    """Rank 1's plan differs and rank 2's gradient is NaN (its tagged digest differs from rank 0's too): every
+    rank names rank 1 only, from the untagged digests."""
+
+    def rank_main(comm: ThreadComm) -> None:
+        w = seeded((3, 4) if comm.rank == 1 else (4, 3), 0)
+        opt = DistributedMuon([w], comm=comm, nonfinite="skip")
+        w.grad = torch.full_like(w, float("nan") if comm.rank == 2 else 1.0)
+        opt.step()
+
+    errors = on_threads(3, rank_main)
+    assert all(isinstance(e, ValueError) and "ranks [1] disagree with rank 0" in str(e) for e in errors), errors
+
+
+@pytest.mark.timeout(60)
 def test_a_bad_gradient_on_one_rank_raises_there_and_stops_every_other_rank() -> None:
     def rank_main(comm: ThreadComm) -> None:
         w = seeded((3, 4), 0)

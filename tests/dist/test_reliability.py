@@ -26,7 +26,7 @@ PROMPT_S = 5.0  # a failed step ends this fast on every rank; the pool's own tim
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_a_nonfinite_gradient_on_one_rank_follows_the_policy_on_every_rank(value: float, policy: str) -> None:
     results = get_pool(4).run(nonfinite_on_one_rank, CASE, value, policy, timeout=30)

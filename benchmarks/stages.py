@@ -1,0 +1,244 @@
+"""Where DistributedMuon's step spends its time, stage by stage, beside Dion's step on the same params.
+
+    python -m benchmarks stages [--dion PATH] [--world-sizes 1 2 4] [--warmup 2] [--steps 8]
+
+Parameter set `dense` (benchmarks.run): the 28 Muon matrices of a 4-layer transformer with d = 256 and ff = 1024,
+fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset "torch" (bf16 NS).
+Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global", and with --dion PATH
+(a microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
+
+Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested
+one), measured by wrapping the step's functions for the duration of the run (a wrapper's own cost lands in
+the calling stage: 0.41 us per call of an empty function, min of 5 x 200,000 calls with timeit on the CPU of
+docs/benchmarks.md); `host` is the step's time outside every stage
+(configs, the plan's bookkeeping, the params' copies, the report). Per step the slowest rank's total; per
+stage its mean over ranks; medians over the timed steps. Stages:
+    collect       DistributedMuon._collect: validating the gradients, reading the layouts, the local shards
+    plan          muon_dist.plan.plan and the write groups
+    nonfinite     the non-finite flags of the gradients (without their collective)
+    momentum      muon_ref's momentum_direction on the shards      apply   muon_ref's apply_update on the shards
+    shard pad     run_stage's padding and tail handling around those two (elementwise.py)
+    pack/unpack   the exchange's buffers, the joins of boxes into matrices and the cuts of updates into boxes
+    NS            the backend's orthogonalize
+    write         the new momentum buffers into the old ones' storage
+    COLL[name]    each collective, by the name it is logged under (a path, or a check of the step)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+STAGES = (
+    "collect",
+    "plan",
+    "nonfinite",
+    "momentum",
+    "apply",
+    "shard pad",
+    "pack/unpack",
+    "NS",
+    "write",
+)
+
+
+class StageClock:
+    """Exclusive wall time per stage: a stage's time minus the time of the stages nested in it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # per open stage: [time of its nested stages]
+
+    def timed(self, stage: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """fn, timed under `stage` (or stage(*args, **kwargs): a name read from the call)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            name = stage(*args, **kwargs) if callable(stage) else stage
+            self._stack.append([0.0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                nested = self._stack.pop()[0]
+                self.totals[name] += spent - nested
+                if self._stack:
+                    self._stack[-1][0] += spent
+
+        return run
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = dict(self.totals), defaultdict(float)
+        return out
+
+
+def _collective(op: str) -> Callable[..., str]:
+    return lambda self, x, *rest: f"COLL {op}[{rest[-1]}]"
+
+
+@contextmanager
+def instrumented(clock: StageClock) -> Iterator[None]:
+    """The step's functions wrapped by `clock` (restored on exit)."""
+    from muon_dist import comm, optim, step
+    from muon_dist.paths import agrs, exchange
+
+    targets = [
+        (step, "plan", "plan"),
+        (step, "write_groups", "plan"),
+        (step, "local_flags", "nonfinite"),
+        (step, "nonfinite", "nonfinite"),
+        (optim.DistributedMuon, "_write_buffer", "write"),
+        (optim.DistributedMuon, "_collect", "collect"),
+        (step, "momentum_direction", "momentum"),
+        (step, "apply_update", "apply"),
+        (step, "run_stage", "shard pad"),
+        (exchange, "pack", "pack/unpack"),
+        (exchange, "unpack", "pack/unpack"),
+        (exchange, "join", "pack/unpack"),
+        (exchange, "cut", "pack/unpack"),
+        (agrs, "join", "pack/unpack"),
+        (agrs, "cut", "pack/unpack"),
+        (comm.Comm, "all_to_all", _collective("all_to_all")),
+        (comm.Comm, "all_gather", _collective("all_gather")),
+        (comm.Comm, "reduce_scatter_sum", _collective("reduce_scatter")),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    try:
+        for owner, name, stage in targets:
+            setattr(owner, name, clock.timed(stage, getattr(owner, name)))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def timed_backend(opt: Any, clock: StageClock) -> None:
+    """The optimizer's NS backend, timed as "NS"."""
+    from muon_dist.kernels import Backend
+
+    b = opt.backend
+    opt.backend = Backend(b.name, clock.timed("NS", b.orthogonalize), b.bitwise)
+
+
+def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, dict]:
+    """({name: optimizer}, {name: its params}): DistributedMuon in both dispatch modes (NS timed by `clock`), and
+    dion.Muon given a checkout, each on its own copy of the initial params."""
+    from muon_dist.optim import DistributedMuon
+
+    from .peers import dion_muon, load_dion
+    from .run import initial, muon_specs, shard
+
+    names = [s.name for s in muon_specs(b.table)]
+    methods: dict[str, Any] = {}
+    chosen = ("batched", "global") + (("dion",) if dion_path is not None else ())
+    params = {m: [shard(t) for t in initial(b)] for m in chosen}
+    for dispatch in ("batched", "global"):
+        methods[dispatch] = DistributedMuon(
+            [{"params": params[dispatch], "param_names": names}], preset=b.preset, dispatch=dispatch
+        )
+        timed_backend(methods[dispatch], clock)
+    if dion_path is not None:
+        methods["dion"] = dion_muon(load_dion(dion_path), params["dion"])
+    return methods, params
+
+
+def timed_step(opt: Any, params: list[torch.Tensor], grads: list, clock: StageClock) -> dict:
+    """One step after a barrier: {"total": its time, stage: time} in seconds."""
+    import torch.distributed as dist
+
+    from .run import set_grads
+
+    set_grads(params, grads)
+    dist.barrier()
+    clock.take()
+    start = time.perf_counter()
+    opt.step()
+    total = time.perf_counter() - start
+    return {"total": total, **clock.take()}
+
+
+def rank_stages(dion_path: str | None, world_size: int, warmup: int, steps: int) -> dict:
+    """Per method: per timed step, this rank's total and its stage times (ms); Dion's total only."""
+    from .run import Bench, gradients
+
+    b = Bench("dense", world_size, warmup, steps)
+    clock = StageClock()
+    methods, params = methods_of(b, dion_path, clock)
+    order = list(methods)
+    out: dict[str, list[dict[str, float]]] = {m: [] for m in order}
+    with instrumented(clock):
+        for step in range(b.total_steps):
+            grads = gradients(b, step)
+            for k in range(len(order)):
+                method = order[(step + k) % len(order)]
+                row = timed_step(methods[method], params[method], grads, clock)
+                if step >= b.warmup:
+                    out[method].append(row if method != "dion" else {"total": row["total"]})
+    return {m: [{k: 1e3 * v for k, v in row.items()} for row in rows] for m, rows in out.items()}
+
+
+def table(results: list[dict], method: str) -> dict[str, float]:
+    """Per stage (host: the step outside every stage) the median over steps of its mean over ranks; total: the
+    median over steps of the slowest rank's."""
+    steps = range(len(results[0][method]))
+    names = sorted({k for r in results for row in r[method] for k in row} - {"total"})
+    for r in results:
+        for row in r[method]:
+            if names:
+                row["host"] = row["total"] - sum(row.get(n, 0.0) for n in names)
+    row = {"total": statistics.median(max(r[method][s]["total"] for r in results) for s in steps)}
+    for name in [*names, "host"] if names else []:
+        row[name] = statistics.median(
+            statistics.mean(r[method][s].get(name, 0.0) for r in results) for s in steps
+        )
+    return row
+
+
+def print_tables(world_size: int, rows: dict[str, dict[str, float]]) -> None:
+    names = [s for s in STAGES if any(s in r for r in rows.values())]
+    names += sorted({k for r in rows.values() for k in r if k.startswith("COLL")}) + ["host"]
+    methods = list(rows)
+    print(f"\nW = {world_size}: stage ms (mean over ranks, median over steps); total: slowest rank")
+    print(f"{'stage':<34}" + "".join(f"{m:>10}" for m in methods))
+    for name in ["total", *names]:
+        cells = "".join(
+            f"{rows[m][name]:>10.2f}" if name in rows[m] else f"{'':>10}" for m in methods
+        )
+        print(f"{name:<34}{cells}")
+    if "dion" in rows:
+        ratios = ", ".join(
+            f"{m} / dion {rows[m]['total'] / rows['dion']['total']:.2f}" for m in methods[:-1]
+        )
+        print(f"ratios of totals: {ratios}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from muon_dist.harness.launch import RankPool
+
+    from .run import header
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dion", metavar="PATH", help="a microsoft/dion checkout: time dion.Muon")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(header("muon_dist stage profile"))
+    for W in args.world_sizes:
+        pool = RankPool(W)
+        try:
+            results = pool.run(rank_stages, args.dion, W, args.warmup, args.steps, timeout=600.0)
+        finally:
+            pool.close()
+        print_tables(W, {m: table(results, m) for m in results[0]})
+    return 0
