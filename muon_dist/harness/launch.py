@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -66,12 +67,8 @@ def _serve(
         )
     if hasattr(
         signal, "SIGUSR1"
-    ):  # the parent asks a hung rank where it is blocked (RankPool.stacks)
-        # fd 2, the pool's file: sys.stderr may have no descriptor (pytest's capsys in the forking parent leaves
-        # an in-memory stream), and register() would raise, killing the rank before it serves
-        faulthandler.register(
-            signal.SIGUSR1, file=os.fdopen(2, "w", closefd=False), all_threads=True
-        )
+    ):  # the parent asks a hung rank where it is blocked (RankPool.blocked_at)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     while True:
         msg = conn.recv()
         if msg is None:
