@@ -31,6 +31,7 @@ from .cases import DIST_FAMILIES, MATRIX_FAMILIES, SINGLE_FAMILIES
 XTUNER_CHECKOUT_ENV = "MUON_XTUNER_CHECKOUT"
 LLAMAFACTORY_CHECKOUT_ENV = "MUON_LLAMAFACTORY_CHECKOUT"
 EMERGING_CHECKOUT_ENV = "MUON_EMERGING_CHECKOUT"
+MEGATRON_PATH_ENV = "MUON_MEGATRON_PATH"
 
 
 def checkout_commit(path: str | None) -> str:
@@ -262,11 +263,13 @@ class XtunerMuon(FromCheckout):
 
 
 def _emerging_on_python_311(root: str) -> Any:
-    """NVIDIA Emerging-Optimizers' muon module from the checkout `root`, with two stated shims for Python 3.11
-    (the project declares >= 3.12): `typing.override` from typing_extensions where typing lacks it, and a
-    stand-in for `emerging_optimizers.registry`, whose one 3.12-only line is a PEP 695 generic
-    (`def register_optimizer[Opt: optim.Optimizer](name)`): the stand-in's `register_optimizer(name)` returns
-    the class unchanged. The registry maps names to classes for a trainer's lookup; no optimizer math is in it."""
+    """NVIDIA Emerging-Optimizers' muon module from the folder `root` (a checkout, or a folder it was unpacked
+    into), with two stated shims for Python 3.11 (the project declares >= 3.12): `typing.override` from
+    typing_extensions where typing lacks it, and, where `emerging_optimizers/registry.py` does not parse on this
+    Python (the 2026-08 checkout's `def register_optimizer[Opt: optim.Optimizer](name)`, a PEP 695 generic), a
+    stand-in whose `register_optimizer(name)` returns the class unchanged. The registry maps names to classes
+    for a trainer's lookup; no optimizer math is in it."""
+    import ast
     import types
     import typing
 
@@ -274,16 +277,20 @@ def _emerging_on_python_311(root: str) -> Any:
         import typing_extensions
 
         typing.override = typing_extensions.override
-    if sys.version_info < (3, 12) and "emerging_optimizers.registry" not in sys.modules:
-        registry = types.ModuleType("emerging_optimizers.registry")
-        registry.register_optimizer = lambda name: lambda cls: cls
-        sys.modules["emerging_optimizers.registry"] = registry
     if root not in sys.path:
         sys.path.insert(0, root)
-    import emerging_optimizers
+    if "emerging_optimizers.registry" not in sys.modules:
+        with open(os.path.join(root, "emerging_optimizers", "registry.py")) as f:
+            source = f.read()
+        try:
+            ast.parse(source)
+        except SyntaxError:
+            registry = types.ModuleType("emerging_optimizers.registry")
+            registry.register_optimizer = lambda name: lambda cls: cls
+            sys.modules["emerging_optimizers.registry"] = registry
+            import emerging_optimizers
 
-    if sys.version_info < (3, 12):
-        emerging_optimizers.registry = sys.modules["emerging_optimizers.registry"]
+            emerging_optimizers.registry = registry
     from emerging_optimizers.orthogonalized_optimizers import muon
 
     return muon
@@ -453,9 +460,100 @@ class DeepSpeedMuonZero3(DeepSpeedMuon):
     zero_stage = 3
 
 
+class _TensorParallelStep(torch.optim.Optimizer):
+    """Megatron's TensorParallelMuon stepping the check's params as tensor-parallel shards: each DTensor param's
+    local box is handed to Megatron as a plain Parameter over the same storage, tagged as Megatron's layers tag a
+    column-parallel weight (`partition_dim = 0`, `tensor_model_parallel = True`), with the box's gradient as its
+    grad; plain params (one device) pass through untagged (Megatron's non-TP path)."""
+
+    def __init__(
+        self, inner: torch.optim.Optimizer, params: list[Tensor], shards: list[Tensor]
+    ) -> None:
+        super().__init__(params, {})
+        self.inner, self.params, self.shards = inner, params, shards
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p, shard in zip(self.params, self.shards):
+            grad = p.grad
+            shard.grad = (
+                None if grad is None else (grad.to_local() if hasattr(grad, "to_local") else grad)
+            )
+        self.inner.step()
+
+
+class MegatronTensorParallelMuon(Adapter):
+    """Megatron-core 0.19.2's `TensorParallelMuon` (`megatron/core/optimizer/emerging_optimizers.py`), over NVIDIA
+    Emerging-Optimizers 0.3.0 (the release it imports: it needs `emerging_optimizers.soap`, which the 2026-08
+    checkout no longer has), tensor parallel on the check's gloo ranks: each rank holds
+    a Shard(0) row block of every matrix, tagged `partition_dim = 0` as a column-parallel weight, and
+    `ProcessGroupCollection(tp=<the ranks' group>)`; tp_mode "duplicated" (its default): `newton_schulz_tp`
+    all-gathers the blocks (list-form `dist.all_gather` of `torch.empty_like(local)`), runs Emerging's
+    `newton_schulz` on the whole matrix on every rank and keeps its own block (muon_utils.py). Defaults: Nesterov
+    (EMA `G.lerp(M, mu)`), decoupled weight decay, "quintic", 5 steps, scale "spectral" from the global shape
+    (`size[partition_dim] *= tp size`), fp32_matmul_prec "medium": preset `emerging` (0.3.0's NS eps is 1e-7)
+    with Nesterov as the check sets it. float32 only (Emerging's NS raises on bf16).
+    megatron-core 0.19.2 declares Python >= 3.12 and ships a cp312 wheel: it is unpacked without install
+    (`pip install --no-deps --ignore-requires-python --target DIR --python-version 3.12 --only-binary=:all:
+    megatron-core==0.19.2 emerging-optimizers==0.3.0`) and $MUON_MEGATRON_PATH names DIR; the module is imported with its parent packages
+    bare (megatron/core/__init__.py reaches an unguarded `import triton`), and Emerging with its two Python 3.11
+    shims (`_emerging_on_python_311`). Megatron TP shards evenly (its layers divide rows by the TP size): the
+    families are those with rows % W == 0, or one device."""
+
+    name, preset, distributed = "megatron-core TensorParallelMuon", "emerging", "dtensor"
+    families = MATRIX_FAMILIES | {"micro_batches", "nesterov_off", "even", "accumulation"}
+    dtypes = ("float32",)
+    state_key = "momentum_buffer"
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or os.environ.get(MEGATRON_PATH_ENV) or None
+
+    def version(self) -> str:
+        from importlib.metadata import PathDistribution
+        from pathlib import Path
+
+        if not self.path:
+            return "not installed"
+        found = [
+            sorted(Path(self.path).glob(f"{name}-*.dist-info"))
+            for name in ("megatron_core", "emerging_optimizers")
+        ]
+        megatron, emerging = (PathDistribution(f[0]).version if f else "unknown" for f in found)
+        return f"{megatron} (Emerging-Optimizers {emerging})"
+
+    def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
+        path = checkout_path(MEGATRON_PATH_ENV, self.path, "megatron/core/optimizer")
+        _emerging_on_python_311(path)
+        module = import_without_package_inits(
+            path,
+            "megatron.core.optimizer.emerging_optimizers",
+            "megatron.core.process_groups_config",
+        )
+        collection = sys.modules["megatron.core.process_groups_config"].ProcessGroupCollection
+        shards, group = [], None
+        for p in params:
+            if hasattr(p, "to_local"):
+                shard = torch.nn.Parameter(p.to_local(), requires_grad=True)
+                shard.partition_dim, shard.tensor_model_parallel = 0, True
+                group = p.device_mesh.get_group()
+            else:
+                shard = p
+            shards.append(shard)
+        inner = module.TensorParallelMuon(
+            shards, pg_collection=collection(tp=group) if group is not None else None, **hp
+        )
+        return _TensorParallelStep(inner, params, shards)
+
+    def momentum(self, opt: torch.optim.Optimizer, p: Tensor) -> Tensor | None:
+        shard = next((w for q, w in zip(opt.params, opt.shards) if q is p), p)
+        buf = opt.inner.state.get(shard, {}).get("momentum_buffer")
+        return None if buf is None else buf.reshape(shard.shape)
+
+
 __all__ = [
     "EMERGING_CHECKOUT_ENV",
     "LLAMAFACTORY_CHECKOUT_ENV",
+    "MEGATRON_PATH_ENV",
     "XTUNER_CHECKOUT_ENV",
     "DeepSpeedMuon",
     "DeepSpeedMuonZero1",
@@ -465,6 +563,7 @@ __all__ = [
     "FromCheckout",
     "LlamaFactoryV0Muon",
     "LlamaFactoryV1Muon",
+    "MegatronTensorParallelMuon",
     "VeomniMuon",
     "VeomniMuonGram",
     "XtunerMuon",
