@@ -554,6 +554,7 @@ __all__ = [
     "EMERGING_CHECKOUT_ENV",
     "LLAMAFACTORY_CHECKOUT_ENV",
     "MEGATRON_PATH_ENV",
+    "SYSTEMS",
     "XTUNER_CHECKOUT_ENV",
     "DeepSpeedMuon",
     "DeepSpeedMuonZero1",
@@ -572,3 +573,32 @@ __all__ = [
     "import_without_package_inits",
     "load_file_as",
 ]
+
+
+SYSTEMS = (
+    LlamaFactoryV0Muon,
+    LlamaFactoryV1Muon,
+    VeomniMuon,
+    VeomniMuonGram,
+    DeepSpeedMuon,
+    DeepSpeedMuonZero1,
+    DeepSpeedMuonZero2,
+    DeepSpeedMuonZero3,
+    XtunerMuon,
+    EmergingMuon,
+    MegatronTensorParallelMuon,
+)
+
+
+def main() -> None:
+    """`python -m muon_dist.harness.adapters.systems`: each adapter's version (a checkout's commit) and claim, as
+    `make field` records them before the table."""
+    for adapter in SYSTEMS:
+        try:
+            print(adapter().describe())
+        except Exception as e:  # noqa: BLE001 - a missing package is a line of the record, not a failure
+            print(f"{adapter.__name__}: not available ({type(e).__name__}: {e})")
+
+
+if __name__ == "__main__":
+    main()
