@@ -24,6 +24,7 @@ from muon_dist.harness.adapters.systems import (
     EMERGING_CHECKOUT_ENV,
     LLAMAFACTORY_CHECKOUT_ENV,
     MEGATRON_PATH_ENV,
+    SYSTEMS,
     XTUNER_CHECKOUT_ENV,
     DeepSpeedMuon,
     DeepSpeedMuonZero1,
@@ -34,26 +35,13 @@ from muon_dist.harness.adapters.systems import (
     LlamaFactoryV1Muon,
     MegatronTensorParallelMuon,
     VeomniMuon,
-    VeomniMuonGram,
     XtunerMuon,
     checkout_path,
 )
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
 
-ADAPTERS = [
-    LlamaFactoryV0Muon,
-    LlamaFactoryV1Muon,
-    VeomniMuon,
-    VeomniMuonGram,
-    DeepSpeedMuon,
-    DeepSpeedMuonZero1,
-    DeepSpeedMuonZero2,
-    DeepSpeedMuonZero3,
-    XtunerMuon,
-    EmergingMuon,
-    MegatronTensorParallelMuon,
-]
+ADAPTERS = list(SYSTEMS)
 INSTALL = {
     "llamafactory": "pip install --no-deps llamafactory==0.9.5",
     "veomni": "pip install --no-deps veomni==0.1.12 && pip install transformers==5.9.0",
