@@ -18,8 +18,10 @@ from muon_dist.harness.adapters.cases import (
     MATRIX_FAMILIES,
     SINGLE_FAMILIES,
     UNREDUCED_FAMILIES,
+    Case,
 )
-from muon_dist.harness.adapters.oracle import claim_of
+from muon_dist.harness.adapters.diagnose import diagnose, gloo_refusal
+from muon_dist.harness.adapters.oracle import Outcome, claim_of
 from muon_dist.harness.adapters.systems import (
     EMERGING_CHECKOUT_ENV,
     LLAMAFACTORY_CHECKOUT_ENV,
@@ -98,6 +100,37 @@ def test_each_system_adapter_claims_a_valid_muon_ref_configuration(adapter: type
     MuonConfig(**{k: values[k] for k in CONFIG_KEYS})
     everything = SINGLE_FAMILIES | DIST_FAMILIES | UNREDUCED_FAMILIES
     assert adapter.families and adapter.families <= everything
+
+
+def _crash(family: str, error: str) -> Outcome:
+    return Outcome(Case(family, "dtensor", 2, ((3, 3),)), "crash", error=error)
+
+
+def test_a_crash_that_only_gloo_refuses_is_named_could_not_run_on_gloo_with_its_collective() -> (
+    None
+):
+    all_to_all = (
+        "RuntimeError: ProcessGroupGloo::alltoall: invalid tensor size at index 1 (expected (2, 3)"
+    )
+    reduce_scatter = (
+        "RuntimeError: [rank0]:[F1125 ProcessGroupGloo.cpp:1537] Check failed: "
+        "outputShape[0] * worldSize == inputShape[0] (20 vs. 2)."
+    )
+    outcomes = [
+        _crash("uneven", all_to_all),
+        _crash("remainder", reduce_scatter),
+        Outcome(Case("even", "dtensor", 2, ((4, 3),)), "bitwise"),
+    ]
+    line = diagnose(outcomes, "torch", {})
+    assert "could not run on gloo (all_to_all" in line and "on uneven (1/1: W=2)" in line, line
+    assert "could not run on gloo (reduce_scatter_tensor" in line and "remainder" in line, line
+    assert "bug" not in line and "crashes on" not in line, line
+    # negative control: any other crash stays a crash
+    other = diagnose(
+        [_crash("experts", "RuntimeError: Attempting to broadcast a dimension")], "torch", {}
+    )
+    assert other.startswith("crashes on experts"), other
+    assert gloo_refusal("RuntimeError: ProcessGroupNCCL error") is None
 
 
 def test_a_checkout_adapter_without_its_checkout_names_the_environment_variable(
