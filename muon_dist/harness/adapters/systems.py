@@ -6,9 +6,12 @@ and what it claims; docs/field-systems.md gives every verdict, its command and i
 
 Install (a separate environment: several of these pin a torch, a transformers or a CUDA stack of their own;
 `make field` does all of it, without CUDA wheels):
-    pip install --no-deps llamafactory==0.9.5 veomni==0.1.12 megatron-core==0.16.1
+    pip install transformers==5.9.0 einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm absl-py \
+        typing_extensions triton==3.9.0
+    pip install --no-deps llamafactory==0.9.5 veomni==0.1.12
     DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed==0.19.8
-    pip install transformers==5.9.0 einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm
+    pip install --no-deps --ignore-requires-python --target DIR --python-version 3.12 --only-binary=:all: \
+        megatron-core==0.19.2 emerging-optimizers==0.3.0       # then MUON_MEGATRON_PATH=DIR
 Checkouts (never installed; their folders are passed as environment variables):
     MUON_XTUNER_CHECKOUT=/path/to/xtuner               InternLM/xtuner (the folder holding `xtuner`)
     MUON_LLAMAFACTORY_CHECKOUT=/path/to/LlamaFactory   hiyouga/LlamaFactory (the folder holding `src`)
