@@ -463,6 +463,16 @@ class DeepSpeedMuonZero3(DeepSpeedMuon):
     zero_stage = 3
 
 
+class DeepSpeedMuonGram(DeepSpeedMuonZero2):
+    """DeepSpeedMuon under ZeRO stage 2 with DeepSpeed's default `ns_method: gram`
+    (`zeropower_via_gram_newtonschulz`, original_muon.py:82-160: normalised in the input's dtype, iterated on the Gram
+    matrix in fp16 where the accelerator supports it, else fp32, restart at step 2; square matrices take the
+    standard iteration). No muon_ref option restates it: the claim is the standard one, and the departures measure
+    the difference."""
+
+    ns_method = "gram"
+
+
 class _TensorParallelStep(torch.optim.Optimizer):
     """Megatron's TensorParallelMuon stepping the check's params as tensor-parallel shards: each DTensor param's
     local box is handed to Megatron as a plain Parameter over the same storage, tagged as Megatron's layers tag a
@@ -560,6 +570,7 @@ __all__ = [
     "SYSTEMS",
     "XTUNER_CHECKOUT_ENV",
     "DeepSpeedMuon",
+    "DeepSpeedMuonGram",
     "DeepSpeedMuonZero1",
     "DeepSpeedMuonZero2",
     "DeepSpeedMuonZero3",
@@ -587,6 +598,7 @@ SYSTEMS = (
     DeepSpeedMuonZero1,
     DeepSpeedMuonZero2,
     DeepSpeedMuonZero3,
+    DeepSpeedMuonGram,
     XtunerMuon,
     EmergingMuon,
     MegatronTensorParallelMuon,
