@@ -374,13 +374,18 @@ class DeepSpeedMuon(Adapter):
     `muon_update` (original_muon.py:190-235): EMA momentum `momentum.lerp(grad, 1 - beta)`, Nesterov
     `grad.lerp_(momentum, beta)` (always on), NS `zeropower_via_newtonschulz5` (ns_method "standard": bf16 where the
     accelerator supports it, transposed when rows > cols, `X / (norm + 1e-7)`, Keller's form) or, by default,
-    `zeropower_via_gram_newtonschulz` (ns_method "gram"); `update *= sqrt(max(1, rows / cols))` (math.sqrt);
+    `zeropower_via_gram_newtonschulz` (ns_method "gram"; this adapter configures "standard", DeepSpeedMuonGram
+    keeps the default); `update *= sqrt(max(1, rows / cols))` (math.sqrt);
     then `p.mul_(1 - lr*wd)`, `p.add_(update, alpha=-lr)` (muon_optimizer.py). Claim: preset `keller` with
     scale_sqrt "sqrt" (Keller's `** 0.5`), weight decay and Nesterov as configured. The config sets
     `"gradient_clipping": 0.0`: DeepSpeed clips gradients to global norm 1.0 unless told otherwise
     (runtime/constants.py:203, engine.py `_take_model_step`), before its optimizer sees them.
-    Its kernels are `@compiler.compile()` (torch.compile); they run eagerly here
-    (`torch.compiler.set_stance("force_eager")`), as the repo's other compiled candidates do. float32 params only:
+    Under ZeRO-3 the config also sets `"reduce_scatter": false` (stage3.py:361 refuses Muon with it). LOCAL_RANK,
+    RANK and WORLD_SIZE are set as a one-node launcher sets them (DeepSpeedEngine asserts LOCAL_RANK). The engine
+    holds copies of the check's params (`_DeepSpeedStep`). The checkpoint families are left out: DeepSpeed saves
+    through its engine, not torch.distributed.checkpoint. Its kernels are `@compiler.compile()` (torch.compile);
+    they run eagerly in the adapter (`torch.compiler.set_stance("force_eager")`), as the repo's other compiled
+    candidates do. float32 params only:
     with bf16 the engine keeps fp32 master weights, another contract. One stated patch: DeepSpeed's CPU shared-memory
     all-reduce (a C++ op it would JIT-compile at initialize) is marked incompatible, so its collectives run on
     torch.distributed (gloo); it is a transport, not optimizer code."""
