@@ -155,15 +155,24 @@ class _Progress:
         now = time.monotonic()
         if pids != self.pids:  # a rank answered: its ticks leave the sum
             self.pids, self.samples = list(pids), []
-        self.samples.append((now, _cpu_ticks(pids)))
+        ticks, waiting_for_cpu_or_disk = _cpu_ticks(pids)
+        if (
+            waiting_for_cpu_or_disk
+        ):  # runnable or in disk wait: starved or loading, not blocked; the window restarts
+            self.samples = []
+        self.samples.append((now, ticks))
         old = [ticks for t, ticks in self.samples if t <= now - window]
         if old and self.samples[-1][1] - old[-1] < len(pids) * window:
             self.stalled_at, self.window = now, window
         return self.stalled_at is not None
 
 
-def _cpu_ticks(pids: list[int]) -> int:
-    """utime + stime, in clock ticks, of the processes and all their descendants (found by their parent pids)."""
+def _cpu_ticks(pids: list[int]) -> tuple[int, bool]:
+    """utime + stime, in clock ticks, of the processes and all their descendants (found by their parent pids), and
+    whether any of them is runnable or in disk wait (state R or D): a rank blocked in a collective sleeps (S), while
+    one that a loaded machine has not scheduled, or that is importing from a slow disk, can use no CPU for seconds
+    (measured: ranks reported hung inside module imports and inside deepspeed.initialize at load averages of 24 to
+    36 on 2 cores, each bitwise when rerun; docs/field-systems.md)."""
     table = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -173,16 +182,17 @@ def _cpu_ticks(pids: list[int]) -> int:
                 )  # after "pid (comm)": state, ppid, ..., utime, stime
         except (OSError, IndexError):
             continue
-        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    total, frontier, seen = 0, list(pids), set()
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]), fields[0])
+    total, active, frontier, seen = 0, False, list(pids), set()
     while frontier:
         pid = frontier.pop()
         if pid in seen or pid not in table:
             continue
         seen.add(pid)
         total += table[pid][1]
-        frontier += [child for child, (parent, _) in table.items() if parent == pid]
-    return total
+        active = active or table[pid][2] in ("R", "D")
+        frontier += [child for child, (parent, _, _) in table.items() if parent == pid]
+    return total, active
 
 
 @contextlib.contextmanager
