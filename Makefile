@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test lint notebooks test-fast test-thorough test-gpu bench bench-gpu mutation setup clean
+.PHONY: verify test lint notebooks test-fast test-thorough test-gpu bench bench-gpu mutation setup clean field
 
 setup: $(STAMP)
 
@@ -64,6 +64,37 @@ $(VENV)/.installed-mutation: $(STAMP)
 
 mutation: $(VENV)/.installed-mutation
 	nice -n 10 $(PY) tests/mutation/run.py $(MUTATION_TARGETS)
+
+# The field systems' own Muon code under the check (docs/field-systems.md): a separate venv (their pins would replace
+# our torch or transformers), no CUDA wheels (checked by a dry run first), then tests/test_system_adapters.py and the
+# table. Checkouts by path: make field XTUNER=../xtuner LLAMAFACTORY=../LlamaFactory EMERGING=../Emerging-Optimizers
+FIELD_VENV ?= .venv-field
+FIELD_PY := $(FIELD_VENV)/bin/python
+FIELD_EXTRA := $(FIELD_VENV)/extra/megatron-core-0.19.2
+FIELD_DEPS := transformers==5.9.0 einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm absl-py \
+	typing_extensions triton==3.9.0 pytest pytest-timeout hypothesis numpy scipy expecttest
+XTUNER ?=
+LLAMAFACTORY ?=
+EMERGING ?=
+FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFACTORY) \
+	MUON_EMERGING_CHECKOUT=$(EMERGING) MUON_MEGATRON_PATH=$(abspath $(FIELD_EXTRA))
+FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon DeepSpeedMuonZero1 \
+	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon
+
+field:
+	test -x $(FIELD_PY) || $(PYTHON) -m venv $(FIELD_VENV)
+	$(FIELD_PY) -m pip install -q $(TORCH_SPEC)
+	! $(FIELD_PY) -m pip install --dry-run $(FIELD_DEPS) 2>&1 | grep -i -E "would install.*(nvidia-|cuda-)"
+	$(FIELD_PY) -m pip install -q $(FIELD_DEPS)
+	$(FIELD_PY) -m pip install -q --no-deps llamafactory==0.9.5 veomni==0.1.12
+	DS_BUILD_OPS=0 $(FIELD_PY) -m pip install -q --no-deps --no-build-isolation deepspeed==0.19.8
+	$(FIELD_PY) -m pip install -q --no-deps --ignore-requires-python --target $(FIELD_EXTRA) \
+		--python-version 3.12 --only-binary=:all: megatron-core==0.19.2 emerging-optimizers==0.3.0
+	$(FIELD_PY) -m pip install -q --no-deps -e .
+	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.systems
+	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py
+	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
+		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

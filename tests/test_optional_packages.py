@@ -27,6 +27,12 @@ OPTIONAL = (
     "muon",
     "muon_fsdp2",
     "muonium",
+    "llamafactory",
+    "veomni",
+    "deepspeed",
+    "megatron",
+    "emerging_optimizers",
+    "xtuner",
 )
 BLOCKER = f"""import sys
 class _Absent:

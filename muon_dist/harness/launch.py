@@ -138,8 +138,8 @@ GRACE_IDLE_S = (
 class _Progress:
     """Whether processes still work: stalled(pids, window) is True once they and their descendants together used
     less than 1% of a core each (utime + stime from /proc/<pid>/stat, in clock ticks of 10 ms) over the last
-    `window` seconds, and none of their threads waited on the disk (state D) at any sample of it. A rank blocked
-    in a gloo collective uses none; one blocked in a store-based barrier polls (a tick every 2 s, measured on
+    `window` seconds, and none of them waited for the CPU or the disk (state R, or D) at any sample of it. A
+    rank blocked in a gloo collective uses none; one blocked in a store-based barrier polls (a tick every 2 s, measured on
     Linux with torch 2.13.0); a working rank uses tens of ticks a second even on 2 loaded cores. Never True
     without idle_s (the pool's) or without /proc."""
 
@@ -158,8 +158,8 @@ class _Progress:
         now = time.monotonic()
         if pids != self.pids:  # a rank answered: its ticks leave the sum
             self.pids, self.samples = list(pids), []
-        ticks, disk_wait = _activity(pids)
-        if disk_wait:  # waiting for the disk is work: the window starts again
+        ticks, waiting = _activity(pids)
+        if waiting:  # waiting for the CPU or the disk is not blocked: the window starts again
             self.samples = []
         self.samples.append((now, ticks))
         old = [ticks for t, ticks in self.samples if t <= now - window]
@@ -169,24 +169,28 @@ class _Progress:
 
 
 def _activity(pids: list[int]) -> tuple[int, bool]:
-    """(utime + stime in clock ticks, whether a thread waits on the disk) of the processes and all their
-    descendants (found by their parent pids). A thread in state D (uninterruptible sleep: an fsync or a read
-    of a checkpoint on a busy disk) uses no CPU but is not blocked on a peer."""
+    """(utime + stime in clock ticks, whether one of them waits for the CPU or the disk) of the processes and
+    all their descendants (found by their parent pids). A rank blocked in a collective sleeps (state S); one
+    that a loaded machine has not scheduled (state R) or a thread in state D (an import, or a checkpoint's
+    fsync, on a busy disk) uses no CPU for seconds without being blocked on a peer (ranks were reported hung
+    inside imports and inside deepspeed.initialize at load averages of 24 to 36 on 2 cores, each bitwise when
+    rerun)."""
     table = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         fields = _stat_fields(f"/proc/{entry}/stat")
         if fields:  # after "pid (comm)": state, ppid, ..., utime (11), stime (12)
-            table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    total, disk_wait, frontier, seen = 0, False, list(pids), set()
+            table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]), fields[0])
+    total, waiting, frontier, seen = 0, False, list(pids), set()
     while frontier:
         pid = frontier.pop()
         if pid in seen or pid not in table:
             continue
         seen.add(pid)
         total += table[pid][1]
-        disk_wait = disk_wait or _waits_on_disk(pid)
-        frontier += [child for child, (parent, _) in table.items() if parent == pid]
-    return total, disk_wait
+        # the process's own state is its main thread's: R there (not S, blocked) or D in any thread
+        waiting = waiting or table[pid][2] == "R" or _waits_on_disk(pid)
+        frontier += [child for child, (parent, _, _) in table.items() if parent == pid]
+    return total, waiting
 
 
 def _stat_fields(path: str) -> list[str] | None:

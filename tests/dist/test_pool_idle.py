@@ -47,14 +47,14 @@ def test_a_rank_that_computes_longer_than_idle_s_is_not_reported_hung() -> None:
         pool.close()
 
 
-def _simulated(monkeypatch: pytest.MonkeyPatch, disk_wait: bool) -> bool:
+def _simulated(monkeypatch: pytest.MonkeyPatch, waiting: bool) -> bool:
     """Whether _Progress calls a process stalled after 5 s of samples without CPU ticks, each sample reporting
-    `disk_wait` (a thread in state D), on a simulated clock."""
+    `waiting` (a rank waiting for the CPU or the disk), on a simulated clock."""
     from muon_dist.harness import launch
 
     clock = [0.0]
     monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(launch, "_activity", lambda pids: (100, disk_wait))
+    monkeypatch.setattr(launch, "_activity", lambda pids: (100, waiting))
     progress = launch._Progress(idle_s=2.0)
     for _ in range(50):
         if progress.stalled([1234], 2.0):
@@ -63,11 +63,11 @@ def _simulated(monkeypatch: pytest.MonkeyPatch, disk_wait: bool) -> bool:
     return False
 
 
-def test_a_rank_waiting_on_the_disk_is_not_reported_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_waiting_for_the_cpu_or_the_disk_is_not_reported_hung(monkeypatch: pytest.MonkeyPatch) -> None:
     # an fsync of a checkpoint on a busy disk uses no CPU for seconds: state D is work, not a hang
-    assert not _simulated(monkeypatch, disk_wait=True)
+    assert not _simulated(monkeypatch, waiting=True)
     # negative control: the same samples without the disk wait are a hang
-    assert _simulated(monkeypatch, disk_wait=False)
+    assert _simulated(monkeypatch, waiting=False)
 
 
 def test_activity_reads_this_process_from_proc() -> None:
@@ -76,5 +76,5 @@ def test_activity_reads_this_process_from_proc() -> None:
     from muon_dist.harness.launch import _activity
 
     sum(range(10**6))  # some CPU time of its own
-    ticks, disk_wait = _activity([os.getpid()])
-    assert ticks > 0 and isinstance(disk_wait, bool)
+    ticks, waiting = _activity([os.getpid()])
+    assert ticks > 0 and isinstance(waiting, bool)

@@ -15,6 +15,7 @@ that were bitwise (a convention must keep those too).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -207,6 +208,30 @@ def _status(status: str) -> Callable[[Outcome], bool]:
     return lambda o: o.status == status
 
 
+# Collectives that gloo refuses where NCCL accepts the call (docs/field-systems.md): a candidate that crashes only
+# there has not been shown wrong. Gloo's error names the collective ("ProcessGroupGloo::alltoall: invalid tensor
+# size at index 1 (expected (2, 3), got (1, 3))", list-form with tensors of unequal shapes), or, for
+# reduce_scatter_tensor, states the shape check NCCL does not make (NCCL compares element counts).
+GLOO_REFUSALS = {
+    "all_to_all": "list-form, tensors of unequal shapes",
+    "all_gather": "list-form, tensors of unequal shapes",
+    "reduce_scatter_tensor": "output rows * W != input rows, equal element counts",
+}
+_GLOO_NAMES = {"alltoall": "all_to_all", "allgather": "all_gather"}
+
+
+def gloo_refusal(error: str | None) -> str | None:
+    """The collective whose call gloo refused (a key of GLOO_REFUSALS) when `error` is that refusal, else None."""
+    if not error:
+        return None
+    named = re.search(r"ProcessGroupGloo::(\w+): invalid tensor size", error)
+    if named and named.group(1) in _GLOO_NAMES:
+        return _GLOO_NAMES[named.group(1)]
+    if "ProcessGroupGloo" in error and "outputShape[0] * worldSize == inputShape[0]" in error:
+        return "reduce_scatter_tensor"
+    return None
+
+
 def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str:
     """One line: conforms, the conventions that explain the departures (with the partition each explains when
     no single one explains all), or a bug named by the partition it lives in (the families, world sizes and
@@ -237,13 +262,18 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
             )
         if disagree:
             parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")
-    for status in ("crash", "hang"):
-        if any(o.status == status for o in outcomes):
-            parts.append(
-                f"{status}es on {by_family(outcomes, _status(status))}"
-                if status == "crash"
-                else f"hangs on {by_family(outcomes, _status(status))}"
-            )
+    refused = {id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash"}
+    for collective in sorted({c for c in refused.values() if c}):
+        parts.append(
+            f"could not run on gloo ({collective}: {GLOO_REFUSALS[collective]}) on "
+            f"{by_family(outcomes, lambda o: refused.get(id(o)) == collective)}"
+        )
+    if any(o.status == "crash" and not refused[id(o)] for o in outcomes):
+        parts.append(
+            f"crashes on {by_family(outcomes, lambda o: o.status == 'crash' and not refused[id(o)])}"
+        )
+    if any(o.status == "hang" for o in outcomes):
+        parts.append(f"hangs on {by_family(outcomes, _status('hang'))}")
     verdict = "; ".join(parts) or "conforms: every case bitwise equal to the claim"
     local = [o for o in outcomes if o.elementwise]
     if local:
@@ -259,9 +289,11 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
 
 __all__ = [
     "CONVENTION_OPTIONS",
+    "GLOO_REFUSALS",
     "alternatives",
     "by_family",
     "diagnose",
     "explain",
     "find_convention",
+    "gloo_refusal",
 ]

@@ -1,0 +1,226 @@
+"""The system adapters (muon_dist/harness/adapters/systems.py): each claim is a valid muon_ref configuration; each
+adapter whose package or checkout is present runs its system's own optimizer code through the conformance check;
+and the causes of their departures found by hand (docs/field-systems.md) are pinned, so that a test fails when the
+system changes them. Without the package or checkout a test skips with what installs it (`make field` installs
+all of them into .venv-field and runs this module there)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+from muon_dist.harness import conformance
+from muon_dist.harness.adapters import Adapter
+from muon_dist.harness.adapters.cases import (
+    DIST_FAMILIES,
+    MATRIX_FAMILIES,
+    SINGLE_FAMILIES,
+    UNREDUCED_FAMILIES,
+    Case,
+)
+from muon_dist.harness.adapters.diagnose import diagnose, gloo_refusal
+from muon_dist.harness.adapters.oracle import Outcome, claim_of
+from muon_dist.harness.adapters.systems import (
+    EMERGING_CHECKOUT_ENV,
+    LLAMAFACTORY_CHECKOUT_ENV,
+    MEGATRON_PATH_ENV,
+    SYSTEMS,
+    XTUNER_CHECKOUT_ENV,
+    DeepSpeedMuon,
+    DeepSpeedMuonZero1,
+    DeepSpeedMuonZero2,
+    DeepSpeedMuonZero3,
+    EmergingMuon,
+    LlamaFactoryV0Muon,
+    LlamaFactoryV1Muon,
+    MegatronTensorParallelMuon,
+    VeomniMuon,
+    XtunerMuon,
+    checkout_path,
+)
+from muon_ref.config import CONFIG_KEYS, MuonConfig
+from muon_ref.presets import preset_defaults
+
+ADAPTERS = list(SYSTEMS)
+INSTALL = {
+    "llamafactory": "pip install --no-deps llamafactory==0.9.5",
+    "veomni": "pip install --no-deps veomni==0.1.12 && pip install transformers==5.9.0",
+    "deepspeed": "DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed==0.19.8 "
+    "&& pip install einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm",
+}
+CHECKOUTS = {
+    LLAMAFACTORY_CHECKOUT_ENV: "a checkout of hiyouga/LlamaFactory",
+    XTUNER_CHECKOUT_ENV: "a checkout of InternLM/xtuner",
+    EMERGING_CHECKOUT_ENV: "a checkout of NVIDIA-NeMo/Emerging-Optimizers (needs absl-py)",
+    MEGATRON_PATH_ENV: "a folder holding megatron-core 0.19.2 and emerging-optimizers 0.3.0 (make field)",
+}
+
+
+def _package(module: str) -> None:
+    """Skip, with the install command, when `module` does not import here."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        pytest.skip(f"{module} does not import ({e}); install: {INSTALL[module]} (or: make field)")
+
+
+def _checkout(env: str, inner: str) -> str:
+    """Skip, naming the variable and what it should hold, when $env is unset or wrong."""
+    try:
+        return checkout_path(env, None, inner)
+    except ValueError as e:
+        pytest.skip(f"{e}: {CHECKOUTS[env]} (make field sets it)")
+
+
+def _run(adapter: Adapter, families: tuple[str, ...], world_sizes: tuple[int, ...]) -> list[dict]:
+    """Two float32 steps of `families` through `python -m muon_dist.harness.conformance`'s check."""
+    report = conformance.check(
+        adapter,
+        world_sizes,
+        steps=2,
+        timeout=240.0,
+        shrink_budget=0.0,
+        families=families,
+        dtypes=("float32",),
+        log=lambda *_: None,
+    )
+    return report["outcomes"]
+
+
+def _statuses(outcomes: list[dict]) -> list[str]:
+    return [o["status"] for o in outcomes]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.__name__)
+def test_each_system_adapter_claims_a_valid_muon_ref_configuration(adapter: type[Adapter]) -> None:
+    preset, overrides = claim_of(adapter())
+    values = preset_defaults(preset, overrides)  # raises ValueError on an unknown option or value
+    MuonConfig(**{k: values[k] for k in CONFIG_KEYS})
+    everything = SINGLE_FAMILIES | DIST_FAMILIES | UNREDUCED_FAMILIES
+    assert adapter.families and adapter.families <= everything
+
+
+def _crash(family: str, error: str) -> Outcome:
+    return Outcome(Case(family, "dtensor", 2, ((3, 3),)), "crash", error=error)
+
+
+def test_a_crash_that_only_gloo_refuses_is_named_could_not_run_on_gloo_with_its_collective() -> (
+    None
+):
+    all_to_all = (
+        "RuntimeError: ProcessGroupGloo::alltoall: invalid tensor size at index 1 (expected (2, 3)"
+    )
+    reduce_scatter = (
+        "RuntimeError: [rank0]:[F1125 ProcessGroupGloo.cpp:1537] Check failed: "
+        "outputShape[0] * worldSize == inputShape[0] (20 vs. 2)."
+    )
+    outcomes = [
+        _crash("uneven", all_to_all),
+        _crash("remainder", reduce_scatter),
+        Outcome(Case("even", "dtensor", 2, ((4, 3),)), "bitwise"),
+    ]
+    line = diagnose(outcomes, "torch", {})
+    assert "could not run on gloo (all_to_all" in line and "on uneven (1/1: W=2)" in line, line
+    assert "could not run on gloo (reduce_scatter_tensor" in line and "remainder" in line, line
+    assert "bug" not in line and "crashes on" not in line, line
+    # negative control: any other crash stays a crash
+    other = diagnose(
+        [_crash("experts", "RuntimeError: Attempting to broadcast a dimension")], "torch", {}
+    )
+    assert other.startswith("crashes on experts"), other
+    assert gloo_refusal("RuntimeError: ProcessGroupNCCL error") is None
+
+
+def test_a_checkout_adapter_without_its_checkout_names_the_environment_variable(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv(XTUNER_CHECKOUT_ENV, raising=False)
+    with pytest.raises(ValueError, match=XTUNER_CHECKOUT_ENV):
+        XtunerMuon().build([])
+
+
+@pytest.mark.timeout(240)
+def test_llamafactory_v0_muon_steps_bitwise_like_moonlight() -> None:
+    _package("llamafactory")
+    assert _statuses(_run(LlamaFactoryV0Muon(), ("tall", "wide"), (1,))) == ["bitwise"] * 2
+
+
+@pytest.mark.timeout(300)
+def test_llamafactory_v1_muon_is_bitwise_on_uneven_shards_and_loses_its_momentum_on_a_dcp_resume() -> (
+    None
+):
+    _checkout(LLAMAFACTORY_CHECKOUT_ENV, LlamaFactoryV1Muon.module_path)
+    outcomes = _run(LlamaFactoryV1Muon(), ("uneven", "checkpoint"), (2,))
+    by_family = {o["family"]: o for o in outcomes}
+    assert by_family["uneven"]["status"] == "bitwise", by_family["uneven"]
+    # `self.state[p]["use_muon"] = True` at construction: DCP's template has no momentum_buffer to load into
+    resumed = by_family["checkpoint"]
+    assert resumed["status"] == "differs" and resumed["state_diff"] > 0, resumed
+
+
+@pytest.mark.timeout(300)
+def test_veomni_muon_is_bitwise_on_even_shards_and_gloo_refuses_its_uneven_all_to_all() -> None:
+    _package("veomni")
+    outcomes = _run(VeomniMuon(), ("even", "uneven"), (2,))
+    by_family = {o["family"]: o for o in outcomes}
+    assert by_family["even"]["status"] == "bitwise", by_family["even"]
+    uneven = by_family["uneven"]
+    assert uneven["status"] == "crash" and "ProcessGroupGloo::alltoall" in uneven["error"], uneven
+
+
+@pytest.mark.timeout(300)
+def test_veomni_muon_crashes_on_expert_stacks_split_unevenly() -> None:
+    """_compute_ortho's Shard(0) 3-D path rebuilds the DTensor with DTensor.from_local(...) and no shape: the
+    global shape is inferred as local rows times W, (4, 4, 3) for E = 3 on W = 2, and the update cannot be added."""
+    _package("veomni")
+    (outcome,) = _run(VeomniMuon(), ("experts",), (2,))
+    assert outcome["status"] == "crash" and "broadcast" in outcome["error"], outcome
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "adapter",
+    [DeepSpeedMuon, DeepSpeedMuonZero1, DeepSpeedMuonZero2, DeepSpeedMuonZero3],
+    ids=lambda a: f"stage{a.zero_stage}",
+)
+def test_deepspeed_muon_built_by_deepspeed_initialize_steps_bitwise_like_keller(
+    adapter: type[DeepSpeedMuon],
+) -> None:
+    _package("deepspeed")
+    assert _statuses(_run(adapter(), ("even", "straddle"), (2,))) == ["bitwise"] * 2
+
+
+@pytest.mark.timeout(300)
+def test_xtuner_muon_is_bitwise_with_its_tensor_lr_and_its_reduce_scatter_is_refused_by_gloo() -> (
+    None
+):
+    _checkout(XTUNER_CHECKOUT_ENV, "xtuner/v1/optim/muon.py")
+    outcomes = _run(XtunerMuon(), ("uneven", "remainder"), (2,))
+    by_family = {o["family"]: o for o in outcomes}
+    assert by_family["uneven"]["status"] == "bitwise", by_family["uneven"]
+    remainder = by_family["remainder"]
+    assert remainder["status"] == "crash" and "ProcessGroupGloo" in remainder["error"], remainder
+
+
+@pytest.mark.timeout(240)
+def test_emerging_muon_steps_bitwise_like_its_preset_with_eps_1e_15() -> None:
+    _checkout(EMERGING_CHECKOUT_ENV, "emerging_optimizers")
+    _package_absl()
+    families = tuple(sorted(MATRIX_FAMILIES))
+    assert _statuses(_run(EmergingMuon(), families, (1,))) == ["bitwise"] * len(families)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_tensor_parallel_muon_steps_bitwise_on_even_tp_shards() -> None:
+    _checkout(MEGATRON_PATH_ENV, "megatron/core/optimizer")
+    _package_absl()
+    assert _statuses(_run(MegatronTensorParallelMuon(), ("even",), (2,))) == ["bitwise"]
+
+
+def _package_absl() -> None:
+    if importlib.util.find_spec("absl") is None:
+        pytest.skip(
+            "absl-py is not installed (Emerging-Optimizers imports it): pip install absl-py"
+        )
