@@ -1,4 +1,4 @@
-"""Adapters that import and run the optimizer code of the systems the repo compares (issue 24): LlamaFactory (v0
+"""Adapters that import and run the optimizer code of the systems the repo compares: LlamaFactory (v0
 from the llamafactory wheel, v1 from a checkout), VeOmni, DeepSpeed, Megatron-core, NVIDIA Emerging-Optimizers and
 xtuner. Each runs the system's own optimizer code, built as the system builds it (its defaults, its param grouping,
 its process groups), on gloo ranks on CPU; no system code is copied here. Each class's docstring says what it runs
