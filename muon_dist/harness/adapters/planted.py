@@ -652,8 +652,8 @@ PLANTED: tuple[Planted, ...] = (
         "microsoft/dion #74",
         PlantedAdapter(EmptyBoxSkipsItsParam, "dtensor", DIST_FAMILIES),
         "hang",
-        frozenset({"empty"}),
-        DIST_FAMILIES - {"empty"},
+        frozenset({"empty", "row_sharded"}),  # row_sharded's [1, N] params: empty boxes at W >= 2
+        DIST_FAMILIES - {"empty", "row_sharded"},
     ),
     Planted(
         2,
