@@ -429,6 +429,7 @@ def _line(o: Outcome) -> str:
             o.policy and f"None grads: {o.policy}",
             o.replicas and f"replicas: {o.replicas}",
             o.elementwise and f"elementwise: {o.elementwise}",
+            o.resumed and f"resume: {o.resumed}",
         )
         if n
     ]
@@ -679,7 +680,7 @@ def _planted_suite(
     wall = round(time.monotonic() - started, 1)
     log(
         f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
-        f"{len(UNREACHABLE)} class not reachable ({wall} s)"
+        f"{len(UNREACHABLE)} {'class' if len(UNREACHABLE) == 1 else 'classes'} not reachable ({wall} s)"
     )
     log(
         f"verdict accuracy: false positives {false_positives}/{len(controls)} correct controls, "

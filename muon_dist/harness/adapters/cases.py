@@ -33,6 +33,14 @@ Families, each with the modes it applies to and the field bug it targets (docs/f
         torch.distributed.checkpoint save at W, a fresh candidate loaded at W' = case.resume_world_size, the
         remaining steps; bug 8) and checkpoint_unstepped (the same, and the last param has no gradient on any rank
         before the save, as an expert that got no tokens yet: lazily created state has no keys for it; Dion #18).
+    dtensor, the newer classes (14-27): row_sharded ([1, N] params at W >= 2: every rank but rank 0 holds an empty
+        box, and dim 0 is shorter than the mesh; bug 25, vllm-project/speculators #821); resume_long (a
+        torch.distributed.checkpoint save after LONG_SAVE = 257 steps and a resume at the same W <= 2, then one step;
+        besides the params, every state tensor right after the load must have the dtype, device, shape and bits it
+        had at the save: a step counter recast to bf16 on load reads 256 there, bug 18; a state reset on load,
+        bug 17, fails it too); and, only for adapters that list it, fused_sharded (xtuner's fused experts
+        [E * m, n] with num_experts = E on DTensor Shard(0), at world sizes whose torch.chunk boxes cut through an
+        expert: NS run on each rank's box as if it held whole experts runs on slabs of them; bug 23).
 (A family name belongs to one mode on one device and to the distributed modes, as experts3d and experts: an
 adapter's `families` then says in which modes it runs.)
 Gradients: seeded normal draws, the same on every rank (`gradients`), except where gradients are summed
@@ -78,8 +86,12 @@ DIST_FAMILIES = frozenset(
         "accumulation",
         "checkpoint",
         "checkpoint_unstepped",
+        "row_sharded",
+        "resume_long",
     }
 )
+# dtensor families only for adapters that list them (their layout needs a param-group key: num_experts)
+FUSED_DIST_FAMILIES = frozenset({"fused_sharded"})
 REPLICATED_FAMILIES = frozenset(
     {
         "badly_scaled",
@@ -106,13 +118,22 @@ UNREDUCED_FAMILIES = frozenset(
         "checkpoint_unstepped",
     }
 )
-CHECKPOINT_FAMILIES = frozenset({"checkpoint", "checkpoint_unstepped"})
+CHECKPOINT_FAMILIES = frozenset({"checkpoint", "checkpoint_unstepped", "resume_long"})
+# families whose state must survive the save and load unchanged (oracle.compare: Outcome.resumed)
+STATE_ROUNDTRIP_FAMILIES = frozenset({"resume_long"})
 ACCUMULATION_FAMILIES = frozenset({"micro_batches", "accumulation"})
 MODE_FAMILIES = {
-    "dtensor": DIST_FAMILIES,
+    "dtensor": DIST_FAMILIES | FUSED_DIST_FAMILIES,
     "replicated": REPLICATED_FAMILIES,
     "unreduced": UNREDUCED_FAMILIES,
 }
+
+# resume_long: the number of steps before its save. bf16 holds every integer up to 256 and then every second one,
+# so a step counter cast to bf16 on load reads 256 for 257 (and stays there: 256 + 1 rounds back to 256).
+LONG_SAVE = 257
+# fused_sharded: experts of FUSED_ROWS rows (num_experts FUSED_EXPERTS); [10, 3] on W = 2 is cut 5 | 5, inside
+# expert 2; on W = 4, 3 | 3 | 3 | 1 (W = 3 cuts 4 | 4 | 2, on expert boundaries: no case there)
+FUSED_EXPERTS, FUSED_ROWS = 5, 2
 
 # DeepSpeed #8443 compared 1 with 4 micro-batches (1.3e-1 relative difference under ZeRO-3)
 MICRO_BATCHES = 4
@@ -141,6 +162,7 @@ BADLY_SCALED = (2.0**-40, 2.0**-24, 1.0, 2.0**16)
 FAMILY_OPTIONS: dict[str, tuple[tuple[str, object], ...]] = {
     "experts_fused": (("num_experts", 4),),
     "nesterov_off": (("nesterov", False),),
+    "fused_sharded": (("num_experts", FUSED_EXPERTS),),
 }
 
 
@@ -201,6 +223,12 @@ def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...]
         return ((W + 1, 4, 3),) * W
     if family == "mixed":  # a batch of W straddles the two shapes when W > 1
         return ((6, 4),) * (W + 1) + ((3, 5),) * max(W - 1, 1)
+    if family == "resume_long":
+        # one small param, uneven boxes at W = 2; W <= 2 only: its 258 steps make it the slowest family
+        return ((W + 1, 3),) if W <= 2 else None
+    if family == "fused_sharded":
+        shapes = ((FUSED_EXPERTS * FUSED_ROWS, 3),)
+        return shapes if _boxes_cut_an_expert(shapes[0][0], FUSED_ROWS, W) else None
     if (
         family in CHECKPOINT_FAMILIES
     ):  # uneven boxes at W; tall at any W' even if padded; no remainder batch
@@ -214,6 +242,7 @@ def family_shapes(family: str, mode: str, W: int) -> tuple[tuple[int, ...], ...]
         "padded_scale": ((3 * W - 1, 3),) * W,
         "asym_none": ((2 * W, 5),) * W,
         "straddle": ((3, 5),) * (W + 1),
+        "row_sharded": ((1, 6),) * 2,
     }[family]
 
 
@@ -261,6 +290,16 @@ def in_family(case: Case) -> bool:
         return W > 1
     if fam == "checkpoint_unstepped":
         return len(shapes) > 1
+    if fam == "row_sharded":
+        return W > 1 and all(len(s) == 2 and s[0] == 1 for s in shapes)
+    if fam == "resume_long":
+        return case.steps > LONG_SAVE and case.resume_world_size == W <= 2
+    if fam == "fused_sharded":
+        experts = dict(case.options).get("num_experts", 1)
+        return all(
+            len(s) == 2 and s[0] % experts == 0 and _boxes_cut_an_expert(s[0], s[0] // experts, W)
+            for s in shapes
+        )
     if fam == "badly_scaled":
         return len(shapes) > 1
     return fam in ("accumulation", "checkpoint") or (fam == "mixed" and len(set(shapes)) > 1)
@@ -274,6 +313,12 @@ def _every_partition_boundary_inside_a_param(shapes: tuple[tuple[int, ...], ...]
         ends.append(ends[-1] + math.prod(s))
     part = math.ceil(ends[-1] / W)
     return all(any(a < k * part < b for a, b in zip(ends, ends[1:])) for k in range(1, W))
+
+
+def _boxes_cut_an_expert(rows: int, expert_rows: int, W: int) -> bool:
+    """Does some boundary of torch.chunk's W row boxes of `rows` rows fall inside an expert of `expert_rows` rows?"""
+    c = math.ceil(rows / W)
+    return any(0 < k * c < rows and (k * c) % expert_rows for k in range(1, W))
 
 
 def _prime(n: int) -> bool:
@@ -291,7 +336,8 @@ def default_cases(
 ) -> list[Case]:
     """Every supported single-device family, then every family of the adapter's mode on every world size; each in
     every dtype and every variant (options over the check's defaults). A checkpoint case saved at W resumes at the
-    next world size of the list (the first after the last; W itself when there is one)."""
+    next world size of the list (the first after the last; W itself when there is one); resume_long resumes at W
+    and runs LONG_SAVE + 1 steps whatever `steps` says."""
 
     def made(
         family: str, mode: str, W: int, shapes: tuple, resume: int | None = None
@@ -303,7 +349,7 @@ def default_cases(
                 W,
                 shapes,
                 d,
-                steps,
+                LONG_SAVE + 1 if family == "resume_long" else steps,
                 device=device,
                 resume_world_size=resume,
                 options=FAMILY_OPTIONS.get(family, ()) + tuple(v.items()),
@@ -323,6 +369,7 @@ def default_cases(
         for f in sorted(families & MODE_FAMILIES[mode]):
             shapes = family_shapes(f, mode, W)
             resume = world_sizes[(i + 1) % len(world_sizes)] if f in CHECKPOINT_FAMILIES else None
+            resume = W if f == "resume_long" else resume  # the state is compared box by box
             if shapes is not None and (
                 resume is None or family_shapes(f, mode, resume) is not None
             ):
@@ -374,8 +421,9 @@ def asym_step(case: Case) -> int:
 
 
 def save_step(case: Case) -> int:
-    """The number of steps before the checkpoint families' save (the rest run after the resume)."""
-    return (case.steps + 1) // 2
+    """The number of steps before the checkpoint families' save (the rest run after the resume): LONG_SAVE for
+    resume_long, else half (rounded up)."""
+    return LONG_SAVE if case.family == "resume_long" else (case.steps + 1) // 2
 
 
 def world_at(case: Case, step: int) -> int:

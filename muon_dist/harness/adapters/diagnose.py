@@ -1,8 +1,9 @@
 """Diagnosis of a departure from the claim: a convention (some muon_ref configuration reproduces every case
 that ran, bit for bit) or a bug (none does; named by the case families that depart). Replicas that disagree
 (oracle.py: replicated bits that differ across ranks) are a bug whatever the configuration (muon_ref gives every
-rank the same answer), named "replicas disagree on" their families; crashes and hangs are named by their families
-too. A conforming adapter's answer to gradients missing on some ranks only (asym_none) is named with it.
+rank the same answer), named "replicas disagree on" their families; so is optimizer state that a save and load
+changed (oracle.py: Outcome.resumed), named "the resume changes the optimizer state on" its families; crashes and
+hangs are named by their families too. A conforming adapter's answer to gradients missing on some ranks only (asym_none) is named with it.
 
 Search, in order (the first configuration that matches every completed case wins):
     1. the claimed preset with one convention option changed (CONVENTION_OPTIONS), the claim's other
@@ -240,7 +241,7 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
     parts = []
     departing = [o for o in outcomes if o.status == "differs"]
     if departing:
-        disagree = any(o.replicas for o in departing)
+        disagree = any(o.replicas or o.resumed for o in departing)
         found, unexplained = ([], departing) if disagree else explain(outcomes, preset, overrides)
         if found and found[0][0] == "all cases":
             parts.append(f"convention: {found[0][1]}")
@@ -260,8 +261,13 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
                 f"{kind}: no muon_ref convention explains it; departs on {departs}"
                 + (f"; bitwise on {', '.join(bitwise)}" if bitwise else "")
             )
-        if disagree:
+        if any(o.replicas for o in departing):
             parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")
+        if any(o.resumed for o in departing):
+            parts.append(
+                "the resume changes the optimizer state on "
+                + by_family(outcomes, lambda o: bool(o.resumed))
+            )
     refused = {id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash"}
     for collective in sorted({c for c in refused.values() if c}):
         parts.append(

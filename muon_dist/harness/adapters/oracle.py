@@ -12,7 +12,11 @@ every momentum buffer the candidate exposes): after every step, every rank's bit
 says where they do not). In dtensor mode the boxes of the ranks are disjoint: there is nothing replicated to agree
 on, and the comparison with the oracle's boxes is the whole check.
 A checkpoint case has two segments, the save at W and the resume at W' (whose params right after the load must be
-the reference's after the last saved step); boxes are taken at each segment's world size.
+the reference's after the last saved step); boxes are taken at each segment's world size. In the families of
+cases.STATE_ROUNDTRIP_FAMILIES (saved and resumed at the same W) every rank's optimizer state right after the load
+must also equal, entry by entry, what it held at the save: the same keys, and for each tensor the same dtype,
+device, shape and bits (Outcome.resumed says where not; no muon_ref convention can explain it: the oracle has no
+say in what a candidate keeps, only in keeping it across a resume).
 asym_none: a step may raise. Conforming answers: no rank raises and every rank equals the oracle that skips the
 params without a gradient on some rank (policy "skip"), or every rank raises the same exception type at that step
 and equals the oracle for which the step never happened (policy "raise": nothing was written). Any other pattern
@@ -36,6 +40,7 @@ from ..fixtures import same_bits
 from . import Adapter
 from .cases import (
     NONE_POLICIES,
+    STATE_ROUNDTRIP_FAMILIES,
     Case,
     asym_step,
     initial_params,
@@ -69,7 +74,8 @@ class Outcome:
     """status: "bitwise", "differs", "crash" or "hang". param_diffs: max |dP| after each step (over params and
     ranks; inf where shapes differ or NaN appears). state_diff: max |dM| of the exposed momentum buffers.
     replicas: where replicated bits differ across ranks (None: they agree, or nothing is replicated). policy: how
-    an asym_none case answered ("skip", or "raise" with the exception type)."""
+    an asym_none case answered ("skip", or "raise" with the exception type). resumed: where the optimizer state
+    right after a load differs from the state at the save (None: it does not, or the family does not compare it)."""
 
     case: Case
     status: str
@@ -81,6 +87,7 @@ class Outcome:
     policy: str | None = None
     elementwise: str | None = None
     unmapped: tuple[str, ...] = ()
+    resumed: str | None = None
 
     @property
     def max_diff(self) -> float | None:
@@ -118,6 +125,7 @@ class Outcome:
             "policy": self.policy,
             "elementwise": self.elementwise or "whole",
             "momentum_not_compared": list(self.unmapped),
+            "resumed": self.resumed,
         }
 
 
@@ -294,7 +302,7 @@ def judge(
     departure)."""
     whole = compare(case, segments, reference or reference_steps(case, preset, overrides))
     whole.unmapped = unmapped_state(segments)
-    if whole.status != "differs" or case.mode == "single" or whole.replicas:
+    if whole.status != "differs" or case.mode == "single" or whole.replicas or whole.resumed:
         return whole
     for name in list(ELEMENTWISE)[1:]:
         trial = compare(case, segments, reference_steps(case, preset, overrides, name))
@@ -362,7 +370,8 @@ def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcom
                 bitwise &= same_bits(got, want)
                 state_diff = max(state_diff or 0.0, max_abs_diff(got, want))
     replicas = _disagreement(case, segments)
-    bitwise &= not replicas
+    resumed = _state_change(case, segments)
+    bitwise &= not replicas and not resumed
     answer = _policy_label(policy, segments, bitwise) if case.family == "asym_none" else None
     return Outcome(
         case,
@@ -372,6 +381,7 @@ def compare(case: Case, segments: list[Segment], reference: Reference) -> Outcom
         results=segments,
         replicas=replicas,
         policy=answer,
+        resumed=resumed,
     )
 
 
@@ -381,6 +391,39 @@ def _policy_label(policy: str, segments: list[Segment], bitwise: bool) -> str:
         error = next(e for _, results in segments for r in results for e in r["errors"] if e)
         return f"raise {error.split(':')[0]}"
     return "skip" if bitwise else "no error raised"
+
+
+def _state_change(case: Case, segments: list[Segment]) -> str | None:
+    """Where a rank's optimizer state right after the load differs from its state at the save (families of
+    STATE_ROUNDTRIP_FAMILIES: the first segment's final "state" against the last's "loaded_state"), or None."""
+    if case.family not in STATE_ROUNDTRIP_FAMILIES or len(segments) < 2:
+        return None
+    (_, saved), (world, resumed) = segments[0], segments[-1]
+    for rank, (before, after) in enumerate(zip(saved, resumed)):
+        for i, (was, now) in enumerate(zip(before["state"], after["loaded_state"])):
+            for key in sorted(set(was) | set(now)):
+                a, b = was.get(key), now.get(key)
+                if a is None or b is None:
+                    gone = "lost by the load" if b is None else "not there at the save"
+                    return f"param {i} state {key!r} on rank {rank}: {gone} (W={world})"
+                if isinstance(a, str) or isinstance(b, str):
+                    same = a == b
+                else:
+                    same = a[:2] == b[:2] and same_bits(a[2], b[2])
+                if not same:
+                    return (
+                        f"param {i} state {key!r} on rank {rank}: saved {_entry(a)}, loaded "
+                        f"{_entry(b)} (W={world})"
+                    )
+    return None
+
+
+def _entry(e: Any) -> str:
+    """'float32 cpu 257.0' for a scalar tensor entry, 'bfloat16 cpu (3, 3)' for a larger one, a repr as it is."""
+    if isinstance(e, str):
+        return e
+    dtype, device, t = e
+    return f"{dtype} {device} {t.item() if t.numel() == 1 else tuple(t.shape)}"
 
 
 def _disagreement(case: Case, segments: list[Segment]) -> str | None:

@@ -11,7 +11,7 @@ planted bugs built on it are caught). A planted bug is one of them with one meth
     RoundRobinMuon   replicated, DDP style: KellerJordan's batches of W params, one owner per param, all-gathered
     ZeroMuon         unreduced, ZeRO-1/2 style: gradients reduce-scattered over W flat partitions
 Where a field bug is a race or depends on hardware, the planted defect is its deterministic limit, said so in its
-docstring. Unreachable here: bug 10 (UNREACHABLE).
+docstring. Unreachable here, each with its reason: bugs 10, 15, 19, 20, 21, 22 and 27 (UNREACHABLE).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from . import Adapter
 from .cases import (
     CHECKPOINT_FAMILIES,
     DIST_FAMILIES,
+    FUSED_DIST_FAMILIES,
     REPLICATED_FAMILIES,
     SINGLE_FAMILIES,
     UNREDUCED_FAMILIES,
@@ -50,7 +51,9 @@ def _groups(params: list[Tensor]) -> list[dict[str, Any]]:
 
 def _layout(p: Tensor, group: dict[str, Any]) -> MatrixLayout:
     """The param's matrices as muon_ref reads them (the global shape: a DTensor's, not its box's)."""
-    return matrix_layout(tuple(p.shape), flatten=group["flatten"])
+    return matrix_layout(
+        tuple(p.shape), num_experts=group.get("num_experts"), flatten=group["flatten"]
+    )
 
 
 def agreed_gradients(params: list[Tensor]) -> list[bool]:
@@ -164,6 +167,21 @@ class MuonPerMicroBatch(SmallMuon):
         p.copy_(self.applied(p, p.grad, layout, group_config(group)))
 
 
+class ExpertAxisNewtonSchulz(SmallMuon):
+    """Field bug 14, AI-Hypercomputer/maxtext #4798 and #4843: Newton-Schulz ran across the expert axis of an
+    expert stack instead of on each expert's matrix. Here: a 3-D [E, m, n] direction is orthogonalised as one
+    (E * m, n) matrix (its experts stacked along the rows), everything else as muon_ref reads it; the lr scale
+    stays the per-expert one."""
+
+    def orthogonalized(self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
+        if direction.ndim != 3:
+            return super().orthogonalized(direction, layout, cfg)
+        stacked = direction.reshape(-1, direction.shape[-1])
+        return orthogonalize(stacked, matrix_layout(tuple(stacked.shape)), cfg).reshape(
+            direction.shape
+        )
+
+
 # ---------------------------------------------------------------- DTensor Shard(0)
 
 
@@ -173,7 +191,12 @@ class GatherMuon(torch.optim.Optimizer):
         P'_r = box_r(apply_update(P, orthogonalize(D)))   with M', D = momentum_direction(G, M), all whole tensors
     bitwise muon_ref.Muon (the same functions on the same tensors; box_r is torch.chunk's). Which params step:
     agreed_gradients. Momentum: a buffer like its param for every param from construction on, so every rank holds
-    the same state keys and torch.distributed.checkpoint can save them (Dion #89)."""
+    the same state keys and torch.distributed.checkpoint can save them (Dion #89). A step counter per param, a
+    float32 scalar tensor under the key "step" (as torch.optim.Adam keeps it: torch.optim.Optimizer.load_state_dict
+    casts every floating-point state tensor to its param's dtype except the one under "step"); nothing reads it,
+    and the resume_long family checks that a save and load keep it."""
+
+    counter_key = "step"
 
     def __init__(self, params: Any, preset: str | None = "torch", **overrides: Any) -> None:
         super().__init__(params, preset_defaults(preset, overrides))
@@ -182,8 +205,9 @@ class GatherMuon(torch.optim.Optimizer):
                 self.initial_state(p)
 
     def initial_state(self, p: Tensor) -> None:
-        """A zero momentum buffer like p (a DTensor for a DTensor), at construction."""
+        """A zero momentum buffer like p (a DTensor for a DTensor) and a zero step counter, at construction."""
         self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        self.state[p][self.counter_key] = torch.tensor(0.0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -206,10 +230,22 @@ class GatherMuon(torch.optim.Optimizer):
         G, M, P = (self.gathered(t) for t in (p.grad, state, p))
         new_buf, direction = momentum_direction(G, M, cfg)
         new = apply_update(
-            P, orthogonalize(direction, layout, cfg), self.scale_layout(p, layout), cfg
+            P, self.orthogonalized(direction, layout, cfg, p), self.scale_layout(p, layout), cfg
         )
-        local(p).copy_(self._box(new, p))
+        self.landed(p, new)
         local(state).copy_(self._box(new_buf, p))
+        count = self.state[p].get(self.counter_key, torch.tensor(0.0))
+        self.state[p][self.counter_key] = count + 1
+
+    def landed(self, p: Tensor, new: Tensor) -> None:
+        """This rank's box of the whole new param into p's local tensor."""
+        local(p).copy_(self._box(new, p))
+
+    def orthogonalized(
+        self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig, p: Tensor
+    ) -> Tensor:
+        """O = orthogonalize(D) on the whole direction, read with the param's own layout."""
+        return orthogonalize(direction, layout, cfg)
 
     def gathered(self, t: Tensor) -> Tensor:
         """The whole tensor of a DTensor (DTensor.full_tensor: an all-gather, exact for any boxes), or t."""
@@ -288,6 +324,118 @@ class EqualShardGather(GatherMuon):
         boxes = [torch.empty_like(box) for _ in range(t.device_mesh.size())]
         dist.all_gather(boxes, box, group=t.device_mesh.get_group())
         return torch.cat(boxes)
+
+
+class NestedStateDict(GatherMuon):
+    """Field bug 16, ByteDance VeOmni #1008 (and microsoft/dion #109): a composite optimizer (Muon + AdamW
+    sub-optimizers behind one torch.optim.Optimizer) hands out its own merged state dict, not one optimizer's
+    {"state", "param_groups"}; torch.distributed.checkpoint.state_dict's get_optimizer_state_dict, which reads
+    the latter, fails on the first save. Here: the state dict of its one sub-optimizer keyed by its name, as a
+    composite's own state dict nests it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": super().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict["muon"])
+
+
+class PrefixedStateKeys(GatherMuon):
+    """Field bug 17, NVIDIA-NeMo/RL #3345 (and the reviews of InternLM/xtuner #2018): a composite optimizer saved
+    its sub-optimizers' state under prefixed keys and loaded it without strictness, so the optimizer found none of
+    its own keys after a resume and started from fresh state, silently. Here: the state dict names every state
+    entry "muon.<key>"; the load installs those names as they are, so the step after a resume finds no
+    "momentum_buffer" and starts from a zero buffer (the prefixed ones lie unread)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["state"] = {
+            i: {f"muon.{k}": v for k, v in entries.items()} for i, entries in out["state"].items()
+        }
+        return out
+
+
+class RecastStepCounter(GatherMuon):
+    """Field bug 18, microsoft/dion #104 (and deepspeedai/DeepSpeed #7746): state recast on load. A step counter
+    kept as a floating-point tensor under a key other than "step" is cast to the param's dtype by
+    torch.optim.Optimizer.load_state_dict (torch/optim/optimizer.py, _process_value_according_to_param_policy
+    exempts only "step"): with bf16 params a counter saved at 257 loads as 256, and 256 + 1 rounds back to 256.
+    Here: GatherMuon's counter under the key "count"; nothing reads it, so only resume_long's state comparison
+    shows it (bf16 only)."""
+
+    counter_key = "count"
+
+
+class ExpertSlabNewtonSchulz(GatherMuon):
+    """Field bug 23, PaddlePaddle/PaddleFleet #1703, #1704 and InternLM/xtuner #1582: expert parallelism sharded a
+    dimension that is not the expert one, and each rank ran Newton-Schulz on what it held as if it were whole
+    experts, so NS saw slabs of experts. Here, on xtuner's fused layout [E * m, n] (param-group key num_experts):
+    each rank's torch.chunk box is read as whole experts of m rows from its first row; where a box boundary falls
+    inside an expert (fused_sharded), NS runs on the slabs on either side of it. With boxes on expert boundaries
+    it is muon_ref exactly."""
+
+    def orthogonalized(
+        self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig, p: Tensor
+    ) -> Tensor:
+        if layout.num_matrices == 1 or direction.ndim != 2 or not hasattr(p, "device_mesh"):
+            return super().orthogonalized(direction, layout, cfg, p)
+        rows, m, W = direction.shape[0], layout.fan_out, p.device_mesh.size()
+        c, out = math.ceil(rows / W), torch.empty_like(direction)
+        for a in range(0, rows, c):
+            for lo in range(a, min(a + c, rows), m):
+                hi = min(lo + m, a + c, rows)
+                slab = direction[lo:hi]
+                out[lo:hi] = orthogonalize(slab, matrix_layout(tuple(slab.shape)), cfg)
+        return out
+
+
+class PaddingEntersNewtonSchulz(GatherMuon):
+    """Field bug 24, NVIDIA/Megatron-LM #6740: under tensor parallelism, the zero rows that pad a shard to an
+    alignment were not stripped before Newton-Schulz, which then orthogonalised the padded matrix. Zero rows leave
+    X X^T's nonzero block alone, but they can flip the choice of the side to iterate on (a matrix with more rows
+    than columns is transposed first) and change the operands' shapes. Here: the direction is padded with zero rows
+    to a multiple of the mesh size (an even split), orthogonalised, and trimmed."""
+
+    def orthogonalized(
+        self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig, p: Tensor
+    ) -> Tensor:
+        W = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+        rows = math.ceil(direction.shape[0] / W) * W
+        if rows == direction.shape[0] or direction.ndim != 2:
+            return super().orthogonalized(direction, layout, cfg, p)
+        padded = direction.new_zeros((rows, *direction.shape[1:]))
+        padded[: direction.shape[0]] = direction
+        return orthogonalize(padded, matrix_layout(tuple(padded.shape)), cfg)[: direction.shape[0]]
+
+
+class ReplicatedInPlaceUpdate(GatherMuon):
+    """Field bug 25, vllm-project/speculators #821: torch.optim.Muon on FSDP2 params crashed at the first step on
+    a [1, N] weight (nn.Linear(dim, 1)): its in-place update of a Shard(0) DTensor needs a placement change that
+    DTensor refuses ("in-place operations that require placement changes are not supported") when dim 0 is
+    shorter than the mesh. Here: the whole new param, computed as GatherMuon computes it, lands through an
+    in-place DTensor op, p.copy_(a Replicate DTensor of it) (bitwise where DTensor accepts it: measured with
+    torch 2.13, which refuses it for every param with fewer rows than ranks)."""
+
+    def landed(self, p: Tensor, new: Tensor) -> None:
+        if not hasattr(p, "device_mesh"):
+            return super().landed(p, new)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        p.copy_(DTensor.from_local(new, p.device_mesh, [Replicate()], run_check=False))
+
+
+class GlobalShapeFromLocal(GatherMuon):
+    """Field bug 26, pytorch/torchtitan #4593 (and NVIDIA/Megatron-LM #5786): the global shape was rebuilt from a
+    rank's local shard (its rows times the mesh size, as if every shard were equal), which is wrong for uneven
+    shards. Here: the whole tensor is gathered through DTensor.from_local without its global shape and stride, so
+    DTensor infers them from this rank's box."""
+
+    def gathered(self, t: Tensor) -> Tensor:
+        if not hasattr(t, "device_mesh"):
+            return t
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local(t), t.device_mesh, t.placements).full_tensor()
 
 
 # ---------------------------------------------------------------- replicated, DDP style
@@ -483,7 +631,8 @@ class PlantedAdapter(Adapter):
 class Planted:
     """A planted bug and the right answer of the check. diagnosis: what the diagnosis line must say first or at all:
     "bug" (no convention explains it), "convention" (then `names`, the muon_ref option, must appear), "crash",
-    "hang" or "replicas" (replicas disagree). caught_by: families in which it must depart; bitwise_on: families
+    "hang", "replicas" (replicas disagree) or "resume" (a bug, and the optimizer state right after a load differs
+    from the state at the save). caught_by: families in which it must depart; bitwise_on: families
     that must stay bitwise (the diagnosis' controls: the defect shows nowhere else)."""
 
     field_bug: int
@@ -503,8 +652,8 @@ PLANTED: tuple[Planted, ...] = (
         "microsoft/dion #74",
         PlantedAdapter(EmptyBoxSkipsItsParam, "dtensor", DIST_FAMILIES),
         "hang",
-        frozenset({"empty"}),
-        DIST_FAMILIES - {"empty"},
+        frozenset({"empty", "row_sharded"}),  # row_sharded's [1, N] params: empty boxes at W >= 2
+        DIST_FAMILIES - {"empty", "row_sharded"},
     ),
     Planted(
         2,
@@ -598,15 +747,100 @@ PLANTED: tuple[Planted, ...] = (
         frozenset({"uneven", "empty"}),
         frozenset({"even", "remainder"}),
     ),
+    Planted(
+        14,
+        "AI-Hypercomputer/maxtext #4798",
+        PlantedAdapter(ExpertAxisNewtonSchulz, None, SINGLE_FAMILIES),
+        "bug",
+        frozenset({"experts3d"}),
+        SINGLE_FAMILIES - {"experts3d"},
+    ),
+    Planted(
+        16,
+        "ByteDance VeOmni #1008",
+        PlantedAdapter(NestedStateDict, "dtensor", DIST_FAMILIES),
+        "crash",
+        CHECKPOINT_FAMILIES,
+        DIST_FAMILIES - CHECKPOINT_FAMILIES,
+    ),
+    Planted(
+        17,
+        "NVIDIA-NeMo/RL #3345",
+        PlantedAdapter(PrefixedStateKeys, "dtensor", DIST_FAMILIES),
+        "bug",
+        CHECKPOINT_FAMILIES,
+        DIST_FAMILIES - CHECKPOINT_FAMILIES,
+    ),
+    Planted(
+        18,
+        "microsoft/dion #104",
+        PlantedAdapter(RecastStepCounter, "dtensor", DIST_FAMILIES, dtypes=("float32", "bfloat16")),
+        "resume",
+        frozenset({"resume_long"}),
+        DIST_FAMILIES - {"resume_long"},
+    ),
+    Planted(
+        23,
+        "PaddlePaddle/PaddleFleet #1703",
+        PlantedAdapter(ExpertSlabNewtonSchulz, "dtensor", DIST_FAMILIES | FUSED_DIST_FAMILIES),
+        "bug",
+        FUSED_DIST_FAMILIES,
+        DIST_FAMILIES,
+    ),
+    Planted(
+        24,
+        "NVIDIA/Megatron-LM #6740",
+        PlantedAdapter(PaddingEntersNewtonSchulz, "dtensor", DIST_FAMILIES),
+        "bug",
+        frozenset({"uneven"}),
+        frozenset({"even", "remainder", "experts", "row_sharded"}),
+    ),
+    Planted(
+        25,
+        "vllm-project/speculators #821",
+        PlantedAdapter(ReplicatedInPlaceUpdate, "dtensor", DIST_FAMILIES),
+        "crash",
+        frozenset({"row_sharded", "empty"}),
+        DIST_FAMILIES - {"row_sharded", "empty"},
+    ),
+    Planted(
+        26,
+        "pytorch/torchtitan #4593",
+        PlantedAdapter(GlobalShapeFromLocal, "dtensor", DIST_FAMILIES),
+        "crash",
+        frozenset({"uneven"}),
+        frozenset({"even", "remainder"}),
+    ),
 )
 UNREACHABLE: dict[int, str] = {
     10: "PrimeIntellect/prime-rl #3490: a first-step all-to-all deadlock across nodes (EP8/CP4) until NCCL "
     "connections were warmed up. The check runs gloo ranks on one machine: no NCCL, no second node.",
+    15: "ByteDance VeOmni #1011, microsoft/dion #97: a fast path silently disengaged (a 2-D HSDP mesh fell back "
+    "to per-param full_tensor; a guard always true). Either path gives the same bits, and the check compares "
+    "bits on gloo ranks: it cannot tell which path ran (python -m muon_dist.harness.verify counts them for "
+    "DistributedMuon).",
+    19: "microsoft/dion #108, #107: CUDA-graph capture (params without a gradient at capture never update again; "
+    "captured NCCL collectives hang at teardown). The check runs eager steps on gloo ranks on CPU: no CUDA "
+    "graphs, no NCCL.",
+    20: "microsoft/dion #102, NVIDIA-NeMo/Emerging-Optimizers #245: GPU kernel indexing (an int32 batch offset "
+    "overflowing on large stacks; a TMA stride assert on narrow matrices). The check runs gloo ranks on CPU, "
+    "where no such kernel runs; tests/gpu/test_field_bugs_gpu.py runs this repository's Triton kernel on both "
+    "inputs.",
+    21: "microsoft/dion #58, #100, Dao-AILab/gram-newton-schulz PR 22: autotuner NaNs, out of memory when every "
+    "rank autotunes on one device, memory growth over a run. The check runs short runs on gloo ranks on CPU, "
+    "with no autotuner; tests/gpu/test_field_bugs_gpu.py checks this repository's autotuned kernel for "
+    "NaNs and for memory growth over repeated calls.",
+    22: "InternLM/xtuner #1987: the AGRS remainder path holds O(R x matrix) memory per rank. The bits are "
+    "right, and the check compares bits on gloo ranks on CPU, where it measures no allocations: a per-rank "
+    "peak-memory measurement (torch.cuda.max_memory_allocated on a GPU) against the remainder count would.",
+    27: "InternLM/xtuner #2047: gradient clipping over the AdamW groups only. The clipping is the trainer's "
+    "code, before the optimizer step; the check builds and steps the optimizer alone on gloo ranks, so "
+    "it never runs a trainer's clipping.",
 }
 # Each base conforms on every family of its kind (tests/test_planted.py): the planted defect is the only departure.
 BASES: tuple[PlantedAdapter, ...] = (
     PlantedAdapter(SmallMuon, None, SINGLE_FAMILIES),
-    PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES),
+    PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES | FUSED_DIST_FAMILIES),
     PlantedAdapter(RoundRobinMuon, "replicated", REPLICATED_FAMILIES),
     PlantedAdapter(ZeroMuon, "unreduced", UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES),
 )
@@ -627,6 +861,8 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
         "convention": diagnosis.startswith("convention:") and planted.names in diagnosis,
         "crash": "crashes on" in diagnosis,
         "hang": "hangs on" in diagnosis,
+        "resume": diagnosis.startswith("bug:")
+        and "the resume changes the optimizer state on" in diagnosis,
     }[planted.diagnosis]
     wrong = [f"not {planted.diagnosis}"] if not kind else []
     wrong += [f"{f} did not depart" for f in sorted(planted.caught_by - set(by))]

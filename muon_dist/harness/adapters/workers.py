@@ -7,7 +7,8 @@ fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harne
 rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result
 is {"first_step", "params" (after each step from first_step), "errors" (per step: None, or the exception a step
 raised where the family allows one), "momentum" (at the end), and for a resume "loaded" (the params right after the
-load)}.
+load)}; in the families of STATE_ROUNDTRIP_FAMILIES also "state" (every entry of every param's optimizer state at
+the end: state_snapshot) and, for the resume, "loaded_state" (the same right after the load).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import torch.distributed as dist
 
 from ..fixtures import distribute, local
 from . import Adapter
-from .cases import Case, asym_step, initial_params, placement, rank_gradients, save_step
+from .cases import (
+    STATE_ROUNDTRIP_FAMILIES,
+    Case,
+    asym_step,
+    initial_params,
+    placement,
+    rank_gradients,
+    save_step,
+)
 
 _HARNESS_GROUP: list[Any] = []
 
@@ -90,7 +99,11 @@ def _steps(
         per_step.append([local(p.detach()).cpu().clone() for p in params])
         errors.append(error)
     momenta = [adapter.momentum(opt, p) for p in params]
+    snapshot = (
+        {"state": state_snapshot(opt, params)} if case.family in STATE_ROUNDTRIP_FAMILIES else {}
+    )
     return {
+        **snapshot,
         "first_step": steps.start,
         "params": per_step,
         "errors": errors,
@@ -99,6 +112,26 @@ def _steps(
             [] if m is not None else param_sized_state(opt, p) for m, p in zip(momenta, params)
         ],
     }
+
+
+def state_snapshot(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """Per param, each entry of its optimizer state: a tensor as (dtype, device, this rank's local values on the
+    CPU), anything else as its repr (a Python step counter, a flag)."""
+    out = []
+    for p in params:
+        entries = {}
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                v = local(v.detach())
+                entries[str(k)] = (
+                    str(v.dtype).removeprefix("torch."),
+                    str(v.device),
+                    v.cpu().clone(),
+                )
+            else:
+                entries[str(k)] = repr(v)
+        out.append(entries)
+    return out
 
 
 def param_sized_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
@@ -157,7 +190,13 @@ def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str
     module.load_state_dict(state["model"])
     set_optimizer_state_dict(module, opt, state["optim"])
     loaded = [local(p.detach()).cpu().clone() for p in module.params]
+    snapshot = (
+        {"loaded_state": state_snapshot(opt, list(module.params))}
+        if case.family in STATE_ROUNDTRIP_FAMILIES
+        else {}
+    )
     return {
         **_steps(adapter, case, opt, list(module.params), range(save_step(case), case.steps)),
         "loaded": loaded,
+        **snapshot,
     }
