@@ -283,3 +283,19 @@ def test_every_unreachable_class_says_why_and_where_a_gpu_test_exists_it_is_name
     assert set(UNREACHABLE) == {10, 15, 19, 20, 21, 22, 27}
     for number in (20, 21):
         assert "tests/gpu/test_field_bugs_gpu.py" in UNREACHABLE[number]
+
+
+def test_the_long_families_run_for_the_planted_bugs_whose_answer_names_them_only() -> None:
+    from muon_dist.harness.adapters.cases import STATE_ROUNDTRIP_FAMILIES
+    from muon_dist.harness.conformance import _planted_families
+
+    for planted in PLANTED:
+        long = STATE_ROUNDTRIP_FAMILIES & frozenset(_planted_families(planted))
+        assert long == STATE_ROUNDTRIP_FAMILIES & planted.adapter.families & (
+            planted.caught_by | planted.bitwise_on
+        )
+        rest = planted.adapter.families - STATE_ROUNDTRIP_FAMILIES
+        assert rest <= frozenset(_planted_families(planted))  # every other family still runs
+    # the recast step counter (class 18) is caught on resume_long only, which therefore runs
+    (recast,) = [p for p in PLANTED if p.field_bug == 18]
+    assert "resume_long" in _planted_families(recast)

@@ -36,12 +36,13 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .adapters import HYPERPARAMETERS, Adapter, ImportPath, load_adapter
 from .adapters.cases import (
     CHECKPOINT_FAMILIES,
     FAMILY_OPTIONS,
+    STATE_ROUNDTRIP_FAMILIES,
     Case,
     default_cases,
     family_shapes,
@@ -52,6 +53,9 @@ from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, judge, reference_steps
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .launch import RankFailure, RankPool
+
+if TYPE_CHECKING:
+    from .adapters.planted import Planted
 
 _print = functools.partial(print, flush=True)  # progress shows while a long run goes on
 PLANTED_TIMEOUT = 10.0  # s: a planted case answers within a second here (2 loaded cores)
@@ -616,6 +620,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _planted_families(planted: Planted) -> tuple[str, ...]:
+    """The families a planted bug runs: its adapter's, less the long ones (STATE_ROUNDTRIP_FAMILIES: 258
+    steps a case) unless the bug's answer names them, in caught_by or bitwise_on (the correct controls run
+    every family)."""
+    named = planted.caught_by | planted.bitwise_on
+    return tuple(
+        sorted(
+            f for f in planted.adapter.families if f not in STATE_ROUNDTRIP_FAMILIES or f in named
+        )
+    )
+
+
 def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
     """The check measured on candidates it has not seen: the correct controls (muon_dist.harness.adapters.controls:
     each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
@@ -658,6 +674,7 @@ def _planted_suite(
             steps,
             timeout,
             0.0,
+            families=_planted_families(planted),
             log=lambda *_: None,
             pools=pools,
         )
