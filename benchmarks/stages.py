@@ -79,8 +79,14 @@ class StageClock:
         return out
 
 
-def _collective(op: str) -> Callable[..., str]:
-    return lambda self, x, *rest: f"COLL {op}[{rest[-1]}]"
+def _collective(op: str, path_at: int) -> Callable[..., str]:
+    """The stage of a Comm collective: its op and the name its caller logs it under (its path: the positional
+    argument at `path_at` after the tensor, or the keyword); control elements it carries are not told apart."""
+
+    def name(self: Any, x: Any, *rest: Any, **kw: Any) -> str:
+        return f"COLL {op}[{kw.get('path', rest[path_at - 1] if len(rest) >= path_at else '?')}]"
+
+    return name
 
 
 @contextmanager
@@ -105,9 +111,9 @@ def instrumented(clock: StageClock) -> Iterator[None]:
         (exchange, "cut", "pack/unpack"),
         (agrs, "join", "pack/unpack"),
         (agrs, "cut", "pack/unpack"),
-        (comm.Comm, "all_to_all", _collective("all_to_all")),
-        (comm.Comm, "all_gather", _collective("all_gather")),
-        (comm.Comm, "reduce_scatter_sum", _collective("reduce_scatter")),
+        (comm.Comm, "all_to_all", _collective("all_to_all", 4)),
+        (comm.Comm, "all_gather", _collective("all_gather", 2)),
+        (comm.Comm, "reduce_scatter_sum", _collective("reduce_scatter", 2)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:

@@ -8,7 +8,7 @@ path module named by `path` states and checks the invariants that path needs (mu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,3 +49,16 @@ class Batch:
 
     def numel(self, k: int) -> int:
         return math.prod(self.geometries[k].global_shape)
+
+
+@dataclass
+class FailureFlag:
+    """A write group's failure check carried by its last data collective (muon_dist/step.py, step 5), by the paths
+    whose module says CARRIES_FLAG: `local()` says whether this rank's work has failed so far in the step; it is
+    read right before the path's last collective, which carries it as one more element per piece, logged under
+    `name`; `failed` is then set to the global ranks of the group whose flag was set. The step uses it only
+    where the group is the whole world, so every rank learns every rank's flag."""
+
+    local: Callable[[], bool]
+    name: str
+    failed: list[int] | None = field(default=None)

@@ -49,7 +49,8 @@ class Comm:
         self.ledger: dict[str, list[int]] = defaultdict(
             lambda: [0, 0]
         )  # path -> [sent, received] bytes
-        self.calls: list[tuple[str, str, int, int]] = []  # (path, collective, sent, received)
+        # (path, collective, sent, received); collective "carried": control elements inside the call before it
+        self.calls: list[tuple[str, str, int, int]] = []
 
     def _record(self, path: str, op: str, sent: int, received: int) -> None:
         self.ledger[path][0] += sent
@@ -67,16 +68,22 @@ class Comm:
         in_splits: Sequence[int],
         group: Group,
         path: str,
+        control: str | None = None,
     ) -> Tensor:
-        """all_to_all_single: x is cut by in_splits (one piece per member); piece j of the result came from member j."""
+        """all_to_all_single: x is cut by in_splits (one piece per member); piece j of the result came from member j.
+        control: the last element of every piece is a control element (a flag the step carries with the data),
+        logged under that name, the rest under `path` (so a path's bytes stay its data's)."""
         me = group.ranks.index(self.rank)
         size = x.element_size()
+        flags = size * (group.size - 1) if control else 0
         self._record(
             path,
             "all_to_all",
-            size * (sum(in_splits) - in_splits[me]),
-            size * (sum(out_splits) - out_splits[me]),
+            size * (sum(in_splits) - in_splits[me]) - flags,
+            size * (sum(out_splits) - out_splits[me]) - flags,
         )
+        if control:
+            self._record(control, "carried", flags, flags)  # not a collective of its own
         if group.size == 1:  # a group of one: the result is the input (no backend call)
             return x.reshape(-1)
         return self._all_to_all(x, list(out_splits), list(in_splits), group)

@@ -15,10 +15,15 @@ Protocol, the same on every rank (so a disagreement is an error on every rank, n
   3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element);
   4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
      blocks; every member gets back its box of each update;
-  5. after each write group's batches (write_groups: at most WRITE_GROUPS per step, or the whole step when atomic),
-     all-gather whether any rank's local work raised ("failure_check"): then every rank raises RuntimeError and
-     that group and the later ones are not written (a failed rank joined the group's remaining collectives with
-     zeros, so no peer waits for it; every rank wrote the same earlier groups);
+  5. after each write group's batches (write_groups), learn whether any rank's local work raised
+     ("failure_check"): then every rank raises RuntimeError and that group and the later ones are not written (a
+     failed rank joined the group's remaining collectives with zeros, so no peer waits for it; every rank wrote
+     the same earlier groups). Where the group's last batch runs over the whole world on a path that carries a
+     flag (all-to-all family), its update all-to-all carries each rank's failure flag, one element per piece,
+     and the group is that batch's end (so every such batch is its own write group, at no collective's cost);
+     else an all-gather of 32-byte digests over the world, at most WRITE_GROUPS per step (one for the whole step
+     when atomic). The flag is read after the group's last kernel ran; only views of the received buffer are
+     taken after it;
   6. yield each param of the group: its new local shard and new momentum buffer, one param at a time (the caller
      writes), then go on with the next group.
 Nothing here writes an input. Equation (proofs/paths.md): on every rank r, for every param that steps,
@@ -40,7 +45,7 @@ from torch import Tensor
 from muon_ref import MatrixLayout, MuonConfig
 from muon_ref.functional import apply_update, momentum_direction
 
-from .batch import Batch, Kernel
+from .batch import Batch, FailureFlag, Kernel
 from .comm import Comm, Group
 from .elementwise import run_stage
 from .geometry import Box
@@ -263,15 +268,23 @@ def _guarded(
     return run
 
 
-def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]], written: int) -> None:
-    """Step 5: a digest all-gather after a write group's last data collective, before it writes: if the local work
-    of any rank failed, every rank raises (promptly: no rank waits on a collective its peer never joins).
-    `written`: the batches of the plan that earlier write groups wrote on every rank."""
-    ok = hashlib.sha256(b"step ok").digest()
-    digests = comm.check_agreement(
-        hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check"
-    )
-    failed = [r for r, d in enumerate(digests) if d != ok]
+def agree_no_failure(
+    comm: Comm,
+    failures: list[tuple[str, Exception]],
+    written: int,
+    failed: list[int] | None = None,
+) -> None:
+    """Step 5: after a write group's last data collective, before it writes: if the local work of any rank failed,
+    every rank raises (promptly: no rank waits on a collective its peer never joins). `failed`: the failed ranks
+    as the group's last collective carried them (FailureFlag, a world-wide collective), else None: a digest
+    all-gather over the world finds them. `written`: the batches of the plan that earlier write groups wrote on
+    every rank."""
+    if failed is None:
+        ok = hashlib.sha256(b"step ok").digest()
+        digests = comm.check_agreement(
+            hashlib.sha256(b"step failed").digest() if failures else ok, "failure_check"
+        )
+        failed = [r for r, d in enumerate(digests) if d != ok]
     state = (
         "no param or momentum buffer was written on any rank"
         if not written
@@ -288,6 +301,14 @@ def agree_no_failure(comm: Comm, failures: list[tuple[str, Exception]], written:
             f"DistributedMuon: ranks {failed} failed mid-step (their own errors name the cause); "
             f"{state}"
         )
+
+
+def carries_check(comm: Comm, batch: Batch, group: Group) -> bool:
+    """Whether a write group ending with `batch` gets its failure check for free: a world of one (the check is
+    local), or a path that carries the flag in its last collective over a group that is the whole world."""
+    if comm.world_size == 1:
+        return True
+    return PATHS[batch.path].CARRIES_FLAG and group.ranks == tuple(range(comm.world_size))
 
 
 def prepare(
@@ -318,21 +339,25 @@ def prepare(
     ), partial
 
 
-def write_groups(step_plan: Plan, atomic: bool) -> list[tuple[Batch, ...]]:
-    """The plan's batches in order, cut into write groups: the whole step when `atomic`; else each group closes
-    once its params' elements reach 1/WRITE_GROUPS of the step's (so at most WRITE_GROUPS groups, and a group
-    holds at most one batch more than that share). Global sizes, never a rank's box: every rank must cut the
-    same groups, or their failure checks would not match (a collective mismatch)."""
+def write_groups(
+    step_plan: Plan, atomic: bool, free: Sequence[bool] | None = None
+) -> list[tuple[Batch, ...]]:
+    """The plan's batches in order, cut into write groups: the whole step when `atomic`; else a group closes after
+    a batch whose failure check is free (`free[b]` for batch b: carries_check) or once its params' elements reach
+    1/WRITE_GROUPS of the step's (so at most WRITE_GROUPS groups end with a check of their own, and such a group
+    holds at most one batch more than that share). Global sizes and the plan's batches, never a rank's box: every
+    rank must cut the same groups, or their failure checks would not match (a collective mismatch)."""
     if atomic:
         return [step_plan.batches]
     sizes = [
         sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches
     ]
+    free = free if free is not None else [False] * len(sizes)
     share, groups, current, held = sum(sizes) / WRITE_GROUPS, [], [], 0
-    for batch, size in zip(step_plan.batches, sizes):
+    for batch, size, cheap in zip(step_plan.batches, sizes, free):
         current.append(batch)
         held += size
-        if held >= share:
+        if cheap or held >= share:
             groups.append(tuple(current))
             current, held = [], 0
     return groups + ([tuple(current)] if current else [])
@@ -355,8 +380,17 @@ def execute(
     that keep their param and buffer bits (non-finite blocks of separate layouts, under nonfinite="skip")."""
     failures: list[tuple[str, Exception]] = []
     written = 0
-    for group in write_groups(step_plan, atomic):
+    # every batch's process group, found in plan order on every rank (a first use may create sub-groups)
+    process_groups = {id(batch): group_for(batch) for batch in step_plan.batches}
+    free = [carries_check(comm, b, process_groups[id(b)]) for b in step_plan.batches]
+    for group in write_groups(step_plan, atomic, free):
         pending = []
+        last = group[-1]
+        flag = (
+            FailureFlag(lambda: bool(failures), "failure_check")
+            if comm.world_size > 1 and carries_check(comm, last, process_groups[id(last)])
+            else None
+        )
         for batch in group:
             buffers, directions = {}, {}
             for i, geometry in zip(batch.params, batch.geometries):
@@ -381,14 +415,20 @@ def execute(
                 )
                 for i in batch.params
             ]
-            outs = PATHS[batch.path].run(
-                comm, group_for(batch), batch, [directions.pop(i) for i in batch.params], kernels
+            run = PATHS[batch.path].run
+            args = (
+                comm,
+                process_groups[id(batch)],
+                batch,
+                [directions.pop(i) for i in batch.params],
+                kernels,
             )
+            outs = run(*args, flag=flag) if flag is not None and batch is last else run(*args)
             pending += [
                 (i, geometry, buffers[i], out)
                 for i, geometry, out in zip(batch.params, batch.geometries, outs)
             ]
-        agree_no_failure(comm, failures, written)
+        agree_no_failure(comm, failures, written, flag.failed if flag is not None else None)
         for i, geometry, buf, update in pending:
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
             (new,) = elementwise(

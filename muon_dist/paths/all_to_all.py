@@ -18,13 +18,14 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
 from .exchange import exchange, exchange_bytes
 
 NAME = "all_to_all"
 GLOBAL_DISPATCH = True  # dispatch="global" merges its batches into global_all_to_all
 REMAINDER = False  # takes full batches only
+CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -38,7 +39,12 @@ def check(batch: Batch) -> None:
 
 
 def run(
-    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+    comm: Comm,
+    group: Group,
+    batch: Batch,
+    directions: list[Tensor],
+    kernels: list[Kernel],
+    flag: FailureFlag | None = None,
 ) -> list[Tensor]:
     return exchange(
         comm,
@@ -49,6 +55,7 @@ def run(
         kernels,
         batch.update_torch_dtype,
         NAME,
+        flag,
     )
 
 

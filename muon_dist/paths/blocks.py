@@ -32,6 +32,7 @@ from .shards import join
 NAME = "blocks"
 GLOBAL_DISPATCH = False
 REMAINDER = False
+CARRIES_FLAG = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Kernel
+from ..batch import FailureFlag, Kernel
 from ..comm import Comm, Group
 from ..geometry import Geometry, whole
 from .shards import cut, join
@@ -52,9 +52,11 @@ def exchange(
     kernels: Sequence[Kernel],
     update_dtype: torch.dtype,
     name: str,
+    flag: FailureFlag | None = None,
 ) -> list[Tensor]:
     """This member's box of every param's update (module docstring); collectives logged under `name`. A group of
-    one owns every param whole: the kernels run on the directions as they are, with no exchange."""
+    one owns every param whole: the kernels run on the directions as they are, with no exchange. `flag`: the
+    update's all-to-all also carries every member's failure flag (FailureFlag; a group of more than one)."""
     W, me = group.size, group.ranks.index(comm.rank)
     if W == 1:
         return [
@@ -81,13 +83,27 @@ def exchange(
         full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
         boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
 
-    send = pack(
-        [[b[j] for b in boxes] for j in range(W)], directions[0].new_empty(0, dtype=update_dtype)
-    )
+    rows = [[b[j] for b in boxes] for j in range(W)]
+    lengths = [[sizes[k][me] for k in owned[j]] for j in range(W)]
+    if (
+        flag is not None
+    ):  # one element more per piece, each way: the sender's flag (0 or 1, exact in any dtype)
+        mark = torch.full(
+            (1,), float(flag.local()), dtype=update_dtype, device=directions[0].device
+        )
+        rows = [row + [mark] for row in rows]
+        lengths = [row + [1] for row in lengths]
+        to_owner, from_member = [n + 1 for n in to_owner], [n + 1 for n in from_member]
+    send = pack(rows, directions[0].new_empty(0, dtype=update_dtype))
     back = unpack(
-        comm.all_to_all(send, to_owner, from_member, group, name),
-        [[sizes[k][me] for k in owned[j]] for j in range(W)],
+        comm.all_to_all(
+            send, to_owner, from_member, group, name, flag.name if flag is not None else None
+        ),
+        lengths,
     )
+    if flag is not None:
+        marks = torch.cat([row.pop()[-1:] for row in back]).tolist()  # one device-to-host copy
+        flag.failed = [group.ranks[j] for j, m in enumerate(marks) if m != 0]
     updates: list[Tensor | None] = [None] * len(directions)
     for j in range(W):
         for k, box in zip(owned[j], back[j]):

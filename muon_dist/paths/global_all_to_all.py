@@ -21,13 +21,14 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
 from .exchange import exchange, exchange_bytes
 
 NAME = "global_all_to_all"
 GLOBAL_DISPATCH = False  # it is the merged batch
 REMAINDER = False
+CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -39,7 +40,12 @@ def check(batch: Batch) -> None:
 
 
 def run(
-    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+    comm: Comm,
+    group: Group,
+    batch: Batch,
+    directions: list[Tensor],
+    kernels: list[Kernel],
+    flag: FailureFlag | None = None,
 ) -> list[Tensor]:
     return exchange(
         comm,
@@ -50,6 +56,7 @@ def run(
         kernels,
         batch.update_torch_dtype,
         NAME,
+        flag,
     )
 
 

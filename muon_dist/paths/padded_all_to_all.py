@@ -16,13 +16,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
 from .exchange import exchange, exchange_bytes
 
 NAME = "padded_all_to_all"
 GLOBAL_DISPATCH = True
 REMAINDER = True  # takes any batch size up to W
+CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -44,7 +45,12 @@ def padded(batch: Batch) -> tuple[tuple, tuple[int, ...]]:
 
 
 def run(
-    comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
+    comm: Comm,
+    group: Group,
+    batch: Batch,
+    directions: list[Tensor],
+    kernels: list[Kernel],
+    flag: FailureFlag | None = None,
 ) -> list[Tensor]:
     geometries, all_owners = padded(batch)
     extra = batch.group_size - len(directions)
@@ -58,6 +64,7 @@ def run(
         list(kernels) + [kernels[0]] * extra,
         batch.update_torch_dtype,
         NAME,
+        flag,
     )
     return updates[: len(directions)]
 

@@ -21,6 +21,7 @@ from ..geometry import whole
 NAME = "replicated"
 GLOBAL_DISPATCH = False
 REMAINDER = False
+CARRIES_FLAG = False
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ from .shards import join
 NAME = "subgroup_all_gather"
 GLOBAL_DISPATCH = False
 REMAINDER = False
+CARRIES_FLAG = False
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

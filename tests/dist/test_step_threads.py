@@ -64,9 +64,22 @@ class Case:
         for gi, group in enumerate(self.groups):
             keys = dict(group.keys)
             for shape, codes in zip(group.shapes, group.placements):
-                out.append((gi, ParamLayout(f"p{len(out)}", shape, f"torch.{self.dtype}", self.mesh, codes,
-                                            num_experts=keys.get("num_experts"), split_sizes=keys.get("split_sizes"),
-                                            num_heads=keys.get("num_heads"), split_dim=keys.get("split_dim", 0))))
+                out.append(
+                    (
+                        gi,
+                        ParamLayout(
+                            f"p{len(out)}",
+                            shape,
+                            f"torch.{self.dtype}",
+                            self.mesh,
+                            codes,
+                            num_experts=keys.get("num_experts"),
+                            split_sizes=keys.get("split_sizes"),
+                            num_heads=keys.get("num_heads"),
+                            split_dim=keys.get("split_dim", 0),
+                        ),
+                    )
+                )
         return out
 
 
@@ -115,18 +128,30 @@ def cases(draw) -> Case:
         mesh = tuple(tuple(range(i * W // 2, (i + 1) * W // 2)) for i in range(2))
     drawn = tuple(draw(groups(W, axes)) for _ in range(draw(st.integers(1, 3))))
     dispatch = draw(st.sampled_from(["batched", "global"]))
-    force = draw(st.sampled_from([None, "agrs", "padded_all_to_all"])) if dispatch == "batched" else None
+    force = (
+        draw(st.sampled_from([None, "agrs", "padded_all_to_all"]))
+        if dispatch == "batched"
+        else None
+    )
     options = Options(draw(st.sampled_from(["agrs", "padded_all_to_all"])), force, dispatch)
     num_params = sum(len(g.shapes) for g in drawn)
     no_grad = tuple(draw(st.sets(st.integers(0, num_params - 1), max_size=2)))
-    return Case(W, mesh, drawn, draw(st.sampled_from(["float32", "bfloat16"])), draw(st.sampled_from(sorted(PRESETS))),
-                options, draw(st.booleans()), no_grad)
+    return Case(
+        W,
+        mesh,
+        drawn,
+        draw(st.sampled_from(["float32", "bfloat16"])),
+        draw(st.sampled_from(sorted(PRESETS))),
+        options,
+        draw(st.booleans()),
+        no_grad,
+    )
 
 
 def param_groups(case: Case, params: list[torch.Tensor]) -> list[dict]:
     out, start = [], 0
     for group in case.groups:
-        out.append({"params": params[start:start + len(group.shapes)], **dict(group.keys)})
+        out.append({"params": params[start : start + len(group.shapes)], **dict(group.keys)})
         start += len(group.shapes)
     return out
 
@@ -142,7 +167,10 @@ def gradients(case: Case, step: int) -> list[torch.Tensor | None]:
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    return [seeded(layout.global_shape, 7919 + i, case.dtype) for i, (_, layout) in enumerate(case.layouts())]
+    return [
+        seeded(layout.global_shape, 7919 + i, case.dtype)
+        for i, (_, layout) in enumerate(case.layouts())
+    ]
 
 
 def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -153,7 +181,9 @@ def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Te
         for p, g in zip(params, gradients(case, step)):
             p.grad = g
         opt.step()
-    return params, [opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params]
+    return params, [
+        opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params
+    ]
 
 
 def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
@@ -165,7 +195,9 @@ def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[o
     """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
     raised."""
     layouts = case.layouts()
-    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    configs = [
+        group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups
+    ]
     world, results = ThreadWorld(case.world_size, timeout_s=10), [None] * case.world_size
 
     def rank_main(rank: int) -> None:
@@ -174,19 +206,34 @@ def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[o
         bufs = [torch.zeros_like(p) for p in params]
         try:
             for step in range(steps):
-                grads = [None if g is None else box(g, lay, rank) for g, (_, lay) in zip(gradients(case, step), layouts)]
-                entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
-                                for (gi, lay), g in zip(layouts, grads))
+                grads = [
+                    None if g is None else box(g, lay, rank)
+                    for g, (_, lay) in zip(gradients(case, step), layouts)
+                ]
+                entries = tuple(
+                    Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
+                    for (gi, lay), g in zip(layouts, grads)
+                )
                 inputs = [ParamInput(p, g, b) for p, g, b in zip(params, grads, bufs)]
                 per_param = [configs[gi] for gi, _ in layouts]
                 comm.reset()
                 step_plan, skipped = prepare(comm, entries, inputs, per_param, case.options)
-                for i, new, buf in execute(comm, step_plan, inputs, per_param, kernels or backend("torch"),
-                                           lambda batch: comm.group(batch.geometries[0].group_of(rank)),
-                                           case.atomic, skipped):
+                for i, new, buf in execute(
+                    comm,
+                    step_plan,
+                    inputs,
+                    per_param,
+                    kernels or backend("torch"),
+                    lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+                    case.atomic,
+                    skipped,
+                ):
                     params[i], bufs[i] = new, buf
                 moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
-                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)  # bytes as planned
+                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (
+                    rank,
+                    moved,
+                )  # bytes as planned
             results[rank] = (params, bufs)
         except Exception as e:  # noqa: BLE001 - every rank's error is compared by the test
             results[rank] = e
@@ -209,32 +256,89 @@ MATRIX = Group((), ((5, 3),) * 3 + ((3, 9),), (("S0",),) * 3 + (("S1",),))
 
 
 @pytest.mark.timeout(timeout_for(120))
-@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,)))  # an empty box
-@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
-                   "bfloat16", "xtuner", Options(), False))  # local experts on (ep, fsdp)
-@example(case=Case(4, (0, 1, 2, 3), (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),), "float32", "torch",
-                   Options(), False))  # subgroup all-gather: each expert on two ranks
-@example(case=Case(3, (0, 1, 2), (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
-                   "bfloat16", "dion", Options(), True))  # blocks straddling shards
-@example(case=Case(4, ((0, 1), (2, 3)), (MATRIX, Group((), ((4, 4),), (("R", "S1"),))), "float32", "keller",
-                   Options(dispatch="global"), False))  # HSDP, global dispatch
+@example(
+    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,))
+)  # an empty box
+@example(
+    case=Case(
+        4,
+        ((0, 1), (2, 3)),
+        (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+        "bfloat16",
+        "xtuner",
+        Options(),
+        False,
+    )
+)  # local experts on (ep, fsdp)
+@example(
+    case=Case(
+        4,
+        (0, 1, 2, 3),
+        (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    )
+)  # subgroup all-gather: each expert on two ranks
+@example(
+    case=Case(
+        3,
+        (0, 1, 2),
+        (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
+        "bfloat16",
+        "dion",
+        Options(),
+        True,
+    )
+)  # blocks straddling shards
+@example(
+    case=Case(
+        4,
+        ((0, 1), (2, 3)),
+        (MATRIX, Group((), ((4, 4),), (("R", "S1"),))),
+        "float32",
+        "keller",
+        Options(dispatch="global"),
+        False,
+    )
+)  # HSDP, global dispatch
 @settings(max_examples=examples(1.0))
 @given(case=cases())
-def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(case: Case) -> None:
+def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(
+    case: Case,
+) -> None:
     assert_boxes_of_reference(case, on_threads(case, steps=2), steps=2)
 
 
 @pytest.mark.timeout(timeout_for(60))
-@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False), where=4 * 12,
-         policy="skip")  # param 0's element 12: in rank 2's box only
-@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),), "float32", "torch", Options(),
-                   False), where=0, policy="skip")  # head 0 skipped, head 1 steps
+@example(
+    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False),
+    where=4 * 12,
+    policy="skip",
+)  # param 0's element 12: in rank 2's box only
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    ),
+    where=0,
+    policy="skip",
+)  # head 0 skipped, head 1 steps
 @settings(max_examples=examples(0.5))
 @given(case=cases(), where=st.integers(0, 10**6), policy=st.sampled_from(["raise", "skip"]))
 def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_muon_ref_does(
-        case: Case, where: int, policy: str) -> None:
+    case: Case, where: int, policy: str
+) -> None:
     num_params = len(case.layouts())
-    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    case = dataclasses.replace(
+        case, nonfinite=(where % num_params, where // num_params), policy=policy
+    )
     results = on_threads(case, steps=1)
     if policy == "skip":
         assert_boxes_of_reference(case, results, steps=1)
@@ -245,3 +349,78 @@ def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_
     for result in results:
         assert isinstance(result, ValueError) and f"{name} of shape" in str(result), result
 
+
+def _fail_on_rank_1(flag_reads: bool) -> list[object]:
+    """Two (4, 4) Shard(0) params on W = 2 (one all_to_all batch over the world, every rank owns one): rank 1's
+    kernel raises. Each rank's result is (its error, the ledger's calls); flag_reads=False plants a bug: the
+    failure flag that the update all-to-all carries always reads "no failure"."""
+    import threading
+
+    from muon_dist import step as step_module
+
+    here = threading.local()
+    reference_kernel = backend("torch")
+
+    def orthogonalize(x, layout, cfg):
+        if here.rank == 1:
+            raise RuntimeError("planted kernel failure")
+        return reference_kernel.orthogonalize(x, layout, cfg)
+
+    layouts = [ParamLayout(f"p{i}", (4, 4), "torch.float32", (0, 1), ("S0",)) for i in range(2)]
+    cfg = group_config(preset_defaults("torch", {}))
+    world, results = ThreadWorld(2, timeout_s=10), [None, None]
+    flag_type = step_module.FailureFlag
+
+    class Blind(flag_type):  # the planted bug
+        def __init__(self, local, name):
+            super().__init__(lambda: False, name)
+
+    def rank_main(rank: int) -> None:
+        here.rank = rank
+        comm = ThreadComm(world, rank)
+        grads = [box(seeded((4, 4), 7 + i), lay, rank) for i, lay in enumerate(layouts)]
+        inputs = [ParamInput(torch.zeros_like(g), g, torch.zeros_like(g)) for g in grads]
+        entries = tuple(Entry(lay, 0, "torch.bfloat16", True) for lay in layouts)
+        try:
+            step_plan, skipped = prepare(comm, entries, inputs, [cfg] * 2, Options())
+            list(
+                execute(
+                    comm,
+                    step_plan,
+                    inputs,
+                    [cfg] * 2,
+                    Backend("failing", orthogonalize, False),
+                    lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+                    False,
+                    skipped,
+                )
+            )
+            results[rank] = (None, list(comm.calls))
+        except RuntimeError as e:
+            results[rank] = (str(e), list(comm.calls))
+
+    step_module.FailureFlag = flag_type if flag_reads else Blind
+    try:
+        run_threads(2, rank_main)
+    finally:
+        step_module.FailureFlag = flag_type
+    return results
+
+
+@pytest.mark.timeout(timeout_for(30))
+def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_a_check_of_its_own() -> (
+    None
+):
+    results = _fail_on_rank_1(flag_reads=True)
+    assert "rank 1 failed mid-step in the kernel" in results[1][0], results[1]
+    assert "ranks [1] failed mid-step" in results[0][0], results[0]
+    for error, calls in results:
+        checks = [(path, op) for path, op, *_ in calls if path == "failure_check"]
+        assert checks == [("failure_check", "carried")], (
+            calls
+        )  # the flag's bytes, no all-gather of its own
+        assert "no param or momentum buffer was written" in error
+    # negative control: with the carried flag read as "no failure", rank 0 finishes the step and would write
+    # while rank 1 raises: the flag is what keeps the ranks' writes the same
+    blind = _fail_on_rank_1(flag_reads=False)
+    assert blind[0][0] is None and "rank 1 failed mid-step" in blind[1][0], blind
