@@ -21,7 +21,9 @@ stage its mean over ranks; medians over the timed steps. Stages:
     pack/unpack   the exchange's buffers, the joins of boxes into matrices and the cuts of updates into boxes
     NS            the backend's orthogonalize
     write         the new momentum buffers into the old ones' storage
-    COLL[name]    each collective, by the name it is logged under (a path, or a check of the step)
+    COLL[name]    each collective, by the name it is logged under (a path, or a check of the step): issuing it,
+                  and waiting for it where it was issued without blocking (Pending.wait); time computing while
+                  it runs is the computing stage's
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def instrumented(clock: StageClock) -> Iterator[None]:
         (comm.Comm, "all_to_all", _collective("all_to_all", 4)),
         (comm.Comm, "all_gather", _collective("all_gather", 2)),
         (comm.Comm, "reduce_scatter_sum", _collective("reduce_scatter", 2)),
+        (comm.Pending, "wait", lambda self: f"COLL {self.op}[{self.path}]"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:

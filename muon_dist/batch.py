@@ -8,8 +8,9 @@ path module named by `path` states and checks the invariants that path needs (mu
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -18,6 +19,20 @@ from .geometry import Box, Geometry
 
 # orthogonalise the whole blocks of a param that lie inside `box`, given x = the param's part in that box
 Kernel = Callable[[Tensor, Box], Tensor]
+
+# A path's run as a generator (a path whose module says PIPELINED): it yields right after issuing a collective
+# (which then runs while the caller computes) and returns the updates; run_to_end runs it without pausing. Every
+# rank resumes its generators in the same order (muon_dist/step.py), so collectives are issued in one order.
+Steps = Generator[None, None, Any]
+
+
+def run_to_end(steps: Steps) -> Any:
+    """The value a Steps generator returns, resumed until it ends."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass(frozen=True)

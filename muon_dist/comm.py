@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +34,17 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+class Pending:
+    """A collective in flight (all_to_all(..., async_op=True)): wait() blocks until it is done and returns its
+    result. op and path name it, as the ledger does."""
+
+    def __init__(self, op: str, path: str, finish: Callable[[], Tensor]) -> None:
+        self.op, self.path, self._finish = op, path, finish
+
+    def wait(self) -> Tensor:
+        return self._finish()
 
 
 class Comm:
@@ -69,10 +80,13 @@ class Comm:
         group: Group,
         path: str,
         control: str | None = None,
-    ) -> Tensor:
+        async_op: bool = False,
+    ) -> Any:
         """all_to_all_single: x is cut by in_splits (one piece per member); piece j of the result came from member j.
         control: the last element of every piece is a control element (a flag the step carries with the data),
-        logged under that name, the rest under `path` (so a path's bytes stay its data's)."""
+        logged under that name, the rest under `path` (so a path's bytes stay its data's). async_op: return a
+        Pending at once (the collective runs while the caller computes; every rank must issue the same
+        collectives in the same order, as for blocking ones), else the result."""
         me = group.ranks.index(self.rank)
         size = x.element_size()
         flags = size * (group.size - 1) if control else 0
@@ -85,8 +99,10 @@ class Comm:
         if control:
             self._record(control, "carried", flags, flags)  # not a collective of its own
         if group.size == 1:  # a group of one: the result is the input (no backend call)
-            return x.reshape(-1)
-        return self._all_to_all(x, list(out_splits), list(in_splits), group)
+            finish = lambda: x.reshape(-1)  # noqa: E731
+        else:
+            finish = self._all_to_all_start(x, list(out_splits), list(in_splits), group)
+        return Pending("all_to_all", path, finish) if async_op else finish()
 
     def all_gather(self, x: Tensor, group: Group, path: str) -> Tensor:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is member j's x (n = x.numel())."""
@@ -169,12 +185,19 @@ class TorchComm(Comm):
             _SUBGROUPS[key] = {part: self.dist.new_group(list(part)) for part in parts}
         return _SUBGROUPS[key]
 
-    def _all_to_all(
+    def _all_to_all_start(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group
-    ) -> Tensor:
+    ) -> Callable[[], Tensor]:
         out = x.new_empty(sum(out_splits))
-        self.dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.handle)
-        return out
+        work = self.dist.all_to_all_single(
+            out, x.contiguous(), out_splits, in_splits, group=group.handle, async_op=True
+        )
+
+        def finish() -> Tensor:
+            work.wait()
+            return out
+
+        return finish
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(group.size * x.numel())
@@ -267,12 +290,14 @@ class ThreadComm(Comm):
             (group.ranks, self.sequence[group.ranks]), group.ranks, self.rank, x
         )
 
-    def _all_to_all(
+    def _all_to_all_start(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group
-    ) -> Tensor:
+    ) -> Callable[[], Tensor]:
+        """Done at once (threads meet in the world's mailbox); the result waits for wait()."""
         pieces = self._exchange(list(x.split(in_splits)), group)
         me = group.ranks.index(self.rank)
-        return torch.cat([p[me] for p in pieces]) if pieces else x.new_empty(0)
+        out = torch.cat([p[me] for p in pieces]) if pieces else x.new_empty(0)
+        return lambda: out
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
         return torch.cat(self._exchange(x.clone(), group))

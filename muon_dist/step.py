@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -45,16 +46,19 @@ from torch import Tensor
 from muon_ref import MatrixLayout, MuonConfig
 from muon_ref.functional import apply_update, momentum_direction
 
-from .batch import Batch, FailureFlag, Kernel
+from .batch import Batch, FailureFlag, Kernel, Steps
 from .comm import Comm, Group
 from .elementwise import run_stage
-from .geometry import Box
+from .geometry import Box, Geometry
 from .kernels import Backend
 from .paths import PATHS
 from .plan import Entry, Options, Plan, plan
 
 # the step's control collectives, each logged under its own name (every other name in the ledger is a path's)
 CHECKS: tuple[str, ...] = ("plan_digest", "nonfinite_check", "failure_check")
+# batches whose Steps are in flight at once (staggered): one issuing its directions, one running its kernels, one
+# receiving its updates
+PIPELINE_DEPTH = 3
 # a step writes in at most this many groups (each after its own failure check), unless atomic: the new momentum
 # buffers and updates held at once are about 1/WRITE_GROUPS of the step's, not all of them
 WRITE_GROUPS = 16
@@ -277,8 +281,9 @@ def agree_no_failure(
     """Step 5: after a write group's last data collective, before it writes: if the local work of any rank failed,
     every rank raises (promptly: no rank waits on a collective its peer never joins). `failed`: the failed ranks
     as the group's last collective carried them (FailureFlag, a world-wide collective), else None: a digest
-    all-gather over the world finds them. `written`: the batches of the plan that earlier write groups wrote on
-    every rank."""
+    all-gather over the world finds them. Every rank decides from the same list (its own flag as sent, never a
+    failure recorded since: that one belongs to a later group, whose check carries it). `written`: the batches
+    of the plan that earlier write groups wrote on every rank."""
     if failed is None:
         ok = hashlib.sha256(b"step ok").digest()
         digests = comm.check_agreement(
@@ -290,7 +295,9 @@ def agree_no_failure(
         if not written
         else f"the first {written} batches of the step's plan were written on every rank, no other param or buffer"
     )
-    if failures:
+    if (
+        comm.rank in failed
+    ):  # (a failure recorded after this rank's flag was sent waits for a later check)
         what, e = failures[0]
         raise RuntimeError(
             f"DistributedMuon: rank {comm.rank} failed mid-step in {what} ({type(e).__name__}: {e}); "
@@ -383,51 +390,65 @@ def execute(
     # every batch's process group, found in plan order on every rank (a first use may create sub-groups)
     process_groups = {id(batch): group_for(batch) for batch in step_plan.batches}
     free = [carries_check(comm, b, process_groups[id(b)]) for b in step_plan.batches]
-    for group in write_groups(step_plan, atomic, free):
-        pending = []
-        last = group[-1]
-        flag = (
-            FailureFlag(lambda: bool(failures), "failure_check")
-            if comm.world_size > 1 and carries_check(comm, last, process_groups[id(last)])
-            else None
-        )
-        for batch in group:
-            buffers, directions = {}, {}
-            for i, geometry in zip(batch.params, batch.geometries):
-                layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
-                box = geometry.boxes[geometry.member(comm.rank)]
-                momentum = _guarded(
-                    failures,
-                    f"the momentum of {layout.name}",
-                    lambda g, b: elementwise(
-                        lambda m: _momentum(cfg), [g, b], layout.matrices, layout.global_shape, box
-                    ),
-                    lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
-                )
-                buffers[i], directions[i] = momentum(x.grad, x.buf)
-            update_dtype = batch.update_torch_dtype
-            kernels = [
-                _guarded(
-                    failures,
-                    f"the kernel of a batch from {step_plan.entries[i].layout.name}",
-                    kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
-                    lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype),
-                )
-                for i in batch.params
-            ]
-            run = PATHS[batch.path].run
-            args = (
-                comm,
-                process_groups[id(batch)],
-                batch,
-                [directions.pop(i) for i in batch.params],
-                kernels,
+    groups = write_groups(step_plan, atomic, free)
+    flags = {  # the groups whose last batch carries their failure check
+        id(group[-1]): FailureFlag(lambda: bool(failures), "failure_check")
+        for group in groups
+        if comm.world_size > 1 and carries_check(comm, group[-1], process_groups[id(group[-1])])
+    }
+
+    def task(batch: Batch) -> Steps:
+        """Step 3 and 4 for one batch: its momentum, then its path (as Steps where the path is PIPELINED);
+        returns (param, geometry, new buffer, update) per param."""
+        buffers, directions = {}, {}
+        for i, geometry in zip(batch.params, batch.geometries):
+            layout, x, cfg = step_plan.entries[i].layout, inputs[i], configs[i]
+            box = geometry.boxes[geometry.member(comm.rank)]
+            momentum = _guarded(
+                failures,
+                f"the momentum of {layout.name}",
+                lambda g, b: elementwise(
+                    lambda m: _momentum(cfg), [g, b], layout.matrices, layout.global_shape, box
+                ),
+                lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
-            outs = run(*args, flag=flag) if flag is not None and batch is last else run(*args)
-            pending += [
-                (i, geometry, buffers[i], out)
-                for i, geometry, out in zip(batch.params, batch.geometries, outs)
-            ]
+            buffers[i], directions[i] = momentum(x.grad, x.buf)
+        update_dtype = batch.update_torch_dtype
+        kernels = [
+            _guarded(
+                failures,
+                f"the kernel of a batch from {step_plan.entries[i].layout.name}",
+                kernel_for(backend, step_plan.entries[i].layout.matrices, configs[i]),
+                lambda full, box, dtype=update_dtype: torch.zeros_like(full, dtype=dtype),
+            )
+            for i in batch.params
+        ]
+        path = PATHS[batch.path]
+        args = (
+            comm,
+            process_groups[id(batch)],
+            batch,
+            [directions.pop(i) for i in batch.params],
+            kernels,
+        )
+        flag = flags.get(id(batch))
+        extra = {} if flag is None else {"flag": flag}
+        outs = (
+            (yield from path.steps(*args, **extra)) if path.PIPELINED else path.run(*args, **extra)
+        )
+        return [
+            (i, geometry, buffers[i], out)
+            for i, geometry, out in zip(batch.params, batch.geometries, outs)
+        ]
+
+    last_of = {id(group[-1]): group for group in groups}
+    pending: list[tuple[int, Geometry, Tensor, Tensor]] = []
+    for batch, done in staggered(step_plan.batches, task, PIPELINE_DEPTH):
+        pending += done
+        group = last_of.get(id(batch))
+        if group is None:  # the write group goes on
+            continue
+        flag = flags.get(id(batch))
         agree_no_failure(comm, failures, written, flag.failed if flag is not None else None)
         for i, geometry, buf, update in pending:
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
@@ -445,7 +466,45 @@ def execute(
                     mine = part.within(box).index
                     new[mine], buf[mine] = inputs[i].param[mine], inputs[i].buf[mine]
             yield i, new, buf
+        pending = []
         written += len(group)
+    # every failure is recorded before the last group's check reads its flag (kernels run before it): one recorded
+    # later would have gone unreported by every check
+    assert not failures or written < len(step_plan.batches), failures
+
+
+def staggered(
+    items: Sequence[Any], start: Callable[[Any], Steps], depth: int
+) -> Iterator[tuple[Any, Any]]:
+    """(item, start(item)'s value) for every item, in order, with the Steps of up to `depth` items interleaved as
+    a software pipeline: when item n starts, its first segment runs (up to its first yield: it issues its first
+    collective), then the next segment of each older unfinished item, newest first (n - 1 waits for its
+    directions and runs its kernels, n - 2 waits for its updates); an item still unfinished when `depth` items
+    are in flight runs to its end. A pure function of the items' segment counts, so every rank resumes the same
+    Steps in the same order and issues the same collectives in the same order."""
+    window: deque[list[Any]] = deque()  # [item, steps, finished, value], oldest first
+
+    def advance(entry: list[Any]) -> None:
+        try:
+            next(entry[1])
+        except StopIteration as end:
+            entry[2], entry[3] = True, end.value
+
+    for item in items:
+        window.append([item, start(item), False, None])
+        for entry in reversed(window):
+            if not entry[2]:
+                advance(entry)
+        while window and (window[0][2] or len(window) >= depth):
+            while not window[0][2]:
+                advance(window[0])
+            entry = window.popleft()
+            yield entry[0], entry[3]
+    while window:
+        while not window[0][2]:
+            advance(window[0])
+        entry = window.popleft()
+        yield entry[0], entry[3]
 
 
 def _momentum(cfg: MuonConfig) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:

@@ -33,6 +33,7 @@ NAME = "blocks"
 GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
+PIPELINED = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import FailureFlag, Kernel
+from ..batch import FailureFlag, Kernel, Steps, run_to_end
 from ..comm import Comm, Group
 from ..geometry import Geometry, whole
 from .shards import cut, join
@@ -48,15 +48,37 @@ def exchange(
     group: Group,
     geometries: Sequence[Geometry],
     owners: Sequence[int],
-    directions: Sequence[Tensor],
+    directions: list[Tensor],
     kernels: Sequence[Kernel],
     update_dtype: torch.dtype,
     name: str,
     flag: FailureFlag | None = None,
 ) -> list[Tensor]:
-    """This member's box of every param's update (module docstring); collectives logged under `name`. A group of
-    one owns every param whole: the kernels run on the directions as they are, with no exchange. `flag`: the
-    update's all-to-all also carries every member's failure flag (FailureFlag; a group of more than one)."""
+    """This member's box of every param's update (module docstring), blocking: exchange_steps run to its end."""
+    return run_to_end(
+        exchange_steps(
+            comm, group, geometries, owners, directions, kernels, update_dtype, name, flag
+        )
+    )
+
+
+def exchange_steps(
+    comm: Comm,
+    group: Group,
+    geometries: Sequence[Geometry],
+    owners: Sequence[int],
+    directions: list[Tensor],
+    kernels: Sequence[Kernel],
+    update_dtype: torch.dtype,
+    name: str,
+    flag: FailureFlag | None = None,
+) -> Steps:
+    """exchange as Steps (muon_dist/batch.py): it yields right after issuing each of its two all-to-alls, so the
+    caller can compute while they run, and returns this member's box of every param's update (module docstring);
+    collectives logged under `name`. A group of one owns every param whole: the kernels run on the directions as
+    they are, with no exchange (and no yield). `flag`: the update's all-to-all also carries every member's
+    failure flag (FailureFlag; a group of more than one), read right before it is issued. It holds the
+    directions only until they are packed."""
     W, me = group.size, group.ranks.index(comm.rank)
     if W == 1:
         return [
@@ -72,39 +94,49 @@ def exchange(
         sum(sizes[k][j] for k in owned[me]) for j in range(W)
     ]  # member j's boxes of my params
 
-    send = pack([[directions[k] for k in owned[j]] for j in range(W)], directions[0].new_empty(0))
+    empty = directions[0].new_empty(0)
+    send = pack([[directions[k] for k in owned[j]] for j in range(W)], empty)
+    num_params = len(directions)
+    del directions  # packed: this frame holds them no longer
+    pending = comm.all_to_all(send, from_member, to_owner, group, name, async_op=True)
+    del send
+    yield
     recv = unpack(
-        comm.all_to_all(send, from_member, to_owner, group, name),
-        [[sizes[k][j] for k in owned[me]] for j in range(W)],
+        pending.wait(), [[sizes[k][j] for k in owned[me]] for j in range(W)]
     )  # recv[j][i]: member j's box of owned[me][i]
     boxes = []  # boxes[i][j]: member j's box of my i-th param's update
     for i, k in enumerate(owned[me]):
         frame = whole(geometries[k].global_shape)
         full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
         boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
+    del recv
 
     rows = [[b[j] for b in boxes] for j in range(W)]
     lengths = [[sizes[k][me] for k in owned[j]] for j in range(W)]
-    if (
-        flag is not None
-    ):  # one element more per piece, each way: the sender's flag (0 or 1, exact in any dtype)
-        mark = torch.full(
-            (1,), float(flag.local()), dtype=update_dtype, device=directions[0].device
-        )
+    if flag is not None:
+        # one element more per piece, each way: the sender's flag (0 or 1, exact in any dtype)
+        mark = torch.full((1,), float(flag.local()), dtype=update_dtype, device=empty.device)
         rows = [row + [mark] for row in rows]
         lengths = [row + [1] for row in lengths]
         to_owner, from_member = [n + 1 for n in to_owner], [n + 1 for n in from_member]
-    send = pack(rows, directions[0].new_empty(0, dtype=update_dtype))
-    back = unpack(
-        comm.all_to_all(
-            send, to_owner, from_member, group, name, flag.name if flag is not None else None
-        ),
-        lengths,
+    send = pack(rows, empty.new_empty(0, dtype=update_dtype))
+    del rows, boxes
+    pending = comm.all_to_all(
+        send,
+        to_owner,
+        from_member,
+        group,
+        name,
+        flag.name if flag is not None else None,
+        async_op=True,
     )
+    del send
+    yield
+    back = unpack(pending.wait(), lengths)
     if flag is not None:
         marks = torch.cat([row.pop()[-1:] for row in back]).tolist()  # one device-to-host copy
         flag.failed = [group.ranks[j] for j, m in enumerate(marks) if m != 0]
-    updates: list[Tensor | None] = [None] * len(directions)
+    updates: list[Tensor | None] = [None] * num_params
     for j in range(W):
         for k, box in zip(owned[j], back[j]):
             updates[k] = box.reshape(geometries[k].boxes[me].shape)

@@ -21,14 +21,15 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel
+from ..batch import Batch, FailureFlag, Kernel, Steps, run_to_end
 from ..comm import Comm, Group
-from .exchange import exchange, exchange_bytes
+from .exchange import exchange_bytes, exchange_steps
 
 NAME = "global_all_to_all"
 GLOBAL_DISPATCH = False  # it is the merged batch
 REMAINDER = False
 CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
+PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -47,7 +48,18 @@ def run(
     kernels: list[Kernel],
     flag: FailureFlag | None = None,
 ) -> list[Tensor]:
-    return exchange(
+    return run_to_end(steps(comm, group, batch, directions, kernels, flag))
+
+
+def steps(
+    comm: Comm,
+    group: Group,
+    batch: Batch,
+    directions: list[Tensor],
+    kernels: list[Kernel],
+    flag: FailureFlag | None = None,
+) -> Steps:
+    return exchange_steps(
         comm,
         group,
         batch.geometries,

@@ -16,14 +16,15 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel
+from ..batch import Batch, FailureFlag, Kernel, Steps, run_to_end
 from ..comm import Comm, Group
-from .exchange import exchange, exchange_bytes
+from .exchange import exchange_bytes, exchange_steps
 
 NAME = "padded_all_to_all"
 GLOBAL_DISPATCH = True
 REMAINDER = True  # takes any batch size up to W
 CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
+PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -52,21 +53,33 @@ def run(
     kernels: list[Kernel],
     flag: FailureFlag | None = None,
 ) -> list[Tensor]:
+    return run_to_end(steps(comm, group, batch, directions, kernels, flag))
+
+
+def steps(
+    comm: Comm,
+    group: Group,
+    batch: Batch,
+    directions: list[Tensor],
+    kernels: list[Kernel],
+    flag: FailureFlag | None = None,
+) -> Steps:
     geometries, all_owners = padded(batch)
-    extra = batch.group_size - len(directions)
+    real = len(directions)
+    extra = batch.group_size - real
     zeros = [torch.zeros_like(directions[0]) for _ in range(extra)]
-    updates = exchange(
+    updates = yield from exchange_steps(
         comm,
         group,
         geometries,
         all_owners,
-        list(directions) + zeros,
+        directions + zeros,
         list(kernels) + [kernels[0]] * extra,
         batch.update_torch_dtype,
         NAME,
         flag,
     )
-    return updates[: len(directions)]
+    return updates[:real]
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:

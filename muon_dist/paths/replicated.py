@@ -22,6 +22,7 @@ NAME = "replicated"
 GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
+PIPELINED = False
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ NAME = "subgroup_all_gather"
 GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
+PIPELINED = False
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
