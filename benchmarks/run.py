@@ -48,6 +48,7 @@ import muon_ref
 from muon_dist.geometry import chunk_bounds
 from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
 from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
+from muon_dist.harness.verify import direction_bytes
 from muon_dist.paths import PATHS
 
 from . import balance_table, memory, peers
@@ -258,8 +259,9 @@ def equals_reference(results: list[dict], method: str, want: list[torch.Tensor])
 NAN = float("nan")
 PEER_COLUMNS = (("step_ms", "step"), ("peak_bytes", "peak memory"))
 
-# fp32 directions (the params' dtype here) and bf16 updates (the "torch" preset's ns_dtype)
-DIRECTION_BYTES, UPDATE_BYTES = 4, 2
+# bf16 updates (the "torch" preset's ns_dtype); a direction element's bytes: verify.direction_bytes (bf16 for a
+# preset whose kernel casts the fp32 direction to bf16 first, as "torch" does)
+UPDATE_BYTES = 2
 
 
 def holders(spec: ParamSpec, world_size: int) -> int:
@@ -283,7 +285,7 @@ def bound_per_rank(b: Bench) -> float:
             / p
             * fan_out
             * fan_in
-            * (DIRECTION_BYTES + UPDATE_BYTES)
+            * (direction_bytes(b.preset, torch.float32) + UPDATE_BYTES)
             / b.world_size
         )
     return total

@@ -62,6 +62,10 @@ class Batch:
     def update_torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.update_dtype.removeprefix("torch."))
 
+    @property
+    def direction_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.direction_dtype.removeprefix("torch."))
+
     def numel(self, k: int) -> int:
         return math.prod(self.geometries[k].global_shape)
 

@@ -31,7 +31,7 @@ from muon_ref.presets import preset_defaults, split_arguments
 from .batch import Batch
 from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
 from .geometry import Geometry
-from .kernels import backend
+from .kernels import backend, send_dtype
 from .layout import ParamLayout, read_layout
 from .plan import Entry, Options, Plan
 from .step import ParamInput, execute, prepare
@@ -206,12 +206,14 @@ class DistributedMuon(torch.optim.Optimizer):
                             )
                     except ValueError as e:
                         error = str(e)
+                sent = send_dtype(self.backend, configs[gi], p.dtype)
                 entries.append(
                     Entry(
                         self.layout(p, group, name),
                         gi,
                         str(update_dtype or p.dtype),
                         grad is not None,
+                        None if sent is None else str(sent),
                     )
                 )
                 buf = _local(self.state[p]["momentum_buffer"])

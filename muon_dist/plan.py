@@ -64,15 +64,22 @@ class Options:
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter as the plan sees it: its layout, param group, kernel output dtype, and whether it steps."""
+    """One parameter as the plan sees it: its layout, param group, kernel output dtype, whether it steps, and the
+    dtype its direction travels in (None: the param's; a narrower one where the kernel reads its input only
+    through a cast to it: muon_dist.kernels.send_dtype)."""
 
     layout: ParamLayout
     group_index: int
     update_dtype: str
     active: bool
+    direction_dtype: str | None = None
 
     def key(self) -> tuple:
-        return (self.layout.shape_key(), self.group_index, self.update_dtype)
+        return (self.layout.shape_key(), self.group_index, self.update_dtype, self.direction_dtype)
+
+    @property
+    def sent_dtype(self) -> str:
+        return self.direction_dtype or self.layout.dtype
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,10 @@ class Plan:
     @functools.cached_property
     def _digest(self) -> bytes:
         canon = (
-            tuple((e.layout, e.group_index, e.update_dtype, e.active) for e in self.entries),
+            tuple(
+                (e.layout, e.group_index, e.update_dtype, e.active, e.direction_dtype)
+                for e in self.entries
+            ),
             self.options,
             tuple(
                 (b.path, b.params, b.owners, b.direction_dtype, b.update_dtype)
@@ -165,7 +175,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                     tuple(members),
                     (geometry,) * len(members),
                     (),
-                    first.layout.dtype,
+                    first.sent_dtype,
                     first.update_dtype,
                 )
             )
@@ -179,7 +189,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                     chunk,
                     (geometry,) * len(chunk),
                     PATHS[path].owners(len(chunk), geometry.group_size),
-                    first.layout.dtype,
+                    first.sent_dtype,
                     first.update_dtype,
                 )
             )

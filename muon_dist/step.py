@@ -12,7 +12,9 @@ Protocol, the same on every rank (so a disagreement is an error on every rank, n
   2. only when a rank has a non-finite gradient: all-gather the non-finite flags of the gradients; a param with a
      non-finite gradient on any rank raises ValueError on every rank (nonfinite="raise") or does not step on any
      rank ("skip") ("nonfinite_check");
-  3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element);
+  3. momentum and direction on each local shard (muon_dist/elementwise.py: the reference's bits per element),
+     the direction cast to the batch's direction dtype where the plan sends a narrower one (the kernel's own
+     first op, muon_ref.newton_schulz.input_cast: the same bits);
   4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
      blocks; every member gets back its box of each update;
   5. after each write group's batches (write_groups), learn whether any rank's local work raised
@@ -33,6 +35,7 @@ bitwise with the torch backend (another backend: its tolerance, muon_dist/kernel
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections import deque
@@ -339,7 +342,7 @@ def prepare(
         return plan(entries, options), partial
     return plan(
         tuple(
-            e if i not in skip else Entry(e.layout, e.group_index, e.update_dtype, False)
+            e if i not in skip else dataclasses.replace(e, active=False)
             for i, e in enumerate(entries)
         ),
         options,
@@ -413,6 +416,10 @@ def execute(
                 lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
             buffers[i], directions[i] = momentum(x.grad, x.buf)
+            if (
+                str(directions[i].dtype) != batch.direction_dtype
+            ):  # the kernel's input cast, done here
+                directions[i] = directions[i].to(batch.direction_torch_dtype)
         update_dtype = batch.update_torch_dtype
         kernels = [
             _guarded(

@@ -143,6 +143,23 @@ def initial_iterate(
     return normalise(X.to(compute_dtype), eps, eps_mode, safety)
 
 
+def input_cast(
+    input_dtype: torch.dtype, dtype: torch.dtype | None, normalize_before_cast: bool
+) -> torch.dtype | None:
+    """The narrower dtype newton_schulz can be given its input in, with the same result: `dtype` when the kernel
+    reads its input only through G.to(dtype) (a compute dtype, and the cast before the normalisation: X_0 =
+    normalise(G'.to(dtype)), G' a transposition view; the AOL preconditioner casts first too) and it is
+    narrower than the input's. Equation: newton_schulz(G, dtype=dtype, ...) == newton_schulz(G.to(dtype), ...)
+    bitwise, because G.to(dtype).to(dtype) is G.to(dtype). None when no narrower dtype gives that."""
+    if dtype is None or normalize_before_cast:
+        return None
+    narrower = (
+        torch.empty((), dtype=dtype).element_size()
+        < torch.empty((), dtype=input_dtype).element_size()
+    )
+    return dtype if narrower else None
+
+
 def _check_matrices(G: Tensor, eps_mode: str, caller: str) -> None:
     """ValueError for the caller's mistakes common to the kernels on [..., m, n] stacks."""
     if G.ndim < 2:

@@ -182,3 +182,42 @@ def test_bad_arguments_raise_value_errors_naming_them():
 def test_empty_matrices_and_empty_stacks_map_to_empty_outputs(shape):
     out = newton_schulz(torch.zeros(shape))
     assert out.shape == shape and out.dtype == torch.bfloat16
+
+
+@example(m=5, n=3, k=1, seed=0, schedule="keller", precondition=None, dtype=torch.bfloat16)
+@settings(max_examples=40, deadline=None)
+@given(
+    m=dims,
+    n=dims,
+    k=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    schedule=st.sampled_from(sorted(SCHEDULES)),
+    precondition=st.sampled_from([None, "aol"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
+def test_the_input_cast_gives_the_kernel_the_same_bits_where_input_cast_names_it(
+    m, n, k, seed, schedule, precondition, dtype
+):
+    """muon_ref.newton_schulz.input_cast: a direction cast to its dtype first gives newton_schulz's bits (what
+    lets muon_dist send directions in the narrower dtype)."""
+    from muon_ref.newton_schulz import input_cast
+
+    G = gaussian((k, m, n), seed)
+    assert input_cast(G.dtype, dtype, False) == dtype
+    kwargs = dict(schedule=schedule, dtype=dtype, precondition=precondition)
+    assert torch.equal(newton_schulz(G.to(dtype), **kwargs), newton_schulz(G, **kwargs))
+
+
+def test_input_cast_names_no_dtype_where_the_kernel_normalises_before_casting() -> None:
+    """The negative control: with normalize_before_cast the kernel reads the fp32 input itself, input_cast says
+    None, and a cast first does change the bits on some input."""
+    from muon_ref.newton_schulz import input_cast
+
+    assert input_cast(torch.float32, torch.bfloat16, True) is None
+    assert input_cast(torch.float32, None, False) is None
+    assert input_cast(torch.bfloat16, torch.float32, False) is None  # not narrower: nothing to gain
+    kwargs = dict(dtype=torch.bfloat16, normalize_before_cast=True)
+    assert any(
+        not torch.equal(newton_schulz(G.to(torch.bfloat16), **kwargs), newton_schulz(G, **kwargs))
+        for G in (gaussian((7, 5), seed) for seed in range(20))
+    )

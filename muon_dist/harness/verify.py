@@ -47,7 +47,9 @@ from dataclasses import dataclass
 import torch
 
 import muon_ref
-from muon_ref.presets import PRESETS
+from muon_ref.newton_schulz import input_cast
+from muon_ref.optim import group_config
+from muon_ref.presets import PRESETS, preset_defaults
 
 from .fixtures import axis_codes, box_of, distribute, local, mesh_shape, same_bits, seeded
 from .shapes import ParamSpec, tiny_moe
@@ -278,13 +280,22 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
     return rows
 
 
+def direction_bytes(preset: str, param_dtype: torch.dtype) -> int:
+    """Bytes of a direction element that an owner must receive: the kernel's input cast where it reads its input
+    only through a narrower cast (muon_ref.newton_schulz.input_cast: the cast before the exchange gives the same
+    bits), else the param's dtype."""
+    cfg = group_config(preset_defaults(preset, {}))
+    sent = input_cast(param_dtype, cfg.ns_dtype, cfg.normalize_before_cast) or param_dtype
+    return torch.empty((), dtype=sent).element_size()
+
+
 def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
     """Bytes a rank must send, on average over its shard group, for these params: for each matrix (an expert of a
     stack, a block of a split or per-head param, else the whole param) of S elements whose largest piece on any
     rank has p elements, someone must receive S - p direction elements and send the S - p update elements back:
-    (S - p) (b_direction + b_update) / W. Replicated: each rank must receive the other members' results,
+    (S - p) (b_direction + b_update) / W (b_direction: direction_bytes). Replicated: each rank must receive the other members' results,
     (W - 1) / W S b_update. The pieces come from the fixtures' boxes (torch.chunk), apart from muon_dist."""
-    b_dir = torch.tensor([], dtype=getattr(torch, run.dtype)).element_size()
+    b_dir = direction_bytes(run.preset, getattr(torch, run.dtype))
     b_upd = 2  # the kernel's output dtype: bf16 in every preset
     specs, total = muon_specs(run.mesh), 0.0
     groups = param_groups(run.mesh, list(range(len(specs))))

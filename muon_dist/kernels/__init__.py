@@ -19,9 +19,11 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from muon_ref import MatrixLayout, MuonConfig, map_blocks
+from muon_ref.newton_schulz import input_cast
 
 Orthogonalize = Callable[[Tensor, MatrixLayout, MuonConfig], Tensor]
 
@@ -35,11 +37,14 @@ BACKENDS: dict[str, str] = {
 @dataclass(frozen=True)
 class Backend:
     """name; orthogonalize (muon_ref.functional.orthogonalize's signature); bitwise: whether it returns muon_ref's
-    bits (else its module's docstring states the tolerance)."""
+    bits (else its module's docstring states the tolerance); reads_through_cast: whether it reads a direction
+    only through muon_ref's input cast (muon_ref.newton_schulz.input_cast), so a direction cast to that dtype
+    first gives the same result (the paths then move it in that dtype)."""
 
     name: str
     orthogonalize: Orthogonalize
     bitwise: bool
+    reads_through_cast: bool = False
 
 
 def register(name: str, module: str) -> None:
@@ -78,3 +83,11 @@ def own_step_kwargs(cfg: MuonConfig, name: str) -> dict:
     if kwargs.pop("precondition") not in (None, "none"):
         raise ValueError(f"ns_backend={name!r} does not support the AOL preconditioner")
     return kwargs
+
+
+def send_dtype(backend: Backend, cfg: MuonConfig, param_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a param's direction travels in when narrower than the param's: the backend's input cast where it
+    reads only through it (muon_ref.newton_schulz.input_cast), else None (the param's dtype)."""
+    if not backend.reads_through_cast:
+        return None
+    return input_cast(param_dtype, cfg.ns_dtype, cfg.normalize_before_cast)

@@ -2,6 +2,8 @@
 
 Reference equation, for every direction D, layout and config:
     orthogonalize(D, layout, cfg) == muon_ref.orthogonalize(D, layout, cfg)
+It reads D only through muon_ref's input cast (reads_through_cast): both kernels start from
+initial_iterate, so D cast to muon_ref.newton_schulz.input_cast's dtype first gives the same bits.
 Contract: bitwise, on every device. Where the batch is not chosen it *is* muon_ref.orthogonalize (the oracle's
 function: every path runs it on exactly the global blocks, proofs/paths.md). Where it is chosen, a shared layout's
 stack [k, m, n] runs newton_schulz_batched, muon_ref.newton_schulz's "addmm" step on the whole stack at once:
@@ -211,7 +213,7 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     )
 
 
-BACKEND = Backend("torch", orthogonalize, bitwise=True)
+BACKEND = Backend("torch", orthogonalize, bitwise=True, reads_through_cast=True)
 
 
 def _random_case(rng: random.Random, seed: int, large: bool) -> tuple[Tensor, dict]:

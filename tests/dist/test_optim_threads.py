@@ -247,3 +247,21 @@ def test_an_added_param_group_is_checked_when_it_is_added_naming_its_param() -> 
 
     errors = on_threads(2, rank_main)
     assert all(isinstance(e, ValueError) and "of shape (6, 4)" in str(e) for e in errors), errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("preset,sent", [("torch", "torch.bfloat16"), ("emerging", "torch.float32")])
+def test_directions_travel_in_the_kernels_input_cast_only_where_the_kernel_casts_first(preset, sent) -> None:
+    """"torch" casts the fp32 direction to bf16 before normalising (muon_ref.newton_schulz.input_cast), so its
+    plan moves bf16 directions; "emerging" normalises in fp32 first, so its directions travel in fp32; the
+    bits equal muon_ref.Muon's either way (the other tests of this file and tests/dist/test_equivalence.py)."""
+
+    def rank_main(comm: ThreadComm) -> set[str]:
+        params = [seeded((6, 4), 0), seeded((4, 4), 1)]
+        opt = DistributedMuon(params, preset=preset, comm=comm)
+        for i, p in enumerate(params):
+            p.grad = seeded(tuple(p.shape), 2 + i)
+        opt.step()
+        return {b.direction_dtype for b in opt.last_plan.batches}
+
+    assert on_threads(2, rank_main) == [{sent}] * 2

@@ -424,3 +424,41 @@ def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_
     # whose update rank 1 never computed, and only rank 1 stops: the flag is what keeps the ranks' writes the same
     blind = _fail_on_rank_1(flag_reads=False)
     assert blind[0][0] is None and blind[1][0] is not None, blind
+
+
+@pytest.mark.timeout(timeout_for(30))
+@pytest.mark.parametrize("direction_dtype", [None, "torch.bfloat16"])
+def test_directions_sent_in_the_kernels_input_cast_give_the_same_bits_and_half_the_forward_bytes(
+    direction_dtype,
+) -> None:
+    """Entry.direction_dtype: the step casts each direction before its path moves it. On W = 4 (uneven
+    boxes, an empty one), the boxes equal muon_ref's and each rank's bytes are the plan's (expected_bytes with
+    the batch's direction dtype): bf16 directions halve the forward all-to-all's bytes."""
+    case = Case(4, (0, 1, 2, 3), (Group((), ((5, 3),) * 4, (("S0",),) * 4),), "float32", "torch", Options(), False)
+    layouts = case.layouts()
+    cfg = group_config(preset_defaults("torch", {}))
+    world, results = ThreadWorld(4, timeout_s=10), [None] * 4
+
+    def rank_main(rank: int) -> None:
+        comm = ThreadComm(world, rank)
+        params = [box(p, lay, rank) for p, (_, lay) in zip(initial_params(case), layouts)]
+        grads = [box(g, lay, rank) for g, (_, lay) in zip(gradients(case, 0), layouts)]
+        inputs = [ParamInput(p, g, torch.zeros_like(p)) for p, g in zip(params, grads)]
+        entries = tuple(Entry(lay, 0, "torch.bfloat16", True, direction_dtype) for _, lay in layouts)
+        step_plan, skipped = prepare(comm, entries, inputs, [cfg] * 4, Options())
+        for i, new, buf in execute(comm, step_plan, inputs, [cfg] * 4, backend("torch"),
+                                   lambda batch: comm.group(batch.geometries[0].group_of(rank)), False, skipped):
+            params[i] = new
+        moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
+        assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)
+        results[rank] = (params, moved["all_to_all"][0])
+
+    run_threads(4, rank_main)
+    want, _ = reference(case, steps=1)
+    for rank, (params, _) in enumerate(results):
+        for p, w, (_, lay) in zip(params, want, layouts):
+            assert same_bits(p, box(w, lay, rank)), rank
+    # rank 0 owns p0 and sends its boxes of p1..p3 (fp32 or bf16) and the update boxes of p0 (bf16) back
+    own, others = 2 * 3, 3 * 2 * 3  # its box of each param: 2 rows of 3 (torch.chunk of 5 rows over 4 ranks)
+    sent = results[0][1]
+    assert sent == others * (2 if direction_dtype else 4) + (5 * 3 - own) * 2, sent
