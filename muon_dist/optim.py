@@ -189,6 +189,7 @@ class DistributedMuon(torch.optim.Optimizer):
     ) -> tuple[tuple[Entry, ...], list[ParamInput], list, str | None]:
         """Every param in param-group order: its entry, local shards, param object; the first local error."""
         entries, inputs, params, error = [], [], [], None
+        sent_dtypes: dict[tuple[int, torch.dtype], torch.dtype | None] = {}
         for gi, group in enumerate(self.param_groups):
             update_dtype = configs[gi].ns_dtype
             for i, p in enumerate(group["params"]):
@@ -206,7 +207,9 @@ class DistributedMuon(torch.optim.Optimizer):
                             )
                     except ValueError as e:
                         error = str(e)
-                sent = send_dtype(self.backend, configs[gi], p.dtype)
+                if (gi, p.dtype) not in sent_dtypes:
+                    sent_dtypes[gi, p.dtype] = send_dtype(self.backend, configs[gi], p.dtype)
+                sent = sent_dtypes[gi, p.dtype]
                 entries.append(
                     Entry(
                         self.layout(p, group, name),

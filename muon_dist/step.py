@@ -16,7 +16,10 @@ Protocol, the same on every rank (so a disagreement is an error on every rank, n
      the direction cast to the batch's direction dtype where the plan sends a narrower one (the kernel's own
      first op, muon_ref.newton_schulz.input_cast: the same bits);
   4. each batch of the plan through its path (muon_dist/paths): some member runs the backend's kernel on whole
-     blocks; every member gets back its box of each update;
+     blocks; every member gets back its box of each update. Paths of the all-to-all family run as Steps that
+     yield after issuing each collective, staggered over up to PIPELINE_DEPTH batches (staggered(): batch n's
+     directions go out while batch n - 1 runs its kernels and batch n - 2's updates come back), in an order
+     that is a pure function of the plan, so every rank issues the same collectives in the same order;
   5. after each write group's batches (write_groups), learn whether any rank's local work raised
      ("failure_check"): then every rank raises RuntimeError and that group and the later ones are not written (a
      failed rank joined the group's remaining collectives with zeros, so no peer waits for it; every rank wrote
