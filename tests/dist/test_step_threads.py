@@ -161,9 +161,10 @@ def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     return t[geometry.boxes[geometry.member(rank)].index].contiguous()
 
 
-def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[object]:
+def on_threads(case: Case, steps: int, kernels: Backend | None = None, in_place: bool = False) -> list[object]:
     """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
-    raised."""
+    raised. in_place: execute writes each new param into the rank's param tensor (out_params), as DistributedMuon
+    has it do, and yields that tensor; the tensors are the ones the rank started with."""
     layouts = case.layouts()
     configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
     world, results = ThreadWorld(case.world_size, timeout_s=10), [None] * case.world_size
@@ -171,6 +172,7 @@ def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[o
     def rank_main(rank: int) -> None:
         comm = ThreadComm(world, rank)
         params = [box(p, lay, rank) for p, (_, lay) in zip(initial_params(case), layouts)]
+        own = list(params)
         bufs = [torch.zeros_like(p) for p in params]
         try:
             for step in range(steps):
@@ -183,7 +185,8 @@ def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[o
                 step_plan, skipped = prepare(comm, entries, inputs, per_param, case.options)
                 for i, new, buf in execute(comm, step_plan, inputs, per_param, kernels or backend("torch"),
                                            lambda batch: comm.group(batch.geometries[0].group_of(rank)),
-                                           case.atomic, skipped):
+                                           case.atomic, skipped, out_params=own if in_place else None):
+                    assert not in_place or new is own[i], (rank, i)
                     params[i], bufs[i] = new, buf
                 moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
                 assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)  # bytes as planned
@@ -245,3 +248,36 @@ def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_
     for result in results:
         assert isinstance(result, ValueError) and f"{name} of shape" in str(result), result
 
+
+
+@pytest.mark.timeout(timeout_for(120))
+# contiguous shards of multiples of 64 elements outside the tail: the update's ops write in place; (7, 32): rank 0's
+# 4 rows in place, rank 1's 3 rows hold the tail (elements 192-223), computed and copied
+@example(case=Case(2, (0, 1), (Group((), ((128, 64), (64, 64), (7, 32)), (("S0",), ("S1",), ("S0",))),), "bfloat16",
+                   "torch", Options(), False))
+# (65, 64): shards of 33 and 32 rows in place; (64, 65): shards of 2,080 elements, padded, computed and copied
+@example(case=Case(2, (0, 1), (Group((), ((128, 64), (65, 64), (64, 65)), (("S0",), ("S0",), ("S0",))),), "bfloat16",
+                   "emerging", Options(), True))
+@example(case=Case(2, (0, 1), (Group((), ((64, 65),) * 2, (("R",), ("S1",))),), "float32", "xtuner", Options(),
+                   False))  # a replicated param (the whole box) in place
+@example(case=Case(2, (0, 1), (Group((("split_sizes", (64, 64)),), ((128, 64),), (("S0",),)),), "bfloat16", "dion",
+                   Options(), False))  # a separate layout: computed per block, then copied
+@settings(max_examples=examples(0.5))
+@given(case=cases())
+def test_with_out_params_the_step_writes_each_new_param_into_its_own_tensor_with_muon_refs_bits(case: Case) -> None:
+    """execute(out_params=...): the same equation, with each rank's new params written into its param tensors
+    (in place where run_stage runs the update as it is, else computed and copied), which it then yields."""
+    assert_boxes_of_reference(case, on_threads(case, steps=2, in_place=True), steps=2)
+
+
+@pytest.mark.timeout(timeout_for(60))
+@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((128, 64),), (("S0",),)),), "float32", "torch",
+                   Options(), False), where=0, policy="skip")  # head 0 skipped: its shard keeps its bits
+@example(case=Case(2, (0, 1), (Group((), ((128, 64),), (("S0",),)),), "bfloat16", "torch", Options(), False),
+         where=64 * 64, policy="skip")  # the whole param skipped, on rank 1's shard
+@settings(max_examples=examples(0.25))
+@given(case=cases(), where=st.integers(0, 10**6), policy=st.just("skip"))
+def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, where: int, policy: str) -> None:
+    num_params = len(case.layouts())
+    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
