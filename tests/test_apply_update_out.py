@@ -46,15 +46,41 @@ def variants(preset: str) -> list[dict[str, Any]]:
     return out
 
 
-def inputs(shape: tuple[int, int], param_dtype: torch.dtype, update_dtype: torch.dtype):
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
-    param = torch.randn(shape, generator=g).to(param_dtype)
-    update = torch.randn(shape, generator=g).to(update_dtype)
+def inputs(
+    shape: tuple[int, int],
+    param_dtype: torch.dtype,
+    update_dtype: torch.dtype,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    param = torch.randn(shape, generator=g).to(device, param_dtype)
+    update = torch.randn(shape, generator=g).to(device, update_dtype)
     flat = param.view(-1)
     if flat.numel() > 3:  # an infinity, a NaN and a -0.0 in the param; an infinity in the update
         flat[1], flat[2], flat[3] = float("inf"), float("nan"), -0.0
         update.view(-1)[-1] = float("-inf")
     return param, update
+
+
+def assert_out_is_the_fresh_result(
+    preset: str, param_dtype: torch.dtype, update_dtype: torch.dtype, device: str = "cpu"
+) -> None:
+    """Over SHAPES and every variant of the preset: apply_update into a fresh tensor and into the param itself
+    has the plain call's bits; the fresh out leaves the param alone."""
+    for shape in SHAPES:
+        param, update = inputs(shape, param_dtype, update_dtype, device)
+        layout = matrix_layout(shape)
+        for change in variants(preset):
+            cfg = MuonConfig(**{**PRESETS[preset], **change})
+            want = apply_update(param, update, layout, cfg)
+            before = param.clone()
+            out = torch.full_like(param, 7.0)
+            got = apply_update(param, update, layout, cfg, out=out)
+            assert got is out and same_bits(out, want), (shape, change)
+            assert same_bits(param, before), (shape, change)
+            own = param.clone()
+            got = apply_update(own, update, layout, cfg, out=own)
+            assert got is own and same_bits(own, want), (shape, change)
 
 
 # a 0-d tensor lr under "update_lr_cast" goes through torch.tensor(tensor), which warns (the path is unchanged)
@@ -65,23 +91,7 @@ def inputs(shape: tuple[int, int], param_dtype: torch.dtype, update_dtype: torch
 def test_apply_update_into_out_or_into_the_param_itself_is_bitwise_the_fresh_result(
     preset, param_dtype, update_dtype
 ):
-    for shape in SHAPES:
-        param, update = inputs(shape, param_dtype, update_dtype)
-        layout = matrix_layout(shape)
-        for change in variants(preset):
-            cfg = MuonConfig(**{**PRESETS[preset], **change})
-            want = apply_update(param, update, layout, cfg)
-            before = param.clone()
-            out = torch.full_like(param, 7.0)
-            got = apply_update(param, update, layout, cfg, out=out)
-            assert got is out and same_bits(out, want), (shape, change)
-            assert same_bits(param, before), (
-                shape,
-                change,
-            )  # out= a fresh tensor leaves the param alone
-            own = param.clone()
-            got = apply_update(own, update, layout, cfg, out=own)
-            assert got is own and same_bits(own, want), (shape, change)
+    assert_out_is_the_fresh_result(preset, param_dtype, update_dtype)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
