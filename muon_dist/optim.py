@@ -4,7 +4,7 @@ A thin torch.optim.Optimizer over the step function of muon_dist/step.py, as muo
 muon_ref.functional: the class validates params and gradients, owns the state ("momentum_buffer" per param),
 reads each param's layout (once, while its shape, placements and mesh stay the same), resolves each group's
 config once per step, finds the process group of each batch (a DeviceMesh axis's own group where there is one),
-and writes what the step yields.
+and writes what the step yields (the step writes each new param into its local tensor: execute's out_params).
 """
 
 from __future__ import annotations
@@ -263,6 +263,7 @@ class DistributedMuon(torch.optim.Optimizer):
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)
+        local_params = [x.param for x in inputs]  # the step writes each new param into these
         for i, new_param, new_buf in execute(
             self.comm,
             step_plan,
@@ -272,9 +273,11 @@ class DistributedMuon(torch.optim.Optimizer):
             self._group_for(params),
             self.atomic,
             skipped,
+            out_params=local_params,
         ):
             p = params[i]
-            _local(p).copy_(new_param)
+            if new_param is not local_params[i]:
+                local_params[i].copy_(new_param)
             self._write_buffer(p, new_buf)
         self._own_group_params()
         self.last_plan = step_plan

@@ -2,7 +2,8 @@
 it, as muon_ref.Muon is over muon_ref.functional).
 
     step_plan = prepare(comm, entries, inputs, configs, options, error)
-    for index, new_param, new_buf in execute(comm, step_plan, inputs, configs, backend, group_for): ...
+    for index, new_param, new_buf in execute(comm, step_plan, inputs, configs, backend, group_for,
+                                             out_params=...): ...
 
 Protocol, the same on every rank (so a disagreement is an error on every rank, never a hang):
   1. all-gather the digest of the plan of the step (a pure function of every param's layout, muon_dist/plan.py)
@@ -30,8 +31,12 @@ Protocol, the same on every rank (so a disagreement is an error on every rank, n
      when atomic). The flag is read after the group's last kernel ran; only views of the received buffer are
      taken after it;
   6. yield each param of the group: its new local shard and new momentum buffer, one param at a time (the caller
-     writes), then go on with the next group.
-Nothing here writes an input. Equation (proofs/paths.md): on every rank r, for every param that steps,
+     writes the buffer, and the param unless it is the destination already), then go on with the next group. With
+     `out_params` (this rank's local param tensors, the caller's destinations), the new param is written into
+     out_params[i] here, after the group's failure check: in place by the update's own ops where that is bitwise
+     (apply_in_place), else computed as without it and copied; the yielded new param is then out_params[i].
+Without out_params nothing here writes an input; with it, only out_params, in step 6. Equation (proofs/paths.md):
+on every rank r, for every param that steps,
     new_param == box_r(muon_ref's P'),   new_buf == box_r(muon_ref's M')
 bitwise with the torch backend (another backend: its tolerance, muon_dist/kernels).
 """
@@ -54,7 +59,7 @@ from muon_ref.functional import apply_update, momentum_direction
 
 from .batch import Batch, FailureFlag, Kernel, Steps
 from .comm import Comm, Group
-from .elementwise import run_stage
+from .elementwise import run_stage, runs_as_is
 from .geometry import Box, Geometry
 from .kernels import Backend
 from .paths import PATHS
@@ -385,12 +390,16 @@ def execute(
     group_for: Callable[[Batch], Group],
     atomic: bool = False,
     skipped: Mapping[int, tuple[int, ...]] | None = None,
+    out_params: Sequence[Tensor] | None = None,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """Steps 3-6 on an agreed plan, one write group at a time (write_groups): its momentum, its paths, the failure
     check, then it yields (param index, new local param, new local buffer) for each of its params, for the caller
     to write. So a step holds the new buffers and updates of one write group at a time, not of the whole step;
     with `atomic`, the whole step is one group and a failure anywhere writes nothing. `skipped`: blocks of params
-    that keep their param and buffer bits (non-finite blocks of separate layouts, under nonfinite="skip")."""
+    that keep their param and buffer bits (non-finite blocks of separate layouts, under nonfinite="skip").
+    `out_params`: for each param, a tensor of its local param's shape and dtype (the local param itself, in
+    DistributedMuon) that receives the new param after the failure check of its group (step 6), bitwise the
+    new param without it; it is what is then yielded as the new param."""
     failures: list[tuple[str, Exception]] = []
     written = 0
     # every batch's process group, found in plan order on every rank (a first use may create sub-groups)
@@ -462,6 +471,23 @@ def execute(
         agree_no_failure(comm, failures, written, flag.failed if flag is not None else None)
         for i, geometry, buf, update in pending:
             layout, box = step_plan.entries[i].layout, geometry.boxes[geometry.member(comm.rank)]
+            dest = None if out_params is None else out_params[i]
+            if dest is not None and apply_in_place(
+                layout.matrices,
+                [inputs[i].param, update],
+                layout.global_shape,
+                box,
+                (skipped or {}).get(i, ()),
+            ):
+                new = apply_update(
+                    inputs[i].param,
+                    update.reshape(box.shape),
+                    layout.matrices,
+                    configs[i],
+                    out=dest,
+                )
+                yield i, new, buf
+                continue
             (new,) = elementwise(
                 lambda m, cfg=configs[i]: _apply(m, cfg),
                 [inputs[i].param, update],
@@ -475,7 +501,7 @@ def execute(
                 if (part := box.intersect(layout.matrices.blocks[b])) is not None:
                     mine = part.within(box).index
                     new[mine], buf[mine] = inputs[i].param[mine], inputs[i].buf[mine]
-            yield i, new, buf
+            yield i, new if dest is None else dest.copy_(new), buf
         pending = []
         written += len(group)
     # every failure is recorded before the last group's check reads its flag (kernels run before it): one recorded
@@ -515,6 +541,21 @@ def staggered(
             advance(window[0])
         entry = window.popleft()
         yield entry[0], entry[3]
+
+
+def apply_in_place(
+    matrices: MatrixLayout,
+    inputs: Sequence[Tensor],
+    global_shape: tuple[int, ...],
+    box: Box,
+    skipped_blocks: tuple[int, ...],
+) -> bool:
+    """Whether step 6 may write a param (inputs: its local param and update) into its destination by
+    apply_update's out= form, bitwise the fresh result (muon_ref.functional.apply_update): a shared layout, no
+    skipped block, and a box on which run_stage runs the stage on the inputs as they are (runs_as_is).
+    Otherwise the new param is computed as without a destination (padding, tails, per-block calls, skipped
+    blocks' bits) and then copied."""
+    return not matrices.separate and not skipped_blocks and runs_as_is(inputs, global_shape, box)
 
 
 def _momentum(cfg: MuonConfig) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:

@@ -353,36 +353,71 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
 
 
-def decay(param: Tensor, cfg: MuonConfig) -> Tensor:
-    """Decoupled weight decay, in the origin's form (elementwise)."""
+def decay(param: Tensor, cfg: MuonConfig, out: Tensor | None = None) -> Tensor:
+    """Decoupled weight decay, in the origin's form (elementwise). With `out`: the same op written into `out`
+    (its out= form), bitwise the result without it; at wd == 0 in the "add_self" form no op runs and param
+    itself is returned (out untouched)."""
     if cfg.weight_decay_form == "mul":
-        return param.mul(1 - cfg.lr * cfg.weight_decay)
+        c = 1 - cfg.lr * cfg.weight_decay
+        return param.mul(c) if out is None else torch.mul(param, c, out=out)
     if cfg.weight_decay > 0:  # Emerging-Optimizers skips the op at wd == 0
-        return param.add(param, alpha=-(cfg.weight_decay * cfg.lr))
+        alpha = -(cfg.weight_decay * cfg.lr)
+        if out is None:
+            return param.add(param, alpha=alpha)
+        return torch.add(param, param, alpha=alpha, out=out)
     return param
 
 
-def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor:
+def apply_update(
+    param: Tensor,
+    update: Tensor,
+    layout: MatrixLayout,
+    cfg: MuonConfig,
+    out: Tensor | None = None,
+) -> Tensor:
     """P' = decay(P) - lr * s * O, in the origin's operation order; elementwise given the layout's scale.
 
     Shared layout: one scale s = lr_scale(fan_out, fan_in) for the whole param, and `update` may be any shard
     of O aligned with `param` (the scale depends only on the global layout). Separate layout: each block with
     its own scale, on its own tensor (map_blocks), so param and update are whole tensors.
+
+    `out` (a tensor of param's shape and dtype; it may be `param` itself): P' is written into it and `out` is
+    returned, with exactly the bits of the call without `out`:
+        torch.equal(apply_update(P, O, layout, cfg, out=X), apply_update(P, O, layout, cfg))  bitwise, NaN too
+    A shared layout with contiguous param and out runs the same ops in their out= forms, in the same order
+    (each is elementwise, so out may alias param; an op whose promoted dtype is wider than param's computes in
+    that dtype and rounds on store, as .to(param.dtype) does). Otherwise (a separate layout, a non-contiguous
+    param or out) P' is computed as without out and copied into out.
     """
+    if out is not None:
+        if out.shape != param.shape or out.dtype != param.dtype:
+            raise ValueError(
+                f"apply_update: out of shape {tuple(out.shape)} and dtype {out.dtype} differs from the "
+                f"param's {tuple(param.shape)} and {param.dtype}"
+            )
+        if layout.separate or not (param.is_contiguous() and out.is_contiguous()):
+            return out.copy_(apply_update(param, update, layout, cfg))
     if layout.separate:
         return map_blocks(
             lambda b, p, u: (apply_update(p, u, b.as_param(), cfg),), layout, param, update
         )[0]
     ratio = lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt)
-    p = decay(param, cfg)
+    # The update's scaling before the decay (independent ops: their order changes no bits), so that with `out`
+    # the update's temporaries exist before the first write into out (the param itself, in muon_dist).
     O = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
     if cfg.scale_apply == "alpha":
         step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
+        p = decay(param, cfg, out)
+        if out is not None:
+            return torch.add(p, O, alpha=-step, out=out)
         new = p.add(O, alpha=-step)
     elif cfg.scale_apply == "update":
         O = O * ratio
         if cfg.scale_factor != 1.0:
             O = O * cfg.scale_factor
+        p = decay(param, cfg, out)
+        if out is not None:
+            return torch.add(p, O, alpha=-cfg.lr, out=out)
         new = p.add(O, alpha=-cfg.lr)
     else:
         step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
@@ -390,7 +425,11 @@ def apply_update(param: Tensor, update: Tensor, layout: MatrixLayout, cfg: MuonC
             step = torch.tensor(
                 step, dtype=O.dtype
             )  # the scalar rounded to O's dtype, as _foreach_mul_ does
-        new = p.sub(O * step)
+        scaled = O * step
+        p = decay(param, cfg, out)
+        if out is not None:
+            return torch.sub(p, scaled, out=out)
+        new = p.sub(scaled)
     return new.to(param.dtype)
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_dist import Box
-from muon_dist.elementwise import run_stage
+from muon_dist.elementwise import run_stage, runs_as_is
 from muon_ref.functional import apply_update, matrix_layout, momentum_direction
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
@@ -45,6 +45,10 @@ def assert_every_shard_equals_the_whole(shape, placement, W, preset, dtype, seed
                + run_stage(apply, [on(param), on(update)], shape, mine))
         for g, w in zip(got, whole):
             assert torch.equal(bits(g), bits(on(w))), (rank, mine)
+        if runs_as_is([on(param), on(update)], shape, mine):  # the update written into the shard itself
+            own = on(param)
+            apply_update(own, on(update), mlayout, cfg, out=own)
+            assert torch.equal(bits(own), bits(on(whole[-1]))), (rank, mine)
 
 
 @settings(max_examples=examples(2.0))
@@ -76,3 +80,25 @@ def test_bf16_add_alpha_depends_on_the_position_in_the_call_on_this_cpu() -> Non
     if differing == 0:
         pytest.skip("the CPU build running the test gives bf16 add(alpha) position-independent bits")
     assert differing > 0
+
+
+@pytest.mark.parametrize("shape, W", [((256, 64), 4), ((130, 64), 4), ((129, 65), 2), ((129, 63), 2), ((7, 32), 2),
+                                      ((5, 3), 1), ((5, 3), 3)])
+@pytest.mark.parametrize("placement", ["S0", "S1"])
+def test_runs_as_is_says_whether_run_stage_calls_the_stage_once_on_the_shard_as_it_is(shape, W, placement) -> None:
+    """runs_as_is is run_stage's rule: True exactly where run_stage makes one call of the stage, on the shard's own
+    storage (no padded copy, no tail call); on a non-contiguous shard it is False unless the box is the whole
+    tensor."""
+    x = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    for rank in range(W):
+        mine = shard_box(shape, placement, rank, W)
+        calls: list[tuple[int, int]] = []
+        stage = lambda t: (calls.append((t.numel(), t.data_ptr())), (t + 1,))[1]  # noqa: E731
+        for shard in (x[mine.index].contiguous(), x[mine.index]):
+            calls.clear()
+            (y,) = run_stage(stage, [shard], shape, mine)
+            assert torch.equal(y, shard + 1)
+            as_is = calls == [(shard.numel(), shard.data_ptr())]
+            assert runs_as_is([shard], shape, mine) == as_is, (rank, mine, calls)
+            if not shard.is_contiguous():
+                assert runs_as_is([shard], shape, mine) == (tuple(mine.shape) == shape)

@@ -64,22 +64,9 @@ class Case:
         for gi, group in enumerate(self.groups):
             keys = dict(group.keys)
             for shape, codes in zip(group.shapes, group.placements):
-                out.append(
-                    (
-                        gi,
-                        ParamLayout(
-                            f"p{len(out)}",
-                            shape,
-                            f"torch.{self.dtype}",
-                            self.mesh,
-                            codes,
-                            num_experts=keys.get("num_experts"),
-                            split_sizes=keys.get("split_sizes"),
-                            num_heads=keys.get("num_heads"),
-                            split_dim=keys.get("split_dim", 0),
-                        ),
-                    )
-                )
+                out.append((gi, ParamLayout(f"p{len(out)}", shape, f"torch.{self.dtype}", self.mesh, codes,
+                                            num_experts=keys.get("num_experts"), split_sizes=keys.get("split_sizes"),
+                                            num_heads=keys.get("num_heads"), split_dim=keys.get("split_dim", 0))))
         return out
 
 
@@ -128,30 +115,18 @@ def cases(draw) -> Case:
         mesh = tuple(tuple(range(i * W // 2, (i + 1) * W // 2)) for i in range(2))
     drawn = tuple(draw(groups(W, axes)) for _ in range(draw(st.integers(1, 3))))
     dispatch = draw(st.sampled_from(["batched", "global"]))
-    force = (
-        draw(st.sampled_from([None, "agrs", "padded_all_to_all"]))
-        if dispatch == "batched"
-        else None
-    )
+    force = draw(st.sampled_from([None, "agrs", "padded_all_to_all"])) if dispatch == "batched" else None
     options = Options(draw(st.sampled_from(["agrs", "padded_all_to_all"])), force, dispatch)
     num_params = sum(len(g.shapes) for g in drawn)
     no_grad = tuple(draw(st.sets(st.integers(0, num_params - 1), max_size=2)))
-    return Case(
-        W,
-        mesh,
-        drawn,
-        draw(st.sampled_from(["float32", "bfloat16"])),
-        draw(st.sampled_from(sorted(PRESETS))),
-        options,
-        draw(st.booleans()),
-        no_grad,
-    )
+    return Case(W, mesh, drawn, draw(st.sampled_from(["float32", "bfloat16"])), draw(st.sampled_from(sorted(PRESETS))),
+                options, draw(st.booleans()), no_grad)
 
 
 def param_groups(case: Case, params: list[torch.Tensor]) -> list[dict]:
     out, start = [], 0
     for group in case.groups:
-        out.append({"params": params[start : start + len(group.shapes)], **dict(group.keys)})
+        out.append({"params": params[start:start + len(group.shapes)], **dict(group.keys)})
         start += len(group.shapes)
     return out
 
@@ -167,10 +142,7 @@ def gradients(case: Case, step: int) -> list[torch.Tensor | None]:
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    return [
-        seeded(layout.global_shape, 7919 + i, case.dtype)
-        for i, (_, layout) in enumerate(case.layouts())
-    ]
+    return [seeded(layout.global_shape, 7919 + i, case.dtype) for i, (_, layout) in enumerate(case.layouts())]
 
 
 def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -181,9 +153,7 @@ def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Te
         for p, g in zip(params, gradients(case, step)):
             p.grad = g
         opt.step()
-    return params, [
-        opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params
-    ]
+    return params, [opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params]
 
 
 def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
@@ -191,49 +161,35 @@ def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     return t[geometry.boxes[geometry.member(rank)].index].contiguous()
 
 
-def on_threads(case: Case, steps: int, kernels: Backend | None = None) -> list[object]:
+def on_threads(case: Case, steps: int, kernels: Backend | None = None, in_place: bool = False) -> list[object]:
     """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
-    raised."""
+    raised. in_place: execute writes each new param into the rank's param tensor (out_params), as DistributedMuon
+    has it do, and yields that tensor; the tensors are the ones the rank started with."""
     layouts = case.layouts()
-    configs = [
-        group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups
-    ]
+    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
     world, results = ThreadWorld(case.world_size, timeout_s=10), [None] * case.world_size
 
     def rank_main(rank: int) -> None:
         comm = ThreadComm(world, rank)
         params = [box(p, lay, rank) for p, (_, lay) in zip(initial_params(case), layouts)]
+        own = list(params)
         bufs = [torch.zeros_like(p) for p in params]
         try:
             for step in range(steps):
-                grads = [
-                    None if g is None else box(g, lay, rank)
-                    for g, (_, lay) in zip(gradients(case, step), layouts)
-                ]
-                entries = tuple(
-                    Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
-                    for (gi, lay), g in zip(layouts, grads)
-                )
+                grads = [None if g is None else box(g, lay, rank) for g, (_, lay) in zip(gradients(case, step), layouts)]
+                entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
+                                for (gi, lay), g in zip(layouts, grads))
                 inputs = [ParamInput(p, g, b) for p, g, b in zip(params, grads, bufs)]
                 per_param = [configs[gi] for gi, _ in layouts]
                 comm.reset()
                 step_plan, skipped = prepare(comm, entries, inputs, per_param, case.options)
-                for i, new, buf in execute(
-                    comm,
-                    step_plan,
-                    inputs,
-                    per_param,
-                    kernels or backend("torch"),
-                    lambda batch: comm.group(batch.geometries[0].group_of(rank)),
-                    case.atomic,
-                    skipped,
-                ):
+                for i, new, buf in execute(comm, step_plan, inputs, per_param, kernels or backend("torch"),
+                                           lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+                                           case.atomic, skipped, out_params=own if in_place else None):
+                    assert not in_place or new is own[i], (rank, i)
                     params[i], bufs[i] = new, buf
                 moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
-                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (
-                    rank,
-                    moved,
-                )  # bytes as planned
+                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)  # bytes as planned
             results[rank] = (params, bufs)
         except Exception as e:  # noqa: BLE001 - every rank's error is compared by the test
             results[rank] = e
@@ -256,89 +212,32 @@ MATRIX = Group((), ((5, 3),) * 3 + ((3, 9),), (("S0",),) * 3 + (("S1",),))
 
 
 @pytest.mark.timeout(timeout_for(120))
-@example(
-    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,))
-)  # an empty box
-@example(
-    case=Case(
-        4,
-        ((0, 1), (2, 3)),
-        (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
-        "bfloat16",
-        "xtuner",
-        Options(),
-        False,
-    )
-)  # local experts on (ep, fsdp)
-@example(
-    case=Case(
-        4,
-        (0, 1, 2, 3),
-        (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),),
-        "float32",
-        "torch",
-        Options(),
-        False,
-    )
-)  # subgroup all-gather: each expert on two ranks
-@example(
-    case=Case(
-        3,
-        (0, 1, 2),
-        (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
-        "bfloat16",
-        "dion",
-        Options(),
-        True,
-    )
-)  # blocks straddling shards
-@example(
-    case=Case(
-        4,
-        ((0, 1), (2, 3)),
-        (MATRIX, Group((), ((4, 4),), (("R", "S1"),))),
-        "float32",
-        "keller",
-        Options(dispatch="global"),
-        False,
-    )
-)  # HSDP, global dispatch
+@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,)))  # an empty box
+@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+                   "bfloat16", "xtuner", Options(), False))  # local experts on (ep, fsdp)
+@example(case=Case(4, (0, 1, 2, 3), (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),), "float32", "torch",
+                   Options(), False))  # subgroup all-gather: each expert on two ranks
+@example(case=Case(3, (0, 1, 2), (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
+                   "bfloat16", "dion", Options(), True))  # blocks straddling shards
+@example(case=Case(4, ((0, 1), (2, 3)), (MATRIX, Group((), ((4, 4),), (("R", "S1"),))), "float32", "keller",
+                   Options(dispatch="global"), False))  # HSDP, global dispatch
 @settings(max_examples=examples(1.0))
 @given(case=cases())
-def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(
-    case: Case,
-) -> None:
+def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(case: Case) -> None:
     assert_boxes_of_reference(case, on_threads(case, steps=2), steps=2)
 
 
 @pytest.mark.timeout(timeout_for(60))
-@example(
-    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False),
-    where=4 * 12,
-    policy="skip",
-)  # param 0's element 12: in rank 2's box only
-@example(
-    case=Case(
-        2,
-        (0, 1),
-        (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),),
-        "float32",
-        "torch",
-        Options(),
-        False,
-    ),
-    where=0,
-    policy="skip",
-)  # head 0 skipped, head 1 steps
+@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False), where=4 * 12,
+         policy="skip")  # param 0's element 12: in rank 2's box only
+@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),), "float32", "torch", Options(),
+                   False), where=0, policy="skip")  # head 0 skipped, head 1 steps
 @settings(max_examples=examples(0.5))
 @given(case=cases(), where=st.integers(0, 10**6), policy=st.sampled_from(["raise", "skip"]))
 def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_muon_ref_does(
-    case: Case, where: int, policy: str
-) -> None:
+        case: Case, where: int, policy: str) -> None:
     num_params = len(case.layouts())
-    case = dataclasses.replace(
-        case, nonfinite=(where % num_params, where // num_params), policy=policy
-    )
+    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
     results = on_threads(case, steps=1)
     if policy == "skip":
         assert_boxes_of_reference(case, results, steps=1)
@@ -348,6 +247,40 @@ def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_
         reference(case, steps=1)
     for result in results:
         assert isinstance(result, ValueError) and f"{name} of shape" in str(result), result
+
+
+
+@pytest.mark.timeout(timeout_for(120))
+# contiguous shards of multiples of 64 elements outside the tail: the update's ops write in place; (7, 32): rank 0's
+# 4 rows in place, rank 1's 3 rows hold the tail (elements 192-223), computed and copied
+@example(case=Case(2, (0, 1), (Group((), ((128, 64), (64, 64), (7, 32)), (("S0",), ("S1",), ("S0",))),), "bfloat16",
+                   "torch", Options(), False))
+# (65, 64): shards of 33 and 32 rows in place; (64, 65): shards of 2,080 elements, padded, computed and copied
+@example(case=Case(2, (0, 1), (Group((), ((128, 64), (65, 64), (64, 65)), (("S0",), ("S0",), ("S0",))),), "bfloat16",
+                   "emerging", Options(), True))
+@example(case=Case(2, (0, 1), (Group((), ((64, 65),) * 2, (("R",), ("S1",))),), "float32", "xtuner", Options(),
+                   False))  # a replicated param (the whole box) in place
+@example(case=Case(2, (0, 1), (Group((("split_sizes", (64, 64)),), ((128, 64),), (("S0",),)),), "bfloat16", "dion",
+                   Options(), False))  # a separate layout: computed per block, then copied
+@settings(max_examples=examples(0.5))
+@given(case=cases())
+def test_with_out_params_the_step_writes_each_new_param_into_its_own_tensor_with_muon_refs_bits(case: Case) -> None:
+    """execute(out_params=...): the same equation, with each rank's new params written into its param tensors
+    (in place where run_stage runs the update as it is, else computed and copied), which it then yields."""
+    assert_boxes_of_reference(case, on_threads(case, steps=2, in_place=True), steps=2)
+
+
+@pytest.mark.timeout(timeout_for(60))
+@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((128, 64),), (("S0",),)),), "float32", "torch",
+                   Options(), False), where=0, policy="skip")  # head 0 skipped: its shard keeps its bits
+@example(case=Case(2, (0, 1), (Group((), ((128, 64),), (("S0",),)),), "bfloat16", "torch", Options(), False),
+         where=64 * 64, policy="skip")  # the whole param skipped, on rank 1's shard
+@settings(max_examples=examples(0.25))
+@given(case=cases(), where=st.integers(0, 10**6), policy=st.just("skip"))
+def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, where: int, policy: str) -> None:
+    num_params = len(case.layouts())
+    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
 
 
 def _fail_on_rank_1(flag_reads: bool) -> list[object]:
