@@ -189,7 +189,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                     chunk,
                     (geometry,) * len(chunk),
                     PATHS[path].owners(len(chunk), geometry.group_size),
-                    first.sent_dtype,
+                    first.sent_dtype if PATHS[path].MOVES_DIRECTIONS else first.layout.dtype,
                     first.update_dtype,
                 )
             )

@@ -5,6 +5,8 @@
     REMAINDER: bool                  it takes a batch of any size up to W (Options.remainder / force_path)
     CARRIES_FLAG: bool               run(..., flag=FailureFlag) carries the write group's failure flag in its
                                      last collective (muon_dist/batch.py)
+    MOVES_DIRECTIONS: bool           its collectives move directions (so a batch's directions travel in the
+                                     entries' narrower send dtype, muon_dist/plan.py; else the param's dtype)
     PIPELINED: bool                  steps(comm, group, batch, directions, kernels, flag=None) -> Steps: run as a
                                      generator that yields right after issuing each collective (muon_dist/batch.py)
     owners(num_params, group_size)   the member that orthogonalises each param of a batch it takes (() when every

@@ -28,6 +28,7 @@ GLOBAL_DISPATCH = True
 REMAINDER = True
 CARRIES_FLAG = False
 PIPELINED = False
+MOVES_DIRECTIONS = True
 
 # What non-owners contribute to the sum: x + (-0.0) == x for every x; +0.0 would turn an owner's -0.0 into +0.0.
 ADDITIVE_IDENTITY = -0.0

@@ -27,6 +27,7 @@ GLOBAL_DISPATCH = True  # dispatch="global" merges its batches into global_all_t
 REMAINDER = False  # takes full batches only
 CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
+MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
 PIPELINED = False
+MOVES_DIRECTIONS = True
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ GLOBAL_DISPATCH = False  # it is the merged batch
 REMAINDER = False
 CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
+MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

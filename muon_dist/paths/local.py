@@ -23,6 +23,7 @@ GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
 PIPELINED = False
+MOVES_DIRECTIONS = False  # the directions stay where they are
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ GLOBAL_DISPATCH = True
 REMAINDER = True  # takes any batch size up to W
 CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
 PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
+MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

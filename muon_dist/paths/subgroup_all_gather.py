@@ -31,6 +31,7 @@ GLOBAL_DISPATCH = False
 REMAINDER = False
 CARRIES_FLAG = False
 PIPELINED = False
+MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:

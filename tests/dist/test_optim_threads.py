@@ -249,19 +249,24 @@ def test_an_added_param_group_is_checked_when_it_is_added_naming_its_param() -> 
     assert all(isinstance(e, ValueError) and "of shape (6, 4)" in str(e) for e in errors), errors
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("preset,sent", [("torch", "torch.bfloat16"), ("emerging", "torch.float32")])
+@pytest.mark.parametrize("preset,sent", [("torch", "torch.bfloat16"), ("emerging", None)])
 def test_directions_travel_in_the_kernels_input_cast_only_where_the_kernel_casts_first(preset, sent) -> None:
-    """"torch" casts the fp32 direction to bf16 before normalising (muon_ref.newton_schulz.input_cast), so its
-    plan moves bf16 directions; "emerging" normalises in fp32 first, so its directions travel in fp32; the
-    bits equal muon_ref.Muon's either way (the other tests of this file and tests/dist/test_equivalence.py)."""
+    """"torch" casts the fp32 direction to bf16 before normalising (muon_ref.newton_schulz.input_cast), so
+    DistributedMuon's entries send bf16 directions; "emerging" normalises in fp32 first, so they travel in fp32.
+    Only batches whose path moves directions use it (a replicated one keeps the param's dtype); the bits equal
+    muon_ref.Muon's either way (tests/dist/test_step_threads.py, tests/dist/test_equivalence.py)."""
+    from muon_dist import Entry, Options, ParamLayout
+    from muon_dist.kernels import backend, send_dtype
+    from muon_dist.plan import plan
+    from muon_ref.optim import group_config
+    from muon_ref.presets import preset_defaults
 
-    def rank_main(comm: ThreadComm) -> set[str]:
-        params = [seeded((6, 4), 0), seeded((4, 4), 1)]
-        opt = DistributedMuon(params, preset=preset, comm=comm)
-        for i, p in enumerate(params):
-            p.grad = seeded(tuple(p.shape), 2 + i)
-        opt.step()
-        return {b.direction_dtype for b in opt.last_plan.batches}
-
-    assert on_threads(2, rank_main) == [{sent}] * 2
+    cfg = group_config(preset_defaults(preset, {}))
+    chosen = send_dtype(backend("torch"), cfg, torch.float32)
+    assert (None if chosen is None else str(chosen)) == sent
+    assert send_dtype(backend("gram"), cfg, torch.float32) is None  # a backend that does not read through it
+    layouts = [ParamLayout(f"p{i}", (4, 4), "torch.float32", (0, 1), (code,))
+               for i, code in enumerate(("S0", "S0", "R"))]
+    step_plan = plan(tuple(Entry(lay, 0, "torch.bfloat16", True, sent) for lay in layouts), Options())
+    assert {b.path: b.direction_dtype for b in step_plan.batches} == {
+        "all_to_all": sent or "torch.float32", "replicated": "torch.float32"}
