@@ -4,7 +4,7 @@ Cost (FLOPs of one NS run on an (m, n) matrix, transposed so that m <= n, k step
     A = X X^T: 2 m^2 n;   A A: 2 m^3;   B X: 2 m^2 n        =>   k (4 m^2 n + 2 m^3)
 lpt: every unit sorted by cost, largest first, to the least loaded rank (Graham's longest-processing-time rule:
 max load <= 4/3 of the optimum). The planner's global dispatch uses it; muon_dist/harness/rules.py compares it
-with the field's other rules.
+with the field's other rules. rounds: the global batch cut into rounds that keep that balance.
 """
 
 from __future__ import annotations
@@ -26,3 +26,20 @@ def lpt(costs: list[int], world_size: int) -> list[int]:
         owner[i] = rank
         heapq.heappush(heap, (load + costs[i], rank))
     return owner
+
+
+def rounds(costs: list[int], owner: list[int], count: int) -> list[int]:
+    """The round (0 .. count - 1) of every unit: each rank's units, in their order, cut by cumulative cost into
+    `count` consecutive pieces of about equal cost (a unit goes to the round its cost's midpoint falls in), so
+    every round gives each rank about 1/count of its load, and the rounds together keep lpt's balance."""
+    totals: dict[int, int] = {}
+    for c, r in zip(costs, owner):
+        totals[r] = totals.get(r, 0) + c
+    seen: dict[int, int] = {}
+    out = []
+    for c, r in zip(costs, owner):
+        before = seen.get(r, 0)
+        seen[r] = before + c
+        total = totals[r]
+        out.append(min(count - 1, (2 * before + c) * count // (2 * total)) if total else 0)
+    return out

@@ -33,7 +33,7 @@ from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
 from .geometry import Geometry
 from .kernels import backend, send_dtype
 from .layout import ParamLayout, read_layout
-from .plan import Entry, Options, Plan
+from .plan import ROUNDS, Entry, Options, Plan
 from .step import ParamInput, execute, prepare
 
 
@@ -66,7 +66,8 @@ class DistributedMuon(torch.optim.Optimizer):
     them), plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of
     one without a process group: default_comm),
     `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
-    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py) and
+    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py), `rounds`
+    (global dispatch cut into that many balanced rounds, pipelined: muon_dist.balance.rounds) and
     `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
     tolerance) and `atomic`: False (default) writes the step in write groups, each after every rank agreed that its
     local work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
@@ -82,6 +83,7 @@ class DistributedMuon(torch.optim.Optimizer):
         remainder: str = "agrs",
         force_path: str | None = None,
         dispatch: str = "batched",
+        rounds: int = ROUNDS,
         ns_backend: str = "torch",
         atomic: bool = False,
         **kwargs: Any,
@@ -94,6 +96,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 remainder=remainder,
                 force_path=force_path,
                 dispatch=dispatch,
+                rounds=rounds,
                 ns_backend=ns_backend,
                 atomic=atomic,
             ),
@@ -109,7 +112,10 @@ class DistributedMuon(torch.optim.Optimizer):
         self.comm = comm if comm is not None else default_comm()
         self.backend = backend(construction["ns_backend"])
         self.options = Options(
-            construction["remainder"], construction["force_path"], construction["dispatch"]
+            construction["remainder"],
+            construction["force_path"],
+            construction["dispatch"],
+            construction.get("rounds", ROUNDS),
         )
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]

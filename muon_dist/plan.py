@@ -1,10 +1,13 @@
 """plan(): a pure function of every parameter's layout -> a frozen Plan, identical on every rank.
 
-Params with the same layout (all but the name), the same param group and the same kernel output dtype form a
-run; a run on a sharded layout is cut, in param-group order, into batches of W (the shard group's size) that take
-the all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the padded
-all-to-all). Replicated runs are cut into batches of at most W. Each path's module gives the owners (member k
-orthogonalises param k). The digest of the plan is compared across ranks before the first data collective.
+Params with the same layout (all but the name), the same param group, kernel output dtype and direction dtype
+form a run; a run on a sharded layout is cut, in param-group order, into full batches of W (the shard group's
+size) that take the all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the
+padded all-to-all). Consecutive full batches of a run are packed into one all_to_all batch of k W params (member
+j owns params j, j + W, ...), k the most that keeps it within 1/rounds of the step's elements (Options.rounds,
+at least one batch; none for a group of one or under force_path): the same owners, bits and bytes as batches of
+W, in fewer collectives. Replicated runs are cut into batches of at most W. Each path's module gives the
+owners. The digest of the plan is compared across ranks before the first data collective.
 
 Params with separate blocks (split_sizes, num_heads) take the "blocks" path when sharded: each block goes to the
 member that holds most of it. Expert stacks (a shared layout of several blocks: 3-D [E, m, n], or fused [E * m, n] with num_experts) are planned
@@ -16,34 +19,42 @@ case: the boxes say which case it is.
 dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (GLOBAL_DISPATCH: the
 all-to-all family) into one "global_all_to_all" batch per (shard groups, direction dtype, update dtype), each
 param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
-param index and rank). Expert paths and replicated batches stay as they are.
+param index and rank), cut into Options.rounds rounds (muon_dist.balance.rounds: each owner gets about
+1/rounds of its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
+groups of one stay as they are.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .balance import lpt, ns_flops
+from .balance import lpt, ns_flops, rounds
 from .batch import Batch
 from .geometry import parse_placement
 from .layout import ParamLayout
 from .paths import PATHS
 
 REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.REMAINDER)
+# DistributedMuon's default: global dispatch in this many rounds (docs/benchmarks.md: the dense set at W = 2 and
+# 4 with 1, 2, 4 and 8 rounds)
+ROUNDS = 4
 
 
 @dataclass(frozen=True)
 class Options:
     """remainder: the path of a remainder batch. force_path: every sharded batch takes this path, full or not
-    (so only the paths that take any batch size). dispatch: "batched" (batches of W same-layout params) or
-    "global" (one LPT-balanced batch per shard group and dtype pair)."""
+    (so only the paths that take any batch size). dispatch: "batched" (batches of W same-layout params, packed)
+    or "global" (one LPT-balanced batch per shard group and dtype pair, in rounds). rounds: the step's
+    all-to-all traffic goes in about this many rounds, pipelined (module docstring)."""
 
     remainder: str = "agrs"
     force_path: str | None = None
     dispatch: str = "batched"
+    rounds: int = ROUNDS
 
     def __post_init__(self) -> None:
         if self.remainder not in REMAINDER_PATHS:
@@ -55,6 +66,8 @@ class Options:
             )
         if self.dispatch not in ("batched", "global"):
             raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
+        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
+            raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
         if self.dispatch == "global" and self.force_path is not None:
             raise ValueError(
                 f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
@@ -151,8 +164,22 @@ def _batch_path(entry: Entry, num_params: int, options: Options) -> str:
         return "replicated"
     if options.force_path is not None:
         return options.force_path
-    full = num_params == geometry.group_size
+    full = num_params % geometry.group_size == 0
     return expert_path(entry.layout) or ("all_to_all" if full else options.remainder)
+
+
+def _packed(entry: Entry, group_size: int, cap: float) -> int:
+    """How many full batches of this layout's params one all_to_all batch takes: as many as keep the batch within
+    `cap` elements (1/rounds of the step's), at least one. Only the all-to-all family packs (other paths keep
+    batches of W)."""
+    if (
+        group_size == 1  # no collective to save: batches of one param, one write group each
+        or not entry.layout.geometry.sharded
+        or expert_path(entry.layout) is not None
+        or entry.layout.matrices.separate
+    ):
+        return 1
+    return max(1, int(cap // (group_size * math.prod(entry.layout.global_shape))))
 
 
 @functools.lru_cache(maxsize=16)
@@ -165,6 +192,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
         if entry.active:
             runs.setdefault(entry.key(), []).append(i)
     batches = []
+    cap = sum(math.prod(e.layout.global_shape) for e in entries if e.active) / options.rounds
     for members in runs.values():
         first = entries[members[0]]
         geometry = first.layout.geometry
@@ -180,8 +208,13 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                 )
             )
             continue
-        for start in range(0, len(members), geometry.group_size):
-            chunk = tuple(members[start : start + geometry.group_size])
+        W = geometry.group_size
+        full = len(members) - len(members) % W
+        # same-layout full batches packed into one all_to_all batch (never under force_path: its batches take W)
+        per = W * (_packed(first, W, cap) if options.force_path is None else 1)
+        starts = [*range(0, full, per), *([full] if full < len(members) else [])]
+        for start, end in zip(starts, [*starts[1:], len(members)]):
+            chunk = tuple(members[start:end])
             path = _batch_path(first, len(chunk), options)
             batches.append(
                 Batch(
@@ -194,17 +227,19 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                 )
             )
     if options.dispatch == "global":
-        batches = _global(entries, batches)
+        batches = _global(entries, batches, options.rounds)
     return Plan(tuple(entries), options, tuple(batches))
 
 
-def _global(entries: tuple[Entry, ...], batches: list[Batch]) -> list[Batch]:
+def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> list[Batch]:
     """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), after the
-    other batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs."""
+    other batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into
+    `count` rounds (balance.rounds: each round gives each owner about 1/count of its load; empty rounds
+    dropped)."""
     kept, merged = [], {}
     for batch in batches:
-        if not PATHS[batch.path].GLOBAL_DISPATCH:
-            kept.append(batch)
+        if not PATHS[batch.path].GLOBAL_DISPATCH or batch.group_size == 1:
+            kept.append(batch)  # (a group of one moves nothing: its batches stay one param each)
             continue
         key = (batch.geometries[0].groups, batch.direction_dtype, batch.update_dtype)
         merged.setdefault(key, []).extend(batch.params)
@@ -215,17 +250,21 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch]) -> list[Batch]:
             for i in params
         ]
         geometries = tuple(entries[i].layout.geometry for i in params)
-        owners = tuple(lpt(costs, geometries[0].group_size))
-        kept.append(
-            Batch(
-                "global_all_to_all",
-                tuple(params),
-                geometries,
-                owners,
-                direction_dtype,
-                update_dtype,
-            )
-        )
+        owners = lpt(costs, geometries[0].group_size)
+        round_of = rounds(costs, owners, count)
+        for r in range(count):
+            members = [k for k, rr in enumerate(round_of) if rr == r]
+            if members:
+                kept.append(
+                    Batch(
+                        "global_all_to_all",
+                        tuple(params[k] for k in members),
+                        tuple(geometries[k] for k in members),
+                        tuple(owners[k] for k in members),
+                        direction_dtype,
+                        update_dtype,
+                    )
+                )
     return kept
 
 

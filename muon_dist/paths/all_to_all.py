@@ -1,7 +1,8 @@
-"""All-to-all path: a batch of W same-layout params, sharded over a group of W ranks; member k owns param k.
+"""All-to-all path: a batch of k W same-layout params (k full batches of W, packed by the plan), sharded over a
+group of W ranks; member j owns params j, j + W, ...
 
-Forward all_to_all_single: member j sends its box of param k to member k, with split sizes, so uneven and
-empty boxes need no padding. Owner k joins the boxes into exactly the global matrix, runs the kernel, cuts
+Forward all_to_all_single: member j sends its boxes of the params owned by o to member o, with split sizes, so
+uneven and empty boxes need no padding. Each owner joins the boxes into exactly the global matrix, runs the kernel, cuts
 the update into boxes and sends them back with a second all_to_all_single (muon_dist/paths/exchange.py). Uneven
 shards take this path too and report it under the same name, "all_to_all" (proofs/paths.md#a2a-uneven).
 
@@ -31,12 +32,12 @@ MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
-    return tuple(range(num_params))
+    return tuple(k % group_size for k in range(num_params))
 
 
 def check(batch: Batch) -> None:
-    assert len(batch.params) == batch.group_size and batch.owners == owners(
-        batch.group_size, batch.group_size
+    assert len(batch.params) % batch.group_size == 0 and batch.owners == owners(
+        len(batch.params), batch.group_size
     ), batch
 
 

@@ -1,12 +1,12 @@
-"""Global all-to-all path: every sharded Muon param of a step that shares a shard group of W ranks and a
-(direction dtype, update dtype) pair, in one batch of any size; member owners[k] owns param k (the plan's LPT
-assignment on Newton-Schulz FLOPs, muon_dist/plan.py).
+"""Global all-to-all path: the sharded Muon params of a step that share a shard group of W ranks and a
+(direction dtype, update dtype) pair, in one batch of any size per round (Options.rounds); member owners[k]
+owns param k (the plan's LPT assignment on Newton-Schulz FLOPs over all of them, muon_dist/plan.py).
 
 Forward: ONE all_to_all_single: member j sends owner o its boxes of the params o owns, concatenated in param
 order, with split sizes (uneven and empty boxes need no padding). The owner joins each param's boxes into
 exactly its global matrix and runs that param's own kernel. Back: ONE all_to_all_single with the update
-boxes in the same order (muon_dist/paths/exchange.py). So two collectives per (group, dtype pair) and step,
-whatever the number of shapes.
+boxes in the same order (muon_dist/paths/exchange.py). So two collectives per (group, dtype pair), round and
+step, whatever the number of shapes.
 
 Reference equation, on every member r and for every param k of the batch:
     run(batch)[k] == box_r(kernel_k(full(batch[k])))

@@ -45,7 +45,7 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
             else:
                 path = (opts.get("force_path") or expert_path(case, shape, placement, world_size)
                         or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs")))
-            if opts.get("dispatch") == "global" and path in ("all_to_all", "agrs", "padded_all_to_all"):
+            if opts.get("dispatch") == "global" and path in ("all_to_all", "agrs", "padded_all_to_all") and W > 1:
                 path = "global_all_to_all"
             for i in chunk:
                 paths[i] = path

@@ -23,7 +23,7 @@ from .checks import run_case, run_unchecked, timeout_for
 from .test_equivalence import cases
 from .workers import Case
 
-GLOBAL = (("dispatch", "global"),)
+GLOBAL = (("dispatch", "global"), ("rounds", 1))  # one merged batch (rounds: tests/dist/test_plan.py)
 
 
 def _global(drawn: tuple[int, Case]) -> tuple[int, Case]:
@@ -97,11 +97,11 @@ def test_lpt_owners_balance_no_worse_than_per_shape_batches() -> None:
     W = 4
     shapes = [(512, 512)] * 6 + [(512, 2048)] * 3 + [(2048, 512)] * 3 + [(128, 512)] * 2 + [(64, 64)] * 5
     entries = tuple(_entry(0, W, s) for s in shapes)
-    batched, glob = plan(entries, Options()), plan(entries, Options(dispatch="global"))
+    batched, glob = plan(entries, Options()), plan(entries, Options(dispatch="global", rounds=1))
     assert [b.path for b in glob.batches] == ["global_all_to_all"]
     assert max(_loads(glob, W)) <= max(_loads(batched, W)), (_loads(glob, W), _loads(batched, W))
     assert max(_loads(glob, W)) < max(_loads(batched, W))  # this mix: strictly better
-    again = plan(tuple(_entry(3, W, s) for s in shapes), Options(dispatch="global"))
+    again = plan(tuple(_entry(3, W, s) for s in shapes), Options(dispatch="global", rounds=1))
     assert again.batches == glob.batches and again.digest() == glob.digest()  # the same owners on every rank
     assert glob.digest() != batched.digest()
 

@@ -4,12 +4,13 @@ exactly when what the ranks must agree on changes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist import Entry, Options, plan
+from muon_dist import Entry, Options, expected_bytes, plan
 from muon_dist.balance import lpt, ns_flops
 from muon_dist.paths import PATHS
 
@@ -17,6 +18,8 @@ from tests.conftest import examples
 
 from .batches import layout_1d, layout_ep
 from .checks import timeout_for
+
+ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 from .test_experts import placed_models, textbook_path
 
 pytestmark = pytest.mark.timeout(timeout_for(60))
@@ -88,13 +91,14 @@ def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_
     LPT on each param's Newton-Schulz FLOPs; the other batches stay as they are."""
     entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
                     for shape, placement, group, active, update in spec)
-    batched = plan(entries, Options(remainder))
-    merged = plan(entries, Options(remainder, dispatch="global"))
-    kept = [b for b in batched.batches if not PATHS[b.path].GLOBAL_DISPATCH]
+    batched = plan(entries, Options(remainder, rounds=1))
+    merged = plan(entries, Options(remainder, dispatch="global", rounds=1))
+    # (a shard group of one moves nothing: its batches stay as they are)
+    kept = [b for b in batched.batches if not PATHS[b.path].GLOBAL_DISPATCH or b.group_size == 1]
     assert list(merged.batches[:len(kept)]) == kept
     runs: dict[tuple, list[int]] = {}
     for b in batched.batches:
-        if PATHS[b.path].GLOBAL_DISPATCH:
+        if PATHS[b.path].GLOBAL_DISPATCH and b.group_size > 1:
             runs.setdefault((b.geometries[0].groups, b.direction_dtype, b.update_dtype), []).extend(b.params)
     assert len(merged.batches) == len(kept) + len(runs)
     for b, ((groups, direction, update), params) in zip(merged.batches[len(kept):], runs.items()):
@@ -147,3 +151,64 @@ def test_options_read_their_names_by_value_as_a_command_line_gives_them() -> Non
     entries = tuple(entry(0, 4, (5, 3), "S0") for _ in range(6))
     assert plan(entries, Options(dispatch=built["global"])).path_of() == ("global_all_to_all",) * 6
     assert plan(entries, Options(built["padded_all_to_all"])).path_of() == ("all_to_all",) * 4 + ("padded_all_to_all",) * 2
+
+
+@settings(max_examples=examples(1.0))
+@given(W=st.integers(2, 6), spec=mixed, count=st.integers(1, 8))
+def test_global_rounds_cut_the_merged_batch_keeping_every_owner_and_about_one_round_of_its_load_each(
+        W: int, spec: list, count: int) -> None:
+    """Options.rounds with dispatch="global": each merged batch cut into up to `count` global_all_to_all batches
+    (muon_dist.balance.rounds): the same params in param order, each with the owner LPT gives it in the merged
+    batch, and every owner's load in round r within one param's cost of 1/count of its load."""
+    entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
+                    for shape, placement, group, active, update in spec)
+    one = plan(entries, Options(dispatch="global", rounds=1))
+    cut = plan(entries, Options(dispatch="global", rounds=count))
+    def key(b):
+        return b.geometries[0].groups, b.direction_dtype, b.update_dtype
+
+    whole = {i: (b.owners[k], key(b)) for b in one.batches if b.path == "global_all_to_all"
+             for k, i in enumerate(b.params)}
+    parts = [b for b in cut.batches if b.path == "global_all_to_all"]
+    assert [b for b in cut.batches if b.path != "global_all_to_all"] == [
+        b for b in one.batches if b.path != "global_all_to_all"]
+    assert sorted(i for b in parts for i in b.params) == sorted(whole)
+    assert all(list(b.params) == sorted(b.params) for b in parts)
+    for b in parts:
+        assert all(whole[i] == (o, key(b)) for i, o in zip(b.params, b.owners))
+    cost = {i: ns_flops(*entries[i].layout.global_shape) for i in whole}
+    for merged_key in {k for _, k in whole.values()}:
+        mine = [b for b in parts if key(b) == merged_key]
+        assert len(mine) <= count
+        for owner in range(W):
+            owned = [cost[i] for i, (o, k) in whole.items() if o == owner and k == merged_key]
+            for b in mine:
+                load = sum(cost[i] for i, o in zip(b.params, b.owners) if o == owner)
+                assert abs(load - sum(owned) / count) <= max(owned, default=0), (owner, load, owned, count)
+
+
+@settings(max_examples=examples(1.0))
+@given(W=st.integers(1, 6), spec=mixed, count=st.integers(1, 8))
+def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_round_of_the_step(
+        W: int, spec: list, count: int) -> None:
+    """Options.rounds with dispatch="batched": a run's full batches of W are packed, k at a time, into one
+    all_to_all batch (member j owns params j, j + W, ...), k the most that keeps the batch within 1/rounds of the
+    step's elements (at least 1); the params' order, paths and traffic are those of batches of W."""
+    entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
+                    for shape, placement, group, active, update in spec)
+    packed, single = plan(entries, Options(rounds=count)), plan(entries, Options(rounds=10**9))
+    assert packed.path_of() == single.path_of()
+    assert [i for b in packed.batches for i in b.params] == [i for b in single.batches for i in b.params]
+    cap = sum(math.prod(e.layout.global_shape) for e in entries if e.active) / count
+    for b in packed.batches:
+        if b.path != "all_to_all" or b.group_size == 1:  # a group of one packs nothing: no collective to save
+            assert b.path != "all_to_all" or len(b.params) == 1
+            continue
+        size = math.prod(entries[b.params[0]].layout.global_shape)
+        assert len({entries[i].key() for i in b.params}) == 1
+        assert b.owners == tuple(k % W for k in range(len(b.params)))
+        assert len(b.params) == W or len(b.params) * size <= cap, (len(b.params), size, cap)
+    for b in single.batches:
+        assert b.path != "all_to_all" or len(b.params) == b.group_size
+    for rank in range(W):
+        assert expected_bytes(packed, rank, ITEMSIZES) == expected_bytes(single, rank, ITEMSIZES)
