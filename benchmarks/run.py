@@ -8,10 +8,11 @@
 1. Step time and bytes per rank, W ranks on gloo (muon_dist.harness.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
    same pool, steps interleaved (the order rotates every step) so that the machine's load hits all alike:
-     distributed        DistributedMuon, automatic mode (all-to-all, AGRS for remainders, local experts)
-     padded_all_to_all  DistributedMuon(remainder="padded_all_to_all"): remainders padded with zero matrices
-                        (xtuner, Dion)
-     global             DistributedMuon(dispatch="global"): LPT owners, one ragged all-to-all each way
+     distributed        DistributedMuon as it comes: global dispatch (LPT owners, ragged all-to-alls in 4
+                        pipelined rounds), local experts
+     batched            DistributedMuon(dispatch="batched"): same-shape batches of W (packed), AGRS for remainders
+     padded_all_to_all  DistributedMuon(remainder="padded_all_to_all"): batched, remainders padded with zero
+                        matrices (xtuner, Dion)
      full_tensor        (a) all-gather every direction, NS on every rank (LlamaFactory v2, muonium)
      gather_scatter     (c) gather to owner i mod W, NS, scatter (samsja muon_fsdp2)
    and on a set of 2-D matrices (dense) the peers of benchmarks/peers.py, timed beside them:
@@ -54,7 +55,7 @@ from muon_dist.paths import PATHS
 from . import balance_table, memory, peers
 
 # compared with muon_ref bit for bit in every run; the peers (benchmarks.peers) are timed beside them
-METHODS = ("distributed", "padded_all_to_all", "global", "full_tensor", "gather_scatter")
+METHODS = ("distributed", "batched", "padded_all_to_all", "full_tensor", "gather_scatter")
 MEMORY_STEPS = 3
 
 
@@ -159,10 +160,10 @@ def make(method: str, params: list[torch.Tensor], names: list[str], b: Bench) ->
     if method == "dion":
         return peers.dion_muon(peers.load_dion(b.dion), params)
 
-    if method in ("distributed", "padded_all_to_all", "global"):
+    if method in ("distributed", "batched", "padded_all_to_all"):
         options = {
             "padded_all_to_all": {"remainder": "padded_all_to_all"},
-            "global": {"dispatch": "global"},
+            "batched": {"dispatch": "batched"},
         }
         return DistributedMuon(
             [{"params": params, "param_names": names}], preset=preset, **options.get(method, {})
@@ -371,7 +372,7 @@ def print_ratios(rows: list[dict]) -> None:
         for peer, pairs in (("dion", (("step_ms", "step"),)), ("torch_muon", PEER_COLUMNS))
         if peer in by
         for key, what in pairs
-        for mine in ("distributed", "global")
+        for mine in ("distributed", "batched")
     ]
     if parts:
         print("ratios of this run: " + "; ".join(parts))

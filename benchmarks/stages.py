@@ -4,7 +4,7 @@
 
 Parameter set `dense` (benchmarks.run): the 28 Muon matrices of a 4-layer transformer with d = 256 and ff = 1024,
 fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset "torch" (bf16 NS).
-Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global", and with --dion PATH
+Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global" (its default), and with --dion PATH
 (a microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
 
 Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested

@@ -59,15 +59,28 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def resolve_options(
+    remainder: str | None, force_path: str | None, dispatch: str | None, rounds: int
+) -> Options:
+    """The plan's Options from DistributedMuon's arguments: dispatch None is "global" (the fastest in
+    docs/benchmarks.md), or "batched" when a remainder path or a forced path is asked for (options of batched
+    dispatch); remainder None is "agrs"."""
+    if dispatch is None:
+        dispatch = "batched" if remainder is not None or force_path is not None else "global"
+    return Options(remainder or "agrs", force_path, dispatch, rounds)
+
+
 class DistributedMuon(torch.optim.Optimizer):
     """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
     and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
     muon_dist/checkpoint.py; torch.optim.Muon's signature and state dicts as muon_ref.Muon takes
     them), plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of
     one without a process group: default_comm),
-    `remainder` ("agrs" | "padded_all_to_all"), `force_path`, `dispatch` ("batched" | "global": one
-    FLOP-balanced all-to-all per shard group and dtype pair, muon_dist/paths/global_all_to_all.py), `rounds`
-    (global dispatch cut into that many balanced rounds, pipelined: muon_dist.balance.rounds) and
+    `dispatch` ("global", the default: FLOP-balanced all-to-alls per shard group and dtype pair,
+    muon_dist/paths/global_all_to_all.py; or "batched": batches of W same-layout params, the default when
+    `remainder` or `force_path` is given), `remainder` ("agrs" | "padded_all_to_all": batched dispatch's
+    remainder path), `force_path`, `rounds` (the step's all-to-all traffic in about that many pipelined rounds:
+    muon_dist/plan.py) and
     `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
     tolerance) and `atomic`: False (default) writes the step in write groups, each after every rank agreed that its
     local work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
@@ -80,9 +93,9 @@ class DistributedMuon(torch.optim.Optimizer):
         params: Iterable[Any],
         *args: Any,
         comm: Comm | None = None,
-        remainder: str = "agrs",
+        remainder: str | None = None,
         force_path: str | None = None,
-        dispatch: str = "batched",
+        dispatch: str | None = None,
         rounds: int = ROUNDS,
         ns_backend: str = "torch",
         atomic: bool = False,
@@ -111,7 +124,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.construction = construction
         self.comm = comm if comm is not None else default_comm()
         self.backend = backend(construction["ns_backend"])
-        self.options = Options(
+        self.options = resolve_options(
             construction["remainder"],
             construction["force_path"],
             construction["dispatch"],

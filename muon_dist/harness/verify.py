@@ -8,7 +8,7 @@ For each world size, gloo ranks (muon_dist.harness.launch.RankPool) train the Mu
 transformer with dense and MoE layers (muon_dist.harness.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
-mode, forcing each remainder path, with dispatch="global", and across a checkpoint (torch.distributed.checkpoint
+mode, forcing each remainder path, with dispatch="batched", and across a checkpoint (torch.distributed.checkpoint
 save after half the steps, load into fresh params and a fresh optimizer, continue). On the ep mesh (2 x W/2, placements (Shard(0), Shard(0))) the experts
 are fused [E * m, n] with num_experts = E, the layout whose boxes can split an expert, so the expert paths
 (local, subgroup_all_gather, or the fallback) all occur. The parent runs muon_ref.Muon on the full tensors with
@@ -63,7 +63,7 @@ class Run:
     mesh: str  # "fsdp" | "hsdp" | "ep" | "ddp" | "tp"
     preset: str
     mode: str  # "auto" | "resume" | "remainder=padded_all_to_all" | "force=agrs" | "force=padded_all_to_all"
-    #            | "dispatch=global"
+    #            | "dispatch=batched"
     dtype: str = "float32"
     steps: int = 3
     seed: int = 0
@@ -159,7 +159,8 @@ def placement(run: Run, spec: ParamSpec) -> tuple[str, str]:
 
 def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> list[Run]:
     """Every preset (or those given) in automatic mode on the 1-D mesh; the torch preset on the other meshes,
-    in bf16, across a checkpoint, with each remainder path forced, and with dispatch="global"."""
+    in bf16, across a checkpoint, with each remainder path forced, and with dispatch="batched" (automatic mode
+    is DistributedMuon's default, global dispatch)."""
     out = [Run(world_size, "fsdp", p, "auto", steps=steps) for p in sorted(presets or PRESETS)]
     out.append(Run(world_size, "fsdp", "torch", "auto", "bfloat16", steps=steps))
     out.append(Run(world_size, "fsdp", "torch", "resume", steps=max(steps, 2)))
@@ -175,7 +176,7 @@ def runs_for(world_size: int, steps: int, presets: list[str] | None = None) -> l
                 "remainder=padded_all_to_all",
                 "force=agrs",
                 "force=padded_all_to_all",
-                "dispatch=global",
+                "dispatch=batched",
             )
         ]
     return out

@@ -26,6 +26,9 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
     """The planner's rule, restated: same-layout params in order, batches of W; a full batch of a sharded
     layout takes all_to_all, a remainder the remainder path; plain and Replicate params take replicated."""
     opts = dict(case.options)
+    if "dispatch" not in opts:  # DistributedMuon's default (muon_dist.optim.resolve_options)
+        batched = "remainder" in opts or "force_path" in opts
+        opts["dispatch"] = "batched" if batched else "global"
     runs: dict[tuple, list[int]] = {}
     for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
         runs.setdefault(key, []).append(i)

@@ -125,8 +125,10 @@ def test_a_tensor_parallel_fsdp2_transformer_block_trains_bitwise_with_muon_ref(
     assert placements["qkv.weight"][0].startswith("_S") and placements["o.weight"] == ["S(0)", "S(1)"], placements
     for r in results:
         assert all(not any(step.values()) for step in r["differs"]), (r["rank"], r["differs"])
-        # the MLP's matrices are remainders of fewer than W params of their layout: AGRS over every rank
-        assert dict(r["paths"]) == {"qkv": "blocks", "o": "blocks", "gate": "agrs", "up": "agrs", "down": "agrs"}
+        # the MLP's matrices go to LPT owners over every rank (global dispatch, the default)
+        assert dict(r["paths"]) == {
+            "qkv": "blocks", "o": "blocks", "gate": "global_all_to_all", "up": "global_all_to_all",
+            "down": "global_all_to_all"}
 
 
 @pytest.mark.timeout(60)

@@ -120,7 +120,8 @@ def test_every_mesh_shape_gives_the_same_parameters(model: dict) -> None:
 @pytest.mark.parametrize("E, m, want", [(1, 4, "subgroup_all_gather"), (2, 2, "local"), (3, 2, "agrs")])
 def test_hsdp_rows_run_the_expert_paths_each_in_its_own_sub_groups(E: int, m: int, want: str) -> None:
     """(Replicate, Shard(0)) on 2 x 2: each replica row is a shard group of 2; its sub-groups are its own."""
-    results = run_case(4, Case(((E * m, 3),), ("S0",), mesh="hsdp", overrides=(("num_experts", E),)))
+    results = run_case(4, Case(((E * m, 3),), ("S0",), mesh="hsdp", overrides=(("num_experts", E),),
+                               options=(("dispatch", "batched"),)))  # the fallback: agrs when batched
     assert {p for _, p in results[0]["paths"]} == {want}
 
 
@@ -153,7 +154,8 @@ def test_fallback_moves_the_all_to_all_of_the_nested_boxes() -> None:
     4 stacks on the 4 members take the all-to-all: each member sends (W - 1) boxes and receives as many, and
     the same back. Box: 3 n elements, from E_local = 3 experts per EP rank (never E * m = 12 rows)."""
     n = 3
-    W, case = expert_case(6, 2, n, True, 2, 2, 4, overrides=FP32)
+    # batches of W (batched dispatch): every member owns one stack
+    W, case = expert_case(6, 2, n, True, 2, 2, 4, overrides=FP32, options=(("dispatch", "batched"),))
     box = 3 * n
     for r in run_case(W, case):
         assert r["bytes"]["all_to_all"] == (2 * (W - 1) * box * 4,) * 2
