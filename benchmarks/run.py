@@ -1,6 +1,7 @@
 """Benchmarks: DistributedMuon against the field's baselines on gloo ranks, the planner's load balance, memory.
 
     python -m benchmarks [--quick] [--world-sizes 1 2 4] [--sets dense tiny_moe scaled_moe] [--dion PATH]
+                         [--rounds N]
                          [--warmup 2] [--steps 10]
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
@@ -101,6 +102,7 @@ class Bench:
     preset: str = "torch"
     seed: int = 0
     dion: str | None = None  # a microsoft/dion checkout: time dion.Muon beside the others
+    rounds: int | None = None  # DistributedMuon's rounds= (None: its default)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -165,8 +167,12 @@ def make(method: str, params: list[torch.Tensor], names: list[str], b: Bench) ->
             "padded_all_to_all": {"remainder": "padded_all_to_all"},
             "batched": {"dispatch": "batched"},
         }
+        rounds = {} if b.rounds is None else {"rounds": b.rounds}
         return DistributedMuon(
-            [{"params": params, "param_names": names}], preset=preset, **options.get(method, {})
+            [{"params": params, "param_names": names}],
+            preset=preset,
+            **options.get(method, {}),
+            **rounds,
         )
     cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
     return cls(params, names, preset, CountingCollectives())
@@ -403,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="DistributedMuon's rounds= for its methods (default: DistributedMuon's own)",
+    )
+    parser.add_argument(
         "--sets", nargs="+", choices=sorted(SETS), default=["dense", "tiny_moe", "scaled_moe"]
     )
     parser.add_argument(
@@ -431,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = RankPool(W)
         try:
             for table in args.sets:
-                b = Bench(table, W, args.warmup, args.steps, dion=args.dion)
+                b = Bench(table, W, args.warmup, args.steps, dion=args.dion, rounds=args.rounds)
                 results = pool.run(rank_bench, b, timeout=args.timeout)
                 rows = summarise(b, results, reference(b))
                 print_steps(b, rows, results[0]["paths"])
