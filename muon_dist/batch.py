@@ -35,6 +35,15 @@ def run_to_end(steps: Steps) -> Any:
             return done.value
 
 
+def blocking(steps: Callable[..., Steps]) -> Callable[..., Any]:
+    """A PIPELINED path's run from its steps: the same arguments, the Steps run to their end."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return run_to_end(steps(*args, **kwargs))
+
+    return run
+
+
 @dataclass(frozen=True)
 class Batch:
     """params: indices into the plan's entries, in param-group order; geometries: each param's (all share one shard

@@ -5,7 +5,8 @@ Forward: member j sends owner o its boxes of the params o owns, concatenated in 
 (uneven and empty boxes need no padding). The owner joins each param's boxes into exactly its global tensor and
 runs that param's kernel on it. Back: the update's boxes, in the same order.
 
-Equation, on every member r and for every param k:  exchange(...)[k] == box_r(kernel_k(full(D_k)))
+Equation, on every member r and for every param k:  exchange_steps(...)[k] == box_r(kernel_k(full(D_k)))
+(the value the generator returns; muon_dist.batch.run_to_end runs it without pausing)
 (proofs/paths.md#a2a, #global): the owner joins exactly the global tensor (the boxes tile it) and runs the param's
 own kernel on it; the exchanges only move bits. Traffic of param k, for member r with box b_r of k's S elements:
 the owner receives S - b_owner direction elements and sends as many update elements back; any other member sends
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import FailureFlag, Kernel, Steps, run_to_end
+from ..batch import FailureFlag, Kernel, Steps
 from ..comm import Comm, Group
 from ..geometry import Geometry, whole
 from .shards import cut, join
@@ -43,25 +44,6 @@ def unpack(flat: Tensor, lengths: list[list[int]]) -> list[list[Tensor]]:
     return out
 
 
-def exchange(
-    comm: Comm,
-    group: Group,
-    geometries: Sequence[Geometry],
-    owners: Sequence[int],
-    directions: list[Tensor],
-    kernels: Sequence[Kernel],
-    update_dtype: torch.dtype,
-    name: str,
-    flag: FailureFlag | None = None,
-) -> list[Tensor]:
-    """This member's box of every param's update (module docstring), blocking: exchange_steps run to its end."""
-    return run_to_end(
-        exchange_steps(
-            comm, group, geometries, owners, directions, kernels, update_dtype, name, flag
-        )
-    )
-
-
 def exchange_steps(
     comm: Comm,
     group: Group,
@@ -73,7 +55,7 @@ def exchange_steps(
     name: str,
     flag: FailureFlag | None = None,
 ) -> Steps:
-    """exchange as Steps (muon_dist/batch.py): it yields right after issuing each of its two all-to-alls, so the
+    """The exchange as Steps (muon_dist/batch.py): it yields right after issuing each of its two all-to-alls, so the
     caller can compute while they run, and returns this member's box of every param's update (module docstring);
     collectives logged under `name`. A group of one owns every param whole: the kernels run on the directions as
     they are, with no exchange (and no yield). `flag`: the update's all-to-all also carries every member's

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, Steps, run_to_end
+from ..batch import Batch, FailureFlag, Kernel, Steps, blocking
 from ..comm import Comm, Group
 from .exchange import exchange_bytes, exchange_steps
 
@@ -39,17 +39,6 @@ def owners(num_params: int, group_size: int) -> tuple[int, ...]:
 
 def check(batch: Batch) -> None:
     assert len(batch.owners) == len(batch.params), batch
-
-
-def run(
-    comm: Comm,
-    group: Group,
-    batch: Batch,
-    directions: list[Tensor],
-    kernels: list[Kernel],
-    flag: FailureFlag | None = None,
-) -> list[Tensor]:
-    return run_to_end(steps(comm, group, batch, directions, kernels, flag))
 
 
 def steps(
@@ -71,6 +60,9 @@ def steps(
         NAME,
         flag,
     )
+
+
+run = blocking(steps)  # the interface's run: the Steps without pausing
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:

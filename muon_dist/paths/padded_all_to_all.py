@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, Steps, run_to_end
+from ..batch import Batch, FailureFlag, Kernel, Steps, blocking
 from ..comm import Comm, Group
 from .exchange import exchange_bytes, exchange_steps
 
@@ -46,17 +46,6 @@ def padded(batch: Batch) -> tuple[tuple, tuple[int, ...]]:
     )
 
 
-def run(
-    comm: Comm,
-    group: Group,
-    batch: Batch,
-    directions: list[Tensor],
-    kernels: list[Kernel],
-    flag: FailureFlag | None = None,
-) -> list[Tensor]:
-    return run_to_end(steps(comm, group, batch, directions, kernels, flag))
-
-
 def steps(
     comm: Comm,
     group: Group,
@@ -81,6 +70,9 @@ def steps(
         flag,
     )
     return updates[:real]
+
+
+run = blocking(steps)  # the interface's run: the Steps without pausing
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
