@@ -404,12 +404,12 @@ def execute(
     written = 0
     # every batch's process group, found in plan order on every rank (a first use may create sub-groups)
     process_groups = {id(batch): group_for(batch) for batch in step_plan.batches}
-    free = [carries_check(comm, b, process_groups[id(b)]) for b in step_plan.batches]
-    groups = write_groups(step_plan, atomic, free)
-    flags = {  # the groups whose last batch carries their failure check
+    free = {id(b): carries_check(comm, b, process_groups[id(b)]) for b in step_plan.batches}
+    groups = write_groups(step_plan, atomic, [free[id(b)] for b in step_plan.batches])
+    flags = {  # the groups whose last batch carries their failure check (a world of one needs none)
         id(group[-1]): FailureFlag(lambda: bool(failures), "failure_check")
         for group in groups
-        if comm.world_size > 1 and carries_check(comm, group[-1], process_groups[id(group[-1])])
+        if comm.world_size > 1 and free[id(group[-1])]
     }
 
     def task(batch: Batch) -> Steps:

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torch import Tensor
-
-from ..batch import Batch, FailureFlag, Kernel, Steps, blocking
-from ..comm import Comm, Group
-from .exchange import exchange_bytes, exchange_steps
+from ..batch import Batch, blocking
+from .exchange import batch_steps, exchange_bytes
 
 NAME = "all_to_all"
 GLOBAL_DISPATCH = True  # dispatch="global" merges its batches into global_all_to_all
@@ -41,27 +38,7 @@ def check(batch: Batch) -> None:
     ), batch
 
 
-def steps(
-    comm: Comm,
-    group: Group,
-    batch: Batch,
-    directions: list[Tensor],
-    kernels: list[Kernel],
-    flag: FailureFlag | None = None,
-) -> Steps:
-    return exchange_steps(
-        comm,
-        group,
-        batch.geometries,
-        batch.owners,
-        directions,
-        kernels,
-        batch.update_torch_dtype,
-        NAME,
-        flag,
-    )
-
-
+steps = batch_steps(NAME)  # the interface's steps: the exchange of the batch as planned
 run = blocking(steps)  # the interface's run: the Steps without pausing
 
 

@@ -15,12 +15,12 @@ b_r direction elements and receives b_r update elements (the lower bound 2 (W - 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from ..batch import FailureFlag, Kernel, Steps
+from ..batch import Batch, FailureFlag, Kernel, Steps
 from ..comm import Comm, Group
 from ..geometry import Geometry, whole
 from .shards import cut, join
@@ -123,6 +123,33 @@ def exchange_steps(
         for k, box in zip(owned[j], back[j]):
             updates[k] = box.reshape(geometries[k].boxes[me].shape)
     return updates  # type: ignore[return-value]
+
+
+def batch_steps(name: str) -> Callable[..., Steps]:
+    """The steps of a path that exchanges its batch as the plan gives it (all_to_all, global_all_to_all): the
+    batch's geometries and owners, updates in its update dtype, collectives logged under `name`."""
+
+    def steps(
+        comm: Comm,
+        group: Group,
+        batch: Batch,
+        directions: list[Tensor],
+        kernels: list[Kernel],
+        flag: FailureFlag | None = None,
+    ) -> Steps:
+        return exchange_steps(
+            comm,
+            group,
+            batch.geometries,
+            batch.owners,
+            directions,
+            kernels,
+            batch.update_torch_dtype,
+            name,
+            flag,
+        )
+
+    return steps
 
 
 def exchange_bytes(
