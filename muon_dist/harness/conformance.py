@@ -52,7 +52,7 @@ from .adapters.cases import (
 from .adapters.diagnose import diagnose
 from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, judge, reference_steps
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
-from .launch import RankFailure, RankPool
+from .launch import RankFailure, RankPool, device_unavailable
 
 if TYPE_CHECKING:
     from .adapters.planted import Planted
@@ -632,27 +632,35 @@ def _planted_families(planted: Planted) -> tuple[str, ...]:
     )
 
 
-def planted_suite(timeout: float, steps: int, log=_print) -> dict[str, Any]:
+def planted_suite(timeout: float, steps: int, log=_print, device: str = "cpu") -> dict[str, Any]:
     """The check measured on candidates it has not seen: the correct controls (muon_dist.harness.adapters.controls:
     each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
-    muon_dist.harness.adapters.planted.judge); one line each, then both figures: false positives (controls not
-    conforming) and misses (planted bugs not caught, or caught with the wrong diagnosis)."""
+    muon_dist.harness.adapters.planted.judge), every case on `device`; one line each, then both figures: false
+    positives (controls not conforming) and misses (planted bugs not caught, or caught with the wrong
+    diagnosis)."""
     pools: dict[tuple, RankPool] = {}  # the suite's own code: its adapters share rank pools
     try:
-        return _planted_suite(timeout, steps, log, pools)
+        return _planted_suite(timeout, steps, log, pools, device)
     finally:
         close_pools(pools)
 
 
 def _planted_suite(
-    timeout: float, steps: int, log: Callable[..., None], pools: dict[tuple, RankPool]
+    timeout: float,
+    steps: int,
+    log: Callable[..., None],
+    pools: dict[tuple, RankPool],
+    device: str,
 ) -> dict[str, Any]:
     from .adapters.controls import CONTROLS
     from .adapters.planted import PLANTED, UNREACHABLE, judge
 
     started, verdicts, controls = time.monotonic(), [], []
+    log(f"planted suite on {device}: {len(CONTROLS)} correct controls, {len(PLANTED)} planted bugs")
     for control in CONTROLS:
-        report = check(control(), (2, 3), steps, timeout, 0.0, log=lambda *_: None, pools=pools)
+        report = check(
+            control(), (2, 3), steps, timeout, 0.0, device=device, log=lambda *_: None, pools=pools
+        )
         controls.append(
             {
                 "control": report["adapter"],
@@ -675,6 +683,7 @@ def _planted_suite(
             timeout,
             0.0,
             families=_planted_families(planted),
+            device=device,
             log=lambda *_: None,
             pools=pools,
         )
@@ -704,6 +713,7 @@ def _planted_suite(
         f"misses {len(verdicts) - right}/{len(verdicts)} planted bugs (not caught or wrong diagnosis)"
     )
     return {
+        "device": device,
         "controls": controls,
         "false_positives": false_positives,
         "planted": verdicts,
@@ -769,11 +779,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    unavailable = device_unavailable(args.device)
+    if unavailable:
+        print(f"error: --device {unavailable}", file=sys.stderr)
+        return 2
     if args.planted:
         if args.adapter or args.all or args.origins:
             print("error: --planted runs the planted suite alone", file=sys.stderr)
             return 2
-        suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps)
+        suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps, device=args.device)
         if args.json:
             _write_json(args.json, suite)
         return 0 if suite["right"] == suite["total"] and not suite["false_positives"] else 1

@@ -130,6 +130,22 @@ def blocked_frame(dump: str) -> str | None:
 
 
 DEVICES = ("cpu", "cuda")
+
+
+def device_unavailable(device: str) -> str | None:
+    """Why ranks cannot run on `device` here, as the end of a one-line error that names it and the valid ones
+    ("{device!r} is not ..."); None when they can. Every entry point that takes a device (RankPool.start, verify,
+    conformance) asks before it starts a rank."""
+    import torch
+
+    if device not in DEVICES:
+        return f"{device!r} is not one of {DEVICES}"
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"'cuda' is not available here (torch {torch.__version__}, {why}); valid here: 'cpu'"
+    return None
+
+
 GRACE_IDLE_S = (
     0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
 )
@@ -319,6 +335,9 @@ class RankPool:
         self.zygotes: list[tuple[Any, Any]] = []
 
     def start(self) -> None:
+        unavailable = device_unavailable(self.device)
+        if unavailable:
+            raise RuntimeError(f"RankPool device {unavailable}")
         self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
         init_file = self.init_file = os.path.join(self.tmpdir, "rendezvous")
         if self.hash_seed is not None and self.device == "cpu":

@@ -473,6 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
     args = parser.parse_args(argv)
     args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
+    from .launch import device_unavailable
+
+    unavailable = device_unavailable("cuda" if args.backend == "nccl" else args.device)
+    if unavailable:
+        if args.backend == "nccl":
+            print(f"error: --backend nccl needs CUDA: {unavailable} (gloo)", file=sys.stderr)
+        else:
+            print(f"error: --device {unavailable}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(args)
