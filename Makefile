@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst $(space),_,$(TORCH_SPEC)))-$(sub
 space := $(subst ,, )
 comma := ,
 
-.PHONY: verify test lint notebooks test-fast test-thorough test-gpu bench bench-gpu mutation setup clean field
+.PHONY: verify test lint notebooks test-fast test-thorough test-gpu gpu-report bench bench-gpu mutation setup clean field
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ test-thorough: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# every GPU check in one run, each command's log and report kept in gpu-report/ (tests/gpu/run_all.py --help)
+gpu-report: $(STAMP)
+	$(PY) tests/gpu/run_all.py $(ARGS)
 
 # every notebook executed headless; its figures written to notebooks/figures/*.png (the stored notebooks unchanged)
 notebooks: $(STAMP)

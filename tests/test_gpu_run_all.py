@@ -1,0 +1,106 @@
+"""tests/gpu/run_all.py (`make gpu-report`) without a GPU: every command it would run parses under its own parser,
+a command's status, wall time and last line reach the summary (a failure, a timeout and a missing program included),
+the tests' JSON reports are kept, and a machine without CUDA is refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu as bench_gpu
+from muon_dist.harness import conformance
+
+RUN_ALL = Path(__file__).resolve().parent / "gpu" / "run_all.py"
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    spec = importlib.util.spec_from_file_location("gpu_run_all", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_harness_and_benchmark_command_parses_under_its_own_parser(run_all, tmp_path) -> None:
+    # the commands name flags of other modules: one renamed there must fail here, not on a GPU node
+    (conformance_argv,) = run_all.commands("conformance", tmp_path, None)
+    (planted_argv,) = run_all.commands("planted", tmp_path, None)
+    (bench_argv,) = run_all.commands("bench", tmp_path, "/some/dion")
+    for argv in (conformance_argv, planted_argv):
+        args = conformance._parser().parse_args(argv[3:])
+        assert args.device == "cuda" and args.json.startswith(str(tmp_path))
+    assert conformance._parser().parse_args(planted_argv[3:]).planted
+    args = bench_gpu.parse_args(bench_argv[4:])
+    assert args.dion == "/some/dion" and args.json == str(tmp_path / "bench.json")
+    (tests_argv,) = run_all.commands("tests", tmp_path, None)
+    assert tests_argv[1:6] == ["-m", "pytest", "-m", "gpu", "-q"]
+    with pytest.raises(ValueError, match="part must be one of"):
+        run_all.commands("notebooks", tmp_path, None)
+
+
+def test_a_commands_status_wall_time_and_last_line_reach_the_summary(run_all, tmp_path) -> None:
+    log = tmp_path / "part.log"
+    ok = run_all.run([sys.executable, "-c", "print('first'); print('last one')"], log, 60)
+    failed = run_all.run([sys.executable, "-c", "raise SystemExit(3)"], log, 60)
+    slow = run_all.run([sys.executable, "-c", "import time; time.sleep(30)"], log, 0.5)
+    missing = run_all.run(["no-such-program-here"], log, 60)
+    assert (ok["status"], ok["last"]) == ("0", "last one")
+    assert failed["status"] == "3"
+    assert slow["status"] == "timed out after 0.5 s" and slow["wall_s"] < 20
+    assert missing["status"].startswith("could not start")
+    assert log.read_text().count("$ ") == 4  # each command's line, then its output, in one log
+    run_all.write_summary([("env", ok), ("env", slow)], tmp_path / "summary.md")
+    rows = (tmp_path / "summary.md").read_text().splitlines()
+    assert len(rows) == 4 and "| env |" in rows[2] and "| 0 |" in rows[2]
+    assert "timed out after 0.5 s" in rows[3]
+
+
+def test_the_tests_json_reports_are_kept_and_their_temporary_folders_removed(
+    run_all, tmp_path
+) -> None:
+    nested = tmp_path / "tests_tmp" / "test_every_path_on_gloo_ran0"
+    nested.mkdir(parents=True)
+    (nested / "verify_cuda.json").write_text("{}")
+    (nested / "checkpoint.bin").write_bytes(b"\0")
+    kept = run_all.keep_reports(tmp_path)
+    assert kept == [tmp_path / "tests_verify_cuda.json"] and kept[0].read_text() == "{}"
+    assert not (tmp_path / "tests_tmp").exists()
+
+
+def test_a_run_writes_one_summary_row_per_command_and_fails_when_one_fails(
+    run_all, tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake = {
+        "env": [[sys.executable, "-c", "print('gpu: none')"]],
+        "tests": [[sys.executable, "-c", "print('1 failed'); raise SystemExit(1)"]],
+    }
+    monkeypatch.setattr(run_all, "commands", lambda part, out, dion: fake[part])
+    assert run_all.main(["--out", str(tmp_path), "--parts", "env", "tests"]) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| env |" in summary and "gpu: none" in summary and "1 failed" in summary
+    assert (tmp_path / "env.log").exists() and (tmp_path / "tests.log").exists()
+    assert "tests: 1 in" in capsys.readouterr().out
+    fake["tests"] = [[sys.executable, "-c", "print('3 passed')"]]
+    assert run_all.main(["--out", str(tmp_path), "--parts", "env", "tests"]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        ([], "error: no CUDA device is available"),
+        (["--parts", "tests", "bnech"], "error: --parts bnech unknown; valid: env, tests"),
+    ],
+)
+def test_no_cuda_or_an_unknown_part_is_refused_in_one_line(
+    run_all, tmp_path, monkeypatch, capsys, argv, error
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_all.main(["--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(error) and err.count("\n") == 0
+    assert not (tmp_path / "out").exists()
