@@ -7,6 +7,7 @@ mode and for muon_ref (the known-good controls)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -83,12 +84,14 @@ def test_the_cli_catches_every_planted_bug_and_prints_the_figure(
     suite: tuple[int, dict, str],
 ) -> None:
     code, report, printed = suite
-    n = len(PLANTED)
+    absent = report["absent"]  # planted bugs whose cause this torch lacks (Planted.trigger)
+    n = len(PLANTED) - len(absent)
     assert code == 0 and report["caught"] == report["right"] == report["total"] == n, printed
     assert f"caught {n}/{n} planted bugs, diagnosis right for {n}" in printed
     assert "#10  not reachable: PrimeIntellect/prime-rl #3490" in printed
     assert (
-        f"verdict accuracy: false positives 0/4 correct controls, misses 0/{n} planted" in printed
+        f"verdict accuracy: false positives 0/{4 + len(absent)} correct controls" in printed
+        and f"misses 0/{n} planted" in printed
     )
 
 
@@ -109,7 +112,13 @@ def test_every_correct_control_conforms_with_its_rounding_named(
 def test_each_planted_bug_is_caught_by_its_family_with_the_right_diagnosis(
     suite: tuple[int, dict, str], planted: Planted
 ) -> None:
-    (verdict,) = [v for v in suite[1]["planted"] if v["field_bug"] == planted.field_bug]
+    (verdict,) = [
+        v for v in suite[1]["planted"] + suite[1]["absent"] if v["field_bug"] == planted.field_bug
+    ]
+    if "absent" in verdict:
+        # this torch lacks the bug's cause, measured by its trigger: the Muon under it is correct here
+        assert planted.trigger is not None and verdict["conforms"] and verdict["right"], verdict
+        return
     assert verdict["caught"] and verdict["right"], verdict
     assert planted.caught_by <= set(verdict["by"]) and not planted.bitwise_on & set(
         verdict["by"]
@@ -299,3 +308,42 @@ def test_the_long_families_run_for_the_planted_bugs_whose_answer_names_them_only
     # the recast step counter (class 18) is caught on resume_long only, which therefore runs
     (recast,) = [p for p in PLANTED if p.field_bug == 18]
     assert "resume_long" in _planted_families(recast)
+
+
+def _absent_here(device: str) -> str | None:
+    return "this torch lacks the cause (a test's trigger)"
+
+
+def _present_here(device: str) -> str | None:
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("conforms", [True, False], ids=["conforms", "departs"])
+def test_a_planted_bug_absent_with_this_torch_must_conform_and_counts_as_a_control(
+    monkeypatch, conforms
+) -> None:
+    """A planted bug whose trigger says this torch lacks its cause is judged as a correct control: it conforms
+    (right), or it is a false positive, never a silent pass (the "departs" case is the negative control)."""
+    import muon_dist.harness.adapters.controls as controls
+    import muon_dist.harness.adapters.planted as planted_module
+
+    (bug25,) = [p for p in PLANTED if p.field_bug == 25]
+    absent = dataclasses.replace(bug25, trigger=_absent_here)
+    present = dataclasses.replace(bug25, field_bug=99, trigger=_present_here)
+    report = {
+        "conforms": conforms,
+        "diagnosis": "conforms" if conforms else "bug: departs on even",
+        "outcomes": [{"family": "even", "status": "bitwise" if conforms else "differs"}],
+        "wall_s": 0.0,
+    }
+    monkeypatch.setattr(planted_module, "PLANTED", (absent, present))
+    monkeypatch.setattr(controls, "CONTROLS", ())
+    monkeypatch.setattr(conformance, "check", lambda *args, **kwargs: report)
+    printed: list[str] = []
+    suite = conformance.planted_suite(10.0, 1, log=printed.append)
+    (entry,) = suite["absent"]
+    assert entry["field_bug"] == 25 and entry["absent"] == _absent_here("cpu")
+    assert entry["right"] is conforms and suite["false_positives"] == (0 if conforms else 1)
+    assert [v["field_bug"] for v in suite["planted"]] == [99] and suite["total"] == 1
+    assert any(line.startswith("#25 ") and "absent with this torch" in line for line in printed)

@@ -414,7 +414,9 @@ class ReplicatedInPlaceUpdate(GatherMuon):
     DTensor refuses ("in-place operations that require placement changes are not supported") when dim 0 is
     shorter than the mesh. Here: the whole new param, computed as GatherMuon computes it, lands through an
     in-place DTensor op, p.copy_(a Replicate DTensor of it) (bitwise where DTensor accepts it: measured with
-    torch 2.13, which refuses it for every param with fewer rows than ranks)."""
+    torch 2.13, which refuses it for every param with fewer rows than ranks). Whether a torch refuses it is
+    measured where the suite runs (dtensor_refuses_a_placement_change): torch 2.11's DTensor accepts the copy and
+    lands the right bits, so there the bug is absent and this Muon is a correct one."""
 
     def landed(self, p: Tensor, new: Tensor) -> None:
         if not hasattr(p, "device_mesh"):
@@ -422,6 +424,26 @@ class ReplicatedInPlaceUpdate(GatherMuon):
         from torch.distributed.tensor import DTensor, Replicate
 
         p.copy_(DTensor.from_local(new, p.device_mesh, [Replicate()], run_check=False))
+
+
+def dtensor_refuses_a_placement_change(device: str) -> str | None:
+    """The trigger of field bug 25, measured on a rank of a world of 2 or more: None when this torch's DTensor
+    refuses an in-place copy of a Replicate DTensor into a Shard(0) param with fewer rows than ranks (the crash of
+    vllm-project/speculators #821); else why the bug is absent with this torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    p = distribute_tensor(torch.zeros(1, 4, device=device), mesh, [Shard(0)])
+    new = torch.ones(1, 4, device=device)
+    try:
+        p.copy_(DTensor.from_local(new, mesh, [Replicate()], run_check=False))
+    except RuntimeError:
+        return None
+    return (
+        f"torch {torch.__version__}'s DTensor accepts the in-place copy that changes a [1, N] Shard(0) param's "
+        "placement, so the crash cannot occur"
+    )
 
 
 class GlobalShapeFromLocal(GatherMuon):
@@ -633,7 +655,10 @@ class Planted:
     "bug" (no convention explains it), "convention" (then `names`, the muon_ref option, must appear), "crash",
     "hang", "replicas" (replicas disagree) or "resume" (a bug, and the optimizer state right after a load differs
     from the state at the save). caught_by: families in which it must depart; bitwise_on: families
-    that must stay bitwise (the diagnosis' controls: the defect shows nowhere else)."""
+    that must stay bitwise (the diagnosis' controls: the defect shows nowhere else). trigger: for a bug that only
+    some torch versions have, trigger(device) runs on every rank of a pool of world_sizes[0] ranks and returns
+    None where this torch has the bug's cause, else why not: the bug is then absent, and the Muon under it, a
+    correct one there, must conform (planted_verdict)."""
 
     field_bug: int
     source: str
@@ -643,6 +668,7 @@ class Planted:
     bitwise_on: frozenset[str] = frozenset()
     world_sizes: tuple[int, ...] = (2,)
     names: str = ""
+    trigger: Callable[[str], str | None] | None = None
 
 
 _SHOWN = frozenset({"tall", "square", "experts3d"})  # single-device families that must stay bitwise
@@ -802,6 +828,7 @@ PLANTED: tuple[Planted, ...] = (
         "crash",
         frozenset({"row_sharded", "empty"}),
         DIST_FAMILIES - {"row_sharded", "empty"},
+        trigger=dtensor_refuses_a_placement_change,
     ),
     Planted(
         26,
@@ -844,6 +871,22 @@ BASES: tuple[PlantedAdapter, ...] = (
     PlantedAdapter(RoundRobinMuon, "replicated", REPLICATED_FAMILIES),
     PlantedAdapter(ZeroMuon, "unreduced", UNREDUCED_FAMILIES - CHECKPOINT_FAMILIES),
 )
+
+
+def planted_verdict(planted: Planted, report: dict[str, Any], absent: str | None) -> dict[str, Any]:
+    """The suite's verdict on one planted bug: judge's where the bug is present; where it is absent with this torch
+    (`absent`: its trigger's reason), whether the Muon under it conforms, as a correct Muon must ("right")."""
+    if absent is None:
+        return judge(planted, report)
+    return {
+        "field_bug": planted.field_bug,
+        "source": planted.source,
+        "optimizer": planted.adapter.name,
+        "absent": absent,
+        "conforms": report["conforms"],
+        "right": bool(report["conforms"]),
+        "diagnosis": report["diagnosis"],
+    }
 
 
 def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
