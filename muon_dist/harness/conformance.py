@@ -635,9 +635,9 @@ def _planted_families(planted: Planted) -> tuple[str, ...]:
 def planted_suite(timeout: float, steps: int, log=_print, device: str = "cpu") -> dict[str, Any]:
     """The check measured on candidates it has not seen: the correct controls (muon_dist.harness.adapters.controls:
     each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
-    muon_dist.harness.adapters.planted.judge), every case on `device`; one line each, then both figures: false
-    positives (controls not conforming) and misses (planted bugs not caught, or caught with the wrong
-    diagnosis)."""
+    muon_dist.harness.adapters.planted.planted_verdict: a bug absent with this torch counts as a control), every
+    case on `device`; one line each, then both figures: false positives (controls not conforming) and misses
+    (planted bugs not caught, or caught with the wrong diagnosis)."""
     pools: dict[tuple, RankPool] = {}  # the suite's own code: its adapters share rank pools
     try:
         return _planted_suite(timeout, steps, log, pools, device)
