@@ -21,6 +21,7 @@ from muon_ref.functional import check_gradient
 from muon_ref.optim import (
     add_group_checked,
     check_param,
+    check_step_param,
     follow_torch_keys,
     group_config,
     param_name,
@@ -44,6 +45,21 @@ class StepReport:
 
     paths: tuple[tuple[str, str | None], ...]
     bytes_by_path: dict[str, tuple[int, int]]
+
+
+# The update layout DistributedMuon implements (muon_ref.MuonConfig.update_layout): the update reaches each rank's
+# elementwise stage in row-major shards, so its contract is bitwise muon_ref.Muon with update_layout="contiguous"
+# (docs/distributed.md, "Update layout").
+UPDATE_LAYOUT = "contiguous"
+
+
+def check_update_layout(value: Any, where: str) -> None:
+    """ValueError naming the option for an update layout DistributedMuon does not implement."""
+    if value != UPDATE_LAYOUT:
+        raise ValueError(
+            f"{where}: update_layout={value!r} is not implemented by DistributedMuon; valid: "
+            f"{UPDATE_LAYOUT!r} (its updates arrive in row-major shards; muon_ref.Muon has 'kernel')"
+        )
 
 
 def default_comm() -> Comm:
@@ -86,6 +102,10 @@ class DistributedMuon(torch.optim.Optimizer):
     local work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
     neither its group nor the later ones, on every rank); True holds the whole step's and a failure writes
     nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
+
+    Contract: bitwise muon_ref.Muon(params, preset, **overrides, update_layout="contiguous") on the full tensors
+    (the layout it implements, UPDATE_LAYOUT; muon_ref's presets keep the kernel's layout, which differs in the last
+    bits of bf16 params of tall matrices on CPU: docs/distributed.md, "Update layout").
     """
 
     def __init__(
@@ -114,7 +134,9 @@ class DistributedMuon(torch.optim.Optimizer):
                 atomic=atomic,
             ),
         )
-        super().__init__(params, preset_defaults(preset, overrides))
+        check_update_layout(overrides.get("update_layout", UPDATE_LAYOUT), "DistributedMuon")
+        defaults = preset_defaults(preset, overrides)
+        super().__init__(params, {**defaults, "update_layout": UPDATE_LAYOUT})
 
     def _configure(self, comm: Comm | None, construction: dict[str, Any]) -> None:
         """Everything but torch.optim's defaults, state and param groups, from the constructor's
@@ -157,9 +179,12 @@ class DistributedMuon(torch.optim.Optimizer):
         super().load_state_dict(torch_state_dict_groups(state_dict, self.defaults))
         for group in self.param_groups:
             follow_torch_keys(self, group)
+            group["update_layout"] = UPDATE_LAYOUT  # muon_ref.Muon's groups say "kernel"
         self._own_group_params()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "update_layout" in param_group:
+            check_update_layout(param_group["update_layout"], "param group")
         group = add_group_checked(self, param_group)
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
@@ -279,6 +304,12 @@ class DistributedMuon(torch.optim.Optimizer):
         self.comm.reset()
         # resolved once per group per step
         configs = [group_config(follow_torch_keys(self, g)) for g in self.param_groups]
+        for i, (cfg, group) in enumerate(zip(configs, self.param_groups)):
+            # the same groups and params on every rank: raised on all of them, before any collective
+            check_update_layout(cfg.update_layout, f"param group {i}")
+            for k, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    check_step_param(p, param_name(group, k))
         entries, inputs, params, error = self._collect(configs)
         per_param = [configs[e.group_index] for e in entries]
         step_plan, skipped = prepare(self.comm, entries, inputs, per_param, self.options, error)

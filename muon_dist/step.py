@@ -253,12 +253,14 @@ def within(matrices: MatrixLayout, box: Box) -> MatrixLayout:
 
 
 def kernel_for(backend: Backend, matrices: MatrixLayout, cfg: MuonConfig) -> Kernel:
-    """The param's kernel: the backend's orthogonalize on the whole blocks of any box of the param."""
+    """The param's kernel: the backend's orthogonalize on the whole blocks of any box of the param, its result in
+    row-major order (the update layout muon_dist implements: muon_dist/optim.py UPDATE_LAYOUT; a no-op copy where
+    the backend returns it so, a tall matrix's transposed view otherwise), whatever cfg.update_layout says."""
 
     def kernel(x: Tensor, box: Box) -> Tensor:
         if not box.numel:
             return x.to(cfg.ns_dtype or x.dtype)
-        return backend.orthogonalize(x, within(matrices, box), cfg)
+        return backend.orthogonalize(x, within(matrices, box), cfg).contiguous()
 
     return kernel
 
@@ -365,8 +367,8 @@ def write_groups(
     1/WRITE_GROUPS of the step's (so at most WRITE_GROUPS groups end with a check of their own, and such a group
     holds at most one batch more than that share). Global sizes and the plan's batches, never a rank's box: every
     rank must cut the same groups, or their failure checks would not match (a collective mismatch)."""
-    if atomic:
-        return [step_plan.batches]
+    if atomic:  # one group, or none in a step where no param has a gradient
+        return [step_plan.batches] if step_plan.batches else []
     sizes = [
         sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches
     ]

@@ -20,6 +20,8 @@ MomentumStyle = Literal["ema", "sum"]
 NesterovForm = Literal["lerp", "add_alpha", "mul_add"]
 WeightDecayForm = Literal["mul", "add_self"]
 ScaleApply = Literal["alpha", "update", "update_lr", "update_lr_cast"]
+UpdateLayout = Literal["kernel", "contiguous"]
+UPDATE_LAYOUTS: tuple[str, ...] = ("kernel", "contiguous")
 
 # The shape scale s(fan_out, fan_in), by formula. Names across libraries (conventions.md):
 #   torch adjust_lr_fn "original" = "original"; "match_rms_adamw" = Dion/xtuner "rms_norm";
@@ -82,6 +84,13 @@ class MuonConfig:
                    "update_lr": P <- P - O * (lr * s)                  (Dion: out-of-place _foreach_mul)
                    "update_lr_cast": P <- P - O * cast(lr * s, O.dtype) (xtuner: in-place _foreach_mul_
                          on bf16 rounds the Python scalar to bf16 first; measured on torch 2.13 CPU)
+    update_layout  "kernel":     O in the memory order Newton-Schulz returns it: for a single tall matrix the
+                                 transposed view of its (fan_in, fan_out) iterate (torch/optim/_muon.py
+                                 `_zeropower_via_newtonschulz` returns `ortho_grad.T`; every origin's kernel does)
+                   "contiguous": O copied into row-major order first (muon_dist.DistributedMuon, whose update
+                                 arrives in row shards)
+                   Equal values; on CPU a bf16 op on P and O rounds differently for the two orders (scalar loop
+                   for mixed strides, vectorised loop for equal ones), so the params' last bits follow the layout.
     """
 
     lr: float | torch.Tensor = 1e-3  # a 1-element Tensor is used 0-d, as torch does (group_config)
@@ -96,6 +105,7 @@ class MuonConfig:
     scale_factor: float = 1.0
     scale_apply: ScaleApply = "alpha"
     update_dtype: torch.dtype | None = None
+    update_layout: UpdateLayout = "kernel"
     schedule: str | Schedule = "keller"
     ns_steps: int | None = None
     eps: float = DEFAULT_EPS
@@ -136,6 +146,12 @@ class MuonConfig:
         lr_scale(self.lr_scale, 1, 1, self.scale_sqrt)  # raises on an unknown name or sqrt
         applies = ("alpha", "update", "update_lr", "update_lr_cast")
         _check(self.scale_apply in applies, "scale_apply", self.scale_apply, f"one of {applies}")
+        _check(
+            self.update_layout in UPDATE_LAYOUTS,
+            "update_layout",
+            self.update_layout,
+            f"one of {UPDATE_LAYOUTS}",
+        )
         _check(self.step_form in STEP_FORMS, "step_form", self.step_form, f"one of {STEP_FORMS}")
         _check(self.eps_mode in EPS_MODES, "eps_mode", self.eps_mode, f"one of {EPS_MODES}")
         _check(self.eps >= 0, "eps", self.eps, ">= 0")

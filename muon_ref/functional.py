@@ -345,10 +345,12 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     if layout.separate:
         return map_blocks(lambda b, d: (newton_schulz(d, **cfg.ns_kwargs()),), layout, direction)[0]
     if direction.ndim == 2 and layout.matrices_shape == (1, *direction.shape):
-        # one matrix: the kernel on it directly, without the stack's 3-D round trip. contiguous() copies a tall
-        # matrix's transposed result exactly as stacking it did, so the update's layout (and the bits of a bf16
-        # update in the elementwise stage) are the stack's (docs/conventions.md, "Noticed in the field": the known deviation)
-        return newton_schulz(direction, **cfg.ns_kwargs()).contiguous()
+        # one matrix: the kernel on it directly. update_layout "kernel" keeps the kernel's own memory order (a tall
+        # matrix's result is the transposed view of its (fan_in, fan_out) iterate), "contiguous" copies it into
+        # row-major order; the values are equal, but on CPU a bf16 elementwise op on P and O rounds differently
+        # for the two orders (docs/conventions.md, "Update layout")
+        update = newton_schulz(direction, **cfg.ns_kwargs())
+        return update if cfg.update_layout == "kernel" else update.contiguous()
     matrices = direction.reshape(layout.matrices_shape)
     return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
 

@@ -116,22 +116,29 @@ class ParamError(ValueError, RuntimeError):
 
 
 def check_param(p: Tensor, name: str) -> None:
-    """ParamError naming the parameter for a tensor Muon cannot optimise (raised when its group is
-    added, where torch.optim.Muon raises at the first step; torch's wording is kept)."""
+    """ParamError naming the parameter for a tensor Muon cannot optimise, raised when its group is
+    added (torch's wording kept). A complex param is accepted here and refused by check_step_param
+    at the first step, where torch.optim.Muon refuses it (its OptimizerInfo's error inputs)."""
     if p.is_sparse:
         raise ParamError(
             f"Muon does not support sparse gradients: {name} of shape {tuple(p.shape)} is "
             f"sparse; Muon needs dense matrices"
         )
+    if not p.is_floating_point() and not p.is_complex():
+        raise ParamError(
+            f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real "
+            f"floating dtype"
+        )
+
+
+def check_step_param(p: Tensor, name: str) -> None:
+    """ParamError for a param with a gradient that Muon cannot step (before anything is written):
+    a complex param, refused at the step as torch.optim.Muon refuses it ("Muon does not support
+    complex parameters", a RuntimeError there)."""
     if p.is_complex():
         raise ParamError(
             f"Muon does not support complex parameters: {name} of shape {tuple(p.shape)} has "
             f"dtype {p.dtype}"
-        )
-    if not p.is_floating_point():
-        raise ParamError(
-            f"{name} of shape {tuple(p.shape)} has dtype {p.dtype}: Muon needs a real "
-            f"floating dtype"
         )
 
 
@@ -226,6 +233,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 name = param_name(group, i)
+                check_step_param(p, name)
                 check_gradient(p.grad, p, name)
                 found.append((p, cfg, self.layout_of(p, group, name), name))
         work = []

@@ -25,6 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         lr_scale="original",
         scale_sqrt="sqrt",
         scale_apply="alpha",
+        update_layout="kernel",  # _zeropower_via_newtonschulz returns `ortho_grad.T` for a tall matrix
         schedule="keller",
         eps=1e-7,
         ns_dtype=torch.bfloat16,

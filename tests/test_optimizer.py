@@ -121,7 +121,6 @@ def test_params_whose_grad_is_none_are_skipped():
     [
         (torch.zeros(5), r"param 0 of its group of shape \(5,\) is not a matrix"),
         (torch.zeros(4, 4, dtype=torch.int32), r"dtype torch.int32"),
-        (torch.zeros(4, 4, dtype=torch.complex64), r"dtype torch.complex64"),
         (torch.zeros(4, 4).to_sparse(), r"sparse"),
         (torch.zeros(2, 3, 3, 3), r"pass flatten=True"),
     ],
@@ -129,6 +128,18 @@ def test_params_whose_grad_is_none_are_skipped():
 def test_bad_params_raise_a_value_error_naming_the_parameter_and_its_shape(bad, message):
     with pytest.raises(ValueError, match=message):
         Muon([torch.nn.Parameter(bad, requires_grad=False)])
+
+
+def test_a_complex_param_is_refused_at_its_first_step_naming_it_as_torch_refuses_it():
+    # torch.optim.Muon refuses a complex param at the step (its OptimizerInfo: STEP_ERROR), not at construction
+    p = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+    opt = Muon([p])
+    p.grad = torch.ones_like(p)
+    with pytest.raises(
+        ValueError, match=r"param 0 of its group of shape \(4, 4\) has dtype torch.complex64"
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(4, 4, dtype=torch.complex64)) and p not in opt.state
 
 
 def test_named_params_are_named_in_errors():

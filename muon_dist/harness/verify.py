@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 import muon_ref
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_ref.newton_schulz import input_cast
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
@@ -249,7 +250,9 @@ def reference(run: Run, device: str = "cpu") -> list[torch.Tensor]:
     """muon_ref.Muon on the full tensors with the run's gradients (one intra-op thread, as the ranks), on
     `device`; the result as CPU tensors."""
     params = [torch.nn.Parameter(t.clone()) for t in initial(run, device)]
-    opt = muon_ref.Muon(param_groups(run.mesh, params), preset=run.preset)
+    opt = muon_ref.Muon(
+        param_groups(run.mesh, params), preset=run.preset, update_layout=UPDATE_LAYOUT
+    )
     for step in range(run.steps):
         for p, g in zip(params, gradients(run, step, device)):
             p.grad = g

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import muon_ref
 from muon_dist import DistributedMuon
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.checkpoint import from_reference_state_dict, to_reference_state_dict
 
 from muon_dist.harness.fixtures import box_of, distribute, local
@@ -30,7 +31,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _setup(case: Case, zeros: bool = False) -> tuple[list[torch.Tensor], DistributedMuon]:
     fulls = initial_params(case)
     params = [distribute(torch.zeros_like(f) if zeros else f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
-    return params, DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.overrides))
+    return params, DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
 
 
 def _set_grads(case: Case, params: list[torch.Tensor], step: int, none: tuple[int, ...], none_until: int) -> None:
@@ -82,7 +83,7 @@ def resume_reference(case: Case, start: int, stop: int, path: str) -> dict:
     """muon_ref.Muon on plain full tensors, loaded from the DCP checkpoint at `path` (DCP gathers the shards into
     full tensors), then steps [start, stop). muon_ref's state is lazy: the template names a zero buffer per param."""
     params = [torch.zeros_like(f) for f in initial_params(case)]
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     template = {"state": {i: {"momentum_buffer": torch.zeros_like(p)} for i, p in enumerate(_state_order(ref))},
                 "param_groups": ref.state_dict()["param_groups"]}
     state = {"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": template}
@@ -100,7 +101,7 @@ def reference_run(case: Case, stop: int, none: tuple[int, ...] = (), none_until:
     """muon_ref.Muon on full tensors: steps [0, stop), group `changes` applied before step `changes_at`;
     (params, momentum buffers, zeros where the param never stepped)."""
     params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     for step in range(stop):
         if step == changes_at:
             for group, updates in changes:
@@ -132,7 +133,7 @@ def convert_round_trip(case: Case, steps: int, more: int) -> dict:
         opt.step()
     as_ref = to_reference_state_dict(opt)
     ref_params, ref_bufs = reference_run(case, steps)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     index = {id(p): i for i, p in enumerate(_state_order(ref))}
     ref.load_state_dict({"state": {index[id(p)]: {"momentum_buffer": b} for p, b in zip(ref_params, ref_bufs)},
                          "param_groups": ref.state_dict()["param_groups"]})
@@ -174,7 +175,7 @@ def nonfinite_on_one_rank(case: Case, value: float, policy: str) -> dict:
     except ValueError as e:
         error = f"ValueError: {e}"
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     for step, gs in enumerate([grads_of(case, 0), grads]):
         for p, g in zip(ref_params, gs):
             p.grad = g
@@ -196,7 +197,7 @@ def zero_gradients(case: Case) -> dict:
             p.grad = torch.zeros_like(p)
         opt.step()
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     for _ in range(2):
         for p in ref_params:
             p.grad = torch.zeros_like(p)
@@ -223,7 +224,7 @@ def none_on_some_ranks_then_recover(case: Case, none_ranks: tuple[int, ...]) -> 
     _set_grads(case, params, 2, (), 0)
     opt.step()
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     for step in (0, 2):
         for p, g in zip(ref_params, grads_of(case, step)):
             p.grad = g
@@ -238,8 +239,8 @@ def groups_change_between_steps(case: Case, path: str) -> dict:
     fulls = initial_params(case)
     params = [distribute(f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
     ref_params = initial_params(case)
-    opts = [DistributedMuon([params[0], params[1]], preset=case.preset, **dict(case.overrides)),
-            muon_ref.Muon([ref_params[0], ref_params[1]], preset=case.preset, **dict(case.overrides))]
+    opts = [DistributedMuon([params[0], params[1]], preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT),
+            muon_ref.Muon([ref_params[0], ref_params[1]], preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)]
     keys = []
     for step in range(3):
         if step == 1:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import muon_ref
 from muon_dist import DistributedMuon, ThreadComm, ThreadWorld, expected_bytes
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.comm import run_threads
 from muon_dist.step import CHECKS
 from muon_ref.presets import PRESETS
@@ -56,6 +57,8 @@ def on_threads(W: int, rank_main) -> list[object]:
 
 
 @pytest.mark.timeout(timeout_for(60))
+@example(W=1, shapes=[(1, 1)], split=0, preset="dion", dtype=torch.float32, no_grad={0}, remainder="agrs",
+         dispatch="batched", atomic=True)  # an atomic step in which no param has a gradient: no write group
 @settings(max_examples=examples(0.5))
 @given(W=st.integers(1, 4), shapes=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=6),
        split=st.integers(0, 6), preset=st.sampled_from(sorted(PRESETS)),
@@ -80,7 +83,7 @@ def test_distributed_muon_on_replicated_params_equals_muon_ref_step_after_step(
                 report(step)
 
     ref_params = [f.clone() for f in fulls]
-    ref = muon_ref.Muon(groups_of(ref_params, sizes, keys), preset=preset)
+    ref = muon_ref.Muon(groups_of(ref_params, sizes, keys), preset=preset, update_layout=UPDATE_LAYOUT)
     steps(ref, ref_params)
 
     def rank_main(comm: ThreadComm) -> dict:
@@ -221,9 +224,9 @@ def test_a_layout_key_changed_between_steps_is_read_at_the_next_step(change: dic
             opt.step()
         return w
 
-    want = two_steps(muon_ref.Muon([{"params": [w := seeded(shape, 0)], **first}]), w)
+    want = two_steps(muon_ref.Muon([{"params": [w := seeded(shape, 0)], **first}], update_layout=UPDATE_LAYOUT), w)
     control = seeded(shape, 0)
-    ref = muon_ref.Muon([{"params": [control], **first}])
+    ref = muon_ref.Muon([{"params": [control], **first}], update_layout=UPDATE_LAYOUT)
     for step in range(2):
         control.grad = grads[step].clone()
         ref.step()

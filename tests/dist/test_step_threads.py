@@ -23,6 +23,7 @@ import muon_ref
 from muon_dist import Entry, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes
 from muon_dist.comm import run_threads
 from muon_dist.kernels import Backend, backend
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.step import CHECKS, ParamInput, execute, prepare
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
@@ -148,7 +149,9 @@ def initial_params(case: Case) -> list[torch.Tensor]:
 def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """muon_ref.Muon on the full tensors: (params, momentum buffers) after `steps` steps."""
     params = initial_params(case)
-    opt = muon_ref.Muon(param_groups(case, params), preset=case.preset, nonfinite=case.policy)
+    opt = muon_ref.Muon(
+        param_groups(case, params), preset=case.preset, nonfinite=case.policy, update_layout=UPDATE_LAYOUT
+    )
     for step in range(steps):
         for p, g in zip(params, gradients(case, step)):
             p.grad = g

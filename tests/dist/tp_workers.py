@@ -11,6 +11,7 @@ from torch import nn
 
 import muon_ref
 from muon_dist import DistributedMuon
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.harness.fixtures import seeded
 
 # tensor parallelism needs the features it splits divisible by tp (2 or 4 here); FSDP2 then cuts the rows of each
@@ -89,7 +90,7 @@ def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
         fully_shard(m, mesh=mesh["dp"])
     labels = {name: p.to_local() for name, p in twin.named_parameters()}
     opt = DistributedMuon(groups(model), preset=preset)
-    ref_opt = muon_ref.Muon(groups(reference), preset=preset)
+    ref_opt = muon_ref.Muon(groups(reference), preset=preset, update_layout=UPDATE_LAYOUT)
     out = {"differs": [], "placements": {n: [str(p) for p in w.placements] for n, w in model.named_parameters()},
            "paths": None}
     dp_rank = mesh["dp"].get_local_rank()

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_ref
 from muon_dist import DistributedMuon, expected_bytes
+from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.harness.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
 
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
@@ -131,7 +132,7 @@ def distributed_steps(case: Case) -> dict:
 def reference_steps(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The same steps with muon_ref.Muon on the full tensors: (params, momentum buffers)."""
     params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides))
+    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
     for step in range(case.steps):
         for i, (p, grad) in enumerate(zip(params, grads_of(case, step))):
             p.grad = None if step == 1 and i in case.no_grad else grad
@@ -197,7 +198,7 @@ def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = DistributedMuon(model.parameters(), preset=preset)
-    opt_given, opt_single = muon_ref.Muon(given.parameters(), preset=preset), muon_ref.Muon(single.parameters(), preset=preset)
+    opt_given, opt_single = muon_ref.Muon(given.parameters(), preset=preset, update_layout=UPDATE_LAYOUT), muon_ref.Muon(single.parameters(), preset=preset, update_layout=UPDATE_LAYOUT)
     out = {"given_differs": [], "single_differs": [], "grad_differs": [], "paths": None}
     for step in range(steps):
         xs = [seeded((5, 12), 1000 * step + r, getattr(torch, dtype)) for r in range(W)]
