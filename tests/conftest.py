@@ -40,3 +40,20 @@ def require(module: str, distribution: str, extra: str = "dev") -> ModuleType:
     return pytest.importorskip(
         module, reason=f"{distribution} is not installed (pip install -e .[{extra}])"
     )
+
+
+def quiet(*_: object) -> None:
+    """A log that prints nothing (conformance.check's `log`)."""
+
+
+def run_conformance(args: list[str]) -> tuple[int, str, str]:
+    """`python -m muon_dist.harness.conformance ARGS` in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from muon_dist.harness.conformance import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue(), err.getvalue()

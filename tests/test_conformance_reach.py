@@ -5,10 +5,7 @@ candidate passing where the check does not look."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-from typing import Any
 
 import pytest
 import torch
@@ -24,19 +21,10 @@ from muon_dist.harness.adapters.planted import PLANTED
 from muon_dist.harness.adapters.workers import candidate_steps
 from muon_dist.harness.conformance import check, main
 from muon_dist.harness.launch import RankPool, blocked_frame
+from tests.conftest import quiet
+from tests.conftest import run_conformance as run_main
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def quiet(*_: Any) -> None:
-    pass
-
-
-def run_main(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    return code, out.getvalue(), err.getvalue()
 
 
 # ---------------------------------------------------------------- per-rank hash seeds
@@ -85,7 +73,7 @@ def test_ranks_get_distinct_recorded_hash_seeds():
     ]
 
 
-# ---------------------------------------------------------------- state the check cannot map
+# ---------------------------------------------------------------- momentum wherever it is kept
 
 
 class KeyedMuon(muon_ref.Muon):
@@ -104,23 +92,100 @@ class KeyedMuon(muon_ref.Muon):
                     self.state[p]["mom"] = self.state[p].pop("momentum_buffer")
 
 
+class NestedMuon(muon_ref.Muon):
+    """muon_ref.Muon whose momentum lives in nested state: state[p][0]["buf"] (a list holding a dict), beside a
+    step counter; `scale` multiplies what it keeps there (1: its true momentum)."""
+
+    scale = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if 0 in self.state[p]:
+                    kept = self.state[p].pop(0)[0]["buf"]
+                    self.state[p]["momentum_buffer"] = kept / self.scale
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" in self.state[p]:
+                    buf = self.state[p].pop("momentum_buffer")
+                    self.state[p][0] = [{"buf": buf * self.scale, "step": 1}]
+
+
+class DoubledNestedMuon(NestedMuon):
+    """Keeps twice its momentum (and steps on it halved: its params are muon_ref's)."""
+
+    scale = 2.0
+
+
+class HiddenMomentumMuon(muon_ref.Muon):
+    """Keeps its momentum outside the optimizer state and a param-sized tensor that is not a momentum in it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        hidden = self.__dict__.setdefault("hidden", {})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].pop("noise", None)
+                if p in hidden:
+                    self.state[p]["momentum_buffer"] = hidden[p]
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" in self.state[p]:
+                    hidden[p] = self.state[p].pop("momentum_buffer")
+                    self.state[p]["noise"] = torch.rand(
+                        p.shape, generator=torch.Generator().manual_seed(1)
+                    )
+
+
 FAST = ["--steps", "2", "--shrink-budget", "0", "--families", "square", "tall"]
 
 
-def test_momentum_under_an_unknown_key_is_reported_and_fails_until_mapped(tmp_path):
+def test_momentum_under_another_key_is_found_by_value_and_compared(tmp_path):
     spec = f"{__name__}:KeyedMuon"
-    code, out, _ = run_main(["--adapter", spec, *FAST])
-    assert code == 2, out
-    assert "momentum not compared: state keys ['mom']" in out and "--state-map" in out
+    code, out, _ = run_main(["--adapter", spec, *FAST, "--json", str(tmp_path / "r.json")])
+    assert code == 0 and "verdict: conforms" in out, out
+    outcome = json.loads((tmp_path / "r.json").read_text())["reports"][0]["outcomes"][0]
+    assert outcome["momentum_read_from"] == [
+        "state[p]['mom'] (found by value after the first step)"
+    ]
     code, out, _ = run_main(["--adapter", spec, *FAST, "--state-map", "mom"])
     assert code == 0 and "verdict: conforms" in out, out
-    code, out, _ = run_main(["--adapter", spec, *FAST, "--state-map", "none"])
+
+
+def test_momentum_in_nested_state_is_found_and_a_wrong_one_departs_at_the_momentum_stage():
+    code, out, _ = run_main(["--adapter", f"{__name__}:NestedMuon", *FAST])
+    assert code == 0 and "verdict: conforms" in out, out
+    # negative control: the same nesting with twice the momentum is found (proportional) and departs there
+    code, out, _ = run_main(["--adapter", f"{__name__}:DoubledNestedMuon", *FAST])
+    assert code == 1 and "momentum departs on" in out, out
+
+
+def test_param_sized_state_that_is_not_the_momentum_is_a_usage_error_until_mapped(tmp_path):
+    spec = f"{__name__}:HiddenMomentumMuon"
+    code, out, _ = run_main(["--adapter", spec, *FAST])
+    assert code == 2, out
+    assert (
+        "momentum not found: param-sized state [\"['noise']\"]" in out and "--state-map" in out
+    ), out
+    json_path = tmp_path / "r.json"
+    code, out, _ = run_main(
+        ["--adapter", spec, *FAST, "--state-map", "none", "--json", str(json_path)]
+    )
     assert code == 0, out
+    not_compared = json.loads(json_path.read_text())["reports"][0]["not_compared"]
+    assert any(item.startswith("momentum: left out (--state-map none)") for item in not_compared)
+    assert any(
+        item.startswith("state[p]['noise'] (param-sized, not the momentum)")
+        for item in not_compared
+    )
 
 
 def test_negative_control_a_known_key_is_compared_without_a_map():
     code, out, _ = run_main(["--adapter", "muon_ref:Muon", *FAST])
-    assert code == 0 and "momentum not compared" not in out, out
+    assert code == 0 and "momentum not found" not in out, out
 
 
 # ---------------------------------------------------------------- scale bugs Newton-Schulz hides

@@ -159,7 +159,7 @@ def test_torch_muon_normalises_its_bf16_momentum_buffer_in_place_until_fixed_and
 
 
 def _bf16_add_rounds_by_layout() -> bool:
-    """Whether this CPU's bf16 `P.add(O, alpha=...)` gives other bits when O is a transposed view than when it is
+    """Whether the running CPU's bf16 `P.add(O, alpha=...)` gives other bits when O is a transposed view than when it is
     contiguous (measured: the vectorised and the scalar loop round differently on some CPUs, not on all)."""
     gen = torch.Generator().manual_seed(0)
     P = torch.randn(64, 16, generator=gen).bfloat16()
@@ -168,7 +168,7 @@ def _bf16_add_rounds_by_layout() -> bool:
 
 
 def test_the_torch_preset_needs_the_kernels_update_layout_where_the_cpu_rounds_by_layout():
-    # Negative control of the bitwise tests over bf16 (tests/test_torch_dropin.py): where this CPU rounds the two
+    # Negative control of the bitwise tests over bf16 (tests/test_torch_dropin.py): where the running CPU rounds the two
     # memory orders of the update differently, update_layout="contiguous" (muon_dist's) leaves torch.optim.Muon's
     # bits on bf16 tall matrices and "kernel" (the preset's) keeps them; where it does not, both keep them.
     gen = torch.Generator().manual_seed(0)

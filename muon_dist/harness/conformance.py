@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pickle
 import re
@@ -49,9 +50,22 @@ from .adapters.cases import (
     in_family,
     smaller,
 )
-from .adapters.diagnose import diagnose
-from .adapters.oracle import Outcome, candidate_hyperparameters, claim_of, judge, reference_steps
+from .adapters.diagnose import SEARCH_BUDGET_S, Context, diagnose, findings
+from .adapters.momentum import state_paths
+from .adapters.oracle import (
+    Outcome,
+    View,
+    candidate_hyperparameters,
+    claim_of,
+    judge,
+    max_abs_diff,
+    reference_steps,
+    resolved_hyperparameters,
+)
+from .adapters.routing import classify, parse_rule
+from .adapters.stages import locate
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
+from .fixtures import same_bits
 from .launch import RankFailure, RankPool, device_unavailable
 
 if TYPE_CHECKING:
@@ -64,10 +78,13 @@ IDLE_S = 2.0  # s without CPU time in any unanswered rank: a hang (CPU ranks; Ra
 
 def run_here(adapter: Adapter, case: Case) -> Outcome:
     """One single-device case in this process, no rank pool: the candidate and oracle code that the pool runs,
-    for tests that draw many cases (errors propagate instead of becoming a crash outcome)."""
+    judged as a pool's case is (Runner.judge), for tests that draw many cases (errors propagate instead of becoming
+    a crash outcome)."""
     preset, overrides = claim_of(adapter)
     results = [candidate_steps(adapter, case, candidate_hyperparameters(adapter))]
-    return judge(case, [(1, results)], preset, overrides)
+    return Runner(adapter, 0.0).judge(
+        case, [(1, results)], reference_steps(case, preset, overrides)
+    )
 
 
 def hash_seeds(seed: int, world_size: int) -> list[int]:
@@ -80,7 +97,10 @@ def hash_seeds(seed: int, world_size: int) -> list[int]:
 class Runner:
     """Runs cases of one adapter on pools of gloo ranks (one pool per world size, kept across cases). Ranks are
     spawned, each with its own PYTHONHASHSEED (hash_seeds); a non-distributed adapter's ranks have no process
-    group, so a candidate that calls torch.distributed shows itself (LOOKS_DISTRIBUTED)."""
+    group, so a candidate that calls torch.distributed shows itself (LOOKS_DISTRIBUTED). Each case's outcome is
+    judged with what the check knows of the candidate: the routing its claim states, the params it sends elsewhere
+    (routing.py), where it keeps its momentum (momentum.py), a tolerance where it differs from itself (set by
+    check's determinism probe), and, for a departure, the stage it departs at (stages.py)."""
 
     def __init__(
         self,
@@ -93,28 +113,58 @@ class Runner:
         self.preset, self.overrides = claim_of(adapter)
         self.shared = pools is not None  # pools of a suite of adapters, closed by the suite
         self.pools: dict[tuple, RankPool] = {} if pools is None else pools
+        rule = getattr(adapter, "routing", None)
+        self.stated_routing = parse_rule(rule) if rule else None
+        self.search_state = adapter.state_key is not None or (
+            type(adapter).momentum is not Adapter.momentum
+        )
+        self.tolerance: dict[
+            str, float
+        ] = {}  # dtype -> tolerance, where the candidate differs from itself
+        self._runs: dict[
+            tuple, Any
+        ] = {}  # (case, rng seed) -> (segments, reference) or a failed Outcome
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
-        """The case's outcome; a checkpoint case runs its save on world_size ranks, its resume on
-        resume_world_size ranks, through a fresh folder."""
+        """The case's outcome (a checkpoint case runs its save on world_size ranks, its resume on
+        resume_world_size ranks, through a fresh folder)."""
+        got = self.segments(case, 0, timeout)
+        if isinstance(got, Outcome):
+            return got
+        return self.judge(case, *got)
+
+    def segments(self, case: Case, rng_seed: int = 0, timeout: float | None = None) -> Any:
+        """(segments, reference) of the candidate's run with torch's generators seeded with rng_seed, or the
+        failed Outcome (crash, hang, refused at construction); the rng_seed 0 run is kept for the case's own run."""
+        key = (case, rng_seed)
+        if key in self._runs:
+            return self._runs.pop(key) if rng_seed == 0 else self._runs[key]
         hp = candidate_hyperparameters(self.adapter)
         if case.family not in CHECKPOINT_FAMILIES:
-            return self._phases(
-                case, [(case.world_size, candidate_steps, (self.adapter, case, hp))], timeout
-            )
-        with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
-            return self._phases(
+            got = self._phases(
                 case,
-                [
-                    (case.world_size, candidate_save, (self.adapter, case, hp, path)),
-                    (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path)),
-                ],
+                [(case.world_size, candidate_steps, (self.adapter, case, hp, rng_seed))],
                 timeout,
             )
+        else:
+            with tempfile.TemporaryDirectory(prefix="muon_conformance_dcp_") as path:
+                got = self._phases(
+                    case,
+                    [
+                        (case.world_size, candidate_save, (self.adapter, case, hp, path)),
+                        (case.resume_world_size, candidate_resume, (self.adapter, case, hp, path)),
+                    ],
+                    timeout,
+                )
+        return got
+
+    def keep(self, case: Case, got: Any) -> None:
+        """Keep a probe's rng_seed 0 run for the case's own run (Runner.segments)."""
+        self._runs[(case, 0)] = got
 
     def _phases(
         self, case: Case, phases: list[tuple[int, Any, tuple]], timeout: float | None
-    ) -> Outcome:
+    ) -> Any:
         """Each phase on its pool in turn (the reference computed while the first runs); a crash or hang ends it."""
         reference, segments = None, []
         for world, fn, args in phases:
@@ -141,7 +191,51 @@ class Runner:
                 segments.append((world, pool.collect(timeout or self.timeout)))
             except RankFailure as failure:
                 return _failed(case, failure)
-        return judge(case, segments, self.preset, self.overrides, reference)
+        return segments, reference
+
+    def judge(self, case: Case, segments: list, reference: dict) -> Outcome:
+        """The outcome of a case that ran (class docstring)."""
+        stated = {
+            i: "the claim's stated routing"
+            for i, shape in enumerate(case.shapes)
+            if self.stated_routing and self.stated_routing(tuple(shape))
+        }
+        tolerance = self.tolerance.get(case.dtype)
+
+        def judged(routed: dict[int, str]) -> Outcome:
+            view = View.of(case, segments, reference, routed, tolerance, self.search_state)
+            return judge(case, segments, self.preset, self.overrides, reference, view)
+
+        outcome = judged(stated)
+        updates = {}
+        if outcome.status == "differs" and not outcome.replicas and not outcome.resumed:
+            hp = resolved_hyperparameters(self.preset, {**self.overrides, **dict(case.options)})
+            updates = classify(
+                case,
+                segments,
+                next(iter(reference.values())).params[0],
+                float(hp["lr"]),
+                float(hp["weight_decay"]),
+                self.overrides,
+            )
+            found = {i: u.routed for i, u in updates.items() if u.routed and i not in stated}
+            if found:
+                outcome = judged({**found, **stated})
+        outcome.updates = updates
+        if outcome.routed and len(outcome.routed) == len(case.shapes):
+            outcome.status = "routed"
+        if outcome.status == "differs":
+            located = locate(outcome, self.preset, self.overrides)
+            if located is not None:
+                outcome.stage, outcome.stage_detail = located.stage, located.describe()
+                update = updates.get(located.param)
+                if (
+                    located.stage == "orthogonalised direction"
+                    and update
+                    and update.orthogonalised is False
+                ):
+                    outcome.stage_detail += f"; not orthogonalised: {update.describe()}"
+        return outcome
 
     def close(self) -> None:
         if not self.shared:
@@ -158,6 +252,9 @@ def _failed(case: Case, failure: RankFailure) -> Outcome:
     """crash or hang. A crash names the first rank's own error, before ranks that only saw a peer die (gloo:
     "Connection reset by peer"; a rank that gloo aborted, e.g. on a collective of mismatched sizes, just dies)."""
     raised = {r: _last_line(m) for r, m in failure.messages.items() if r not in failure.hung}
+    refusal = next((m for m in raised.values() if m.startswith("ConstructionError: ")), None)
+    if refusal is not None:  # the candidate's constructor refused the case's params (workers.build)
+        return Outcome(case, "unsupported", error=refusal.removeprefix("ConstructionError: "))
     if not raised:
         whys = {r: failure.messages[r].split("no answer: ", 1)[-1] for r in sorted(failure.hung)}
         common = whys[min(whys)].split("; ", 1)[0]
@@ -205,13 +302,16 @@ def _last_line(message: str) -> str:
     )
 
 
-def _kind(o: Outcome) -> tuple[str, str | None]:
-    """The failure kind a shrunk case must keep: status, and the exception type of a crash."""
-    return o.status, (o.error.split(":")[1].strip() if o.status == "crash" and o.error else None)
+def _kind(o: Outcome) -> tuple:
+    """The failure a shrunk case must keep: status, the exception type of a crash, the departing stage, the dtype
+    and mode, and whether the candidate routes some of its params (a smaller case counts only if it fails the same
+    way, for the same cause)."""
+    error = o.error.split(":")[1].strip() if o.status == "crash" and o.error else None
+    return o.status, error, o.stage, o.case.dtype, o.case.mode, bool(o.routed)
 
 
 def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
-    """A minimal case with the same failure kind: greedy over smaller world sizes, then `smaller` moves."""
+    """A minimal case with the same failure (_kind): greedy over smaller world sizes, then `smaller` moves."""
     deadline, best = time.monotonic() + budget_s, outcome
     kind, improved = _kind(outcome), True
     while improved and time.monotonic() < deadline:
@@ -241,8 +341,26 @@ def _smaller_worlds(case: Case) -> list[Case]:
 
 # Verdicts of one adapter and the exit status of a run (the worst of its adapters' in this order of precedence:
 # a departure is the finding a user must see first).
-EXIT = {"conforms": 0, "departs": 1, "incomplete": 2, "refused": 2, "could not run": 3}
-PRECEDENCE = ("departs", "refused", "incomplete", "could not run", "conforms")
+EXIT = {
+    "conforms": 0,
+    "conforms within tolerance": 0,
+    "departs": 1,
+    "not a Muon": 1,
+    "incomplete": 2,
+    "refused": 2,
+    "could not build": 2,
+    "could not run": 3,
+}
+PRECEDENCE = (
+    "departs",
+    "not a Muon",
+    "refused",
+    "could not build",
+    "incomplete",
+    "could not run",
+    "conforms within tolerance",
+    "conforms",
+)
 
 # Errors of a candidate that uses torch.distributed in ranks without a process group (a non-distributed adapter)
 LOOKS_DISTRIBUTED = (
@@ -255,14 +373,22 @@ LOOKS_DISTRIBUTED = (
 IMPORT_ERRORS = ("ModuleNotFoundError", "ImportError")
 
 
-def verdict(outcomes: list[Outcome], adapter: Adapter) -> str:
-    """conforms (every case bitwise), could not run (no case ran to completion: every one crashed or hung),
-    incomplete (momentum the check could not compare: unmapped state keys), or departs."""
-    if all(o.status in ("crash", "hang") for o in outcomes):
+def verdict(outcomes: list[Outcome], adapter: Adapter, not_a_muon: bool = False) -> str:
+    """could not run (no case ran to completion: every one crashed, hung or was refused at construction), not a
+    Muon (diagnose: no param orthogonalised), incomplete (momentum the check could not find: unmapped state),
+    conforms (every compared case bitwise; "within tolerance" where some case was compared at the candidate's
+    run-to-run tolerance), or departs. Params sent to another optimizer and cases refused at construction are
+    listed apart (the report's not_compared), never a departure."""
+    ran = [o for o in outcomes if o.status not in ("crash", "hang", "unsupported")]
+    if not ran:
         return "could not run"
+    if not_a_muon:
+        return "not a Muon"
     if adapter.state_key is not None and any(o.unmapped for o in outcomes):
         return "incomplete"
-    return "conforms" if all(o.status == "bitwise" for o in outcomes) else "departs"
+    if any(o.status in ("differs", "crash", "hang") for o in outcomes):
+        return "departs"
+    return "conforms within tolerance" if any(o.status == "close" for o in outcomes) else "conforms"
 
 
 def check(
@@ -278,19 +404,24 @@ def check(
     seed: int = 0,
     progress: Callable[[dict[str, Any]], None] | None = None,
     pools: dict[tuple, RankPool] | None = None,
+    search_budget: float = SEARCH_BUDGET_S,
 ) -> dict[str, Any]:
     """Every case of the adapter (optionally only some families and dtypes); the report as a dict (--json).
-    progress(report so far) is called after every case (the CLI writes its JSON there: an interrupted run leaves
-    the cases it finished, marked partial). The run stops early, without a verdict on the rest, when the candidate
-    cannot be imported (could not run) or, not declared distributed, calls torch.distributed (refused). pools:
-    rank pools shared with other checks of a suite (Runner), closed by the caller."""
+
+    First the determinism probe (probe_determinism: the first case of each dtype and mode run twice, with other
+    random states); then every case. progress(report so far) is called after every case (the CLI writes its JSON
+    there: an interrupted run leaves the cases it finished, marked partial). The run stops early, without a verdict
+    on the rest, when the candidate cannot be imported (could not run), cannot be built on a plain matrix (could not
+    build, with a hint), or, not declared distributed, calls torch.distributed (refused). pools: rank pools shared
+    with other checks of a suite (Runner), closed by the caller."""
     runner = Runner(adapter, timeout, seed, pools)
     started = time.monotonic()
     outcomes: list[Outcome] = []
     shrunk: list[dict[str, Any]] = []
-    stopped = None
+    cases: list[Case] = []
+    context = Context(search_budget_s=search_budget)
 
-    def report(partial: bool, diagnosis: str, result: str) -> dict[str, Any]:
+    def report(partial: bool, diagnosis: str, result: str, found: list | None = None) -> dict:
         return {
             "adapter": adapter.name,
             "version": adapter.version(),
@@ -301,8 +432,20 @@ def check(
             "hash_seeds": "PYTHONHASHSEED of rank r = 1 + 1000 * seed + r",
             "outcomes": [o.summary() for o in outcomes],
             "verdict": result,
-            "conforms": result == "conforms",
+            "conforms": result in ("conforms", "conforms within tolerance"),
             "diagnosis": diagnosis,
+            "findings": [{"kind": f.kind, "text": f.text} for f in found or []],
+            "not_compared": not_compared(outcomes, adapter),
+            "momentum_read_from": sorted(
+                {
+                    label
+                    for o in outcomes
+                    for label in o.momentum_sources
+                    if "not compared" not in label
+                }
+            ),
+            "self_differences": context.self_differences or {},
+            "tolerance": context.tolerance,
             "minimal_failing_cases": shrunk,
             "partial": partial,
             "cases_planned": len(cases),
@@ -313,41 +456,144 @@ def check(
         cases = selected_cases(adapter, world_sizes, steps, families, dtypes, device)
         if not cases:  # nothing selected is never a pass
             return _unselected(adapter, device, started)
+        stopped = None
+        differences = probe_determinism(runner, cases)
+        if differences:
+            context = _tolerant(runner, differences, context)
         for case in cases:
             outcomes.append(runner.run(case))
             log(_line(outcomes[-1]))
             stopped = _stop(adapter, outcomes[-1])
             if stopped:
-                break
+                return report(False, stopped[1], stopped[0])
             if progress:
                 progress(report(True, "partial: the run goes on", "partial"))
-        if stopped:
-            result, diagnosis = stopped
-        else:
-            result = verdict(outcomes, adapter)
-            diagnosis = diagnose(outcomes, runner.preset, runner.overrides)
-            unmapped = sorted({k for o in outcomes for k in o.unmapped})
-            if unmapped and adapter.state_key is not None:
-                diagnosis = (
-                    f"momentum not compared: state keys {unmapped} (the check looked for "
-                    f"{adapter.state_key!r}); name the momentum's key with --state-map KEY, or "
-                    f"--state-map none to leave it out; params: {diagnosis}"
-                )
-            firsts = _first_of_each_failure(outcomes) if shrink_budget > 0 else []
-            for o in firsts:
-                small = shrink(runner, o, shrink_budget / len(firsts))
-                shrunk.append(
-                    {
-                        "from": o.case.label(),
-                        "to": small.case.label(),
-                        "status": small.status,
-                        "error": small.error,
-                        "max_diff": small.max_diff,
-                    }
-                )
+        context = replace(context, stated_routing=getattr(adapter, "routing", None))
+        found = findings(outcomes, runner.preset, runner.overrides, context)
+        result = verdict(outcomes, adapter, any(f.kind == "not a Muon" for f in found))
+        diagnosis = _diagnosis_line(outcomes, found, context, adapter)
+        if (
+            result != "not a Muon"
+        ):  # a smaller case of an optimizer that orthogonalises nothing tells nothing
+            shrunk += _shrunk(runner, outcomes, shrink_budget)
     finally:
         runner.close()
-    return report(False, diagnosis, result)
+    return report(False, diagnosis, result, found)
+
+
+def probe_determinism(runner: Runner, cases: list[Case]) -> dict[str, float]:
+    """dtype -> the largest difference of the candidate's params between two runs of the same case on the same
+    inputs, with torch's generators seeded differently (the first case of each dtype and mode); only the dtypes
+    where it is not 0. The first run is kept as the case's own."""
+    firsts: dict[tuple, Case] = {}
+    for case in cases:
+        firsts.setdefault((case.dtype, case.mode), case)
+    out: dict[str, float] = {}
+    for case in firsts.values():
+        first, second = runner.segments(case, 0), runner.segments(case, 1)
+        runner.keep(case, first)
+        if isinstance(first, Outcome) or isinstance(second, Outcome):
+            continue
+        d = _self_difference(first[0], second[0])
+        if d:
+            out[case.dtype] = max(out.get(case.dtype, 0.0), d)
+    return out
+
+
+def _self_difference(a: list, b: list) -> float:
+    """max |dP| between two runs' results (every segment, rank, step and param; inf where shapes differ)."""
+    d = 0.0
+    for (_, ra), (_, rb) in zip(a, b):
+        for x, y in zip(ra, rb):
+            for step_a, step_b in zip(x["params"], y["params"]):
+                for p, q in zip(step_a, step_b):
+                    if not same_bits(p, q):
+                        d = max(d, max_abs_diff(p, q) or math.inf)
+    return d
+
+
+# A candidate that differs from itself is compared at this multiple of its own largest run-to-run difference
+TOLERANCE_FACTOR = 2.0
+
+
+def _tolerant(runner: Runner, differences: dict[str, float], context: Context) -> Context:
+    """Set the runner's per-dtype tolerance (TOLERANCE_FACTOR times the run-to-run difference) and say it."""
+    runner.tolerance = {dt: TOLERANCE_FACTOR * d for dt, d in differences.items()}
+    return replace(context, self_differences=differences, tolerance=max(runner.tolerance.values()))
+
+
+def _diagnosis_line(
+    outcomes: list[Outcome], found: list, context: Context, adapter: Adapter
+) -> str:
+    """diagnose's line from the findings already made, with unmapped momentum said first."""
+    diagnosis = diagnose(outcomes, None, {}, context, found=found)
+    unmapped = sorted({k for o in outcomes for k in o.unmapped})
+    if unmapped and adapter.state_key is not None:
+        diagnosis = (
+            f"momentum not found: param-sized state {unmapped}, none of it the momentum by value after the "
+            f"first step (the check looked for {adapter.state_key!r}, then by value); name the momentum's key "
+            f"with --state-map KEY, or --state-map none to leave it out; params: {diagnosis}"
+        )
+    return diagnosis
+
+
+def _shrunk(runner: Runner, outcomes: list[Outcome], budget: float) -> list[dict[str, Any]]:
+    """A minimal case per failure (shrink), within `budget` seconds in all."""
+    firsts = _first_of_each_failure(outcomes) if budget > 0 else []
+    out = []
+    for o in firsts:
+        small = shrink(runner, o, budget / len(firsts))
+        out.append(
+            {
+                "from": o.case.label(),
+                "to": small.case.label(),
+                "status": small.status,
+                "stage": small.stage,
+                "error": small.error,
+                "max_diff": small.max_diff,
+                "state_diff": small.state_diff,
+            }
+        )
+    return out
+
+
+def not_compared(outcomes: list[Outcome], adapter: Adapter) -> list[str]:
+    """Every quantity the check did not compare, each once with where: params sent to another optimizer, cases
+    refused at construction, momentum not kept or left out, and param-sized state that is not the momentum."""
+    out: dict[str, set[str]] = {}
+    for o in outcomes:
+        where = o.case.family
+        for i, why in o.routed.items():
+            kind = why.split(":")[0]
+            out.setdefault(f"param of shape {o.case.shapes[i]}: routed ({kind})", set()).add(where)
+        if o.status == "unsupported":
+            out.setdefault(f"every param: refused at construction ({o.error})", set()).add(where)
+        for label in o.momentum_sources:
+            if label.startswith("not compared: ") and "routed" not in label:
+                out.setdefault(f"momentum: {label.removeprefix('not compared: ')}", set()).add(
+                    where
+                )
+        for path in _other_state(o, adapter):
+            out.setdefault(f"state[p]{path} (param-sized, not the momentum)", set()).add(where)
+    return [f"{what} [{', '.join(sorted(fams))}]" for what, fams in out.items()]
+
+
+def _other_state(o: Outcome, adapter: Adapter) -> list[str]:
+    """Paths of param-sized state tensors that are not the momentum the check read, over the case's params."""
+    if o.results is None or o.view is None:
+        return []
+    out = set()
+    for i in range(len(o.case.shapes)):
+        if i in o.routed:
+            continue
+        kind, path = o.view.sources[i] if i < len(o.view.sources) else ("adapter", None)
+        for p in state_paths(o.results, i):
+            if kind == "state" and p == path:
+                continue
+            if kind == "adapter" and p == f"[{adapter.state_key!r}]":
+                continue
+            out.add(p)
+    return sorted(out)
 
 
 def selected_cases(
@@ -368,8 +614,14 @@ def selected_cases(
 
 
 def _stop(adapter: Adapter, o: Outcome) -> tuple[str, str] | None:
-    """(verdict, diagnosis) when the run cannot go on: the candidate does not import (could not run), or a
+    """(verdict, diagnosis) when the run cannot go on: the candidate does not import (could not run), its
+    constructor refuses a plain matrix (could not build: no case can run; with a hint, never shrunk), or a
     candidate not declared distributed calls torch.distributed (refused, with the fix)."""
+    if o.status == "unsupported" and _plain_matrices(o.case):
+        return "could not build", (
+            f"could not build: {adapter.name}'s constructor raised on {o.case.label()}: {o.error}; "
+            f"{construction_hint(adapter, o.error or '')}"
+        )
     if o.status != "crash" or not o.error:
         return None
     if any(e in o.error for e in IMPORT_ERRORS):
@@ -380,6 +632,34 @@ def _stop(adapter: Adapter, o: Outcome) -> tuple[str, str] | None:
             "rerun with --distributed dtensor, replicated or unreduced"
         )
     return None
+
+
+def _plain_matrices(case: Case) -> bool:
+    """Every param of the case is a 2-D matrix with both sides >= 2: a Muon that refuses these refuses everything."""
+    return all(len(s) == 2 and min(s) >= 2 for s in case.shapes)
+
+
+def construction_hint(adapter: Adapter, error: str) -> str:
+    """One line: what the constructor seems to need (a quoted name in its error; keywords of its signature
+    without a default) and how to give it (--group, --kwargs, or an adapter)."""
+    named = re.findall(r"[`'\"]([A-Za-z_]\w*)[`'\"]", error)
+    needs = []
+    if isinstance(adapter, ImportPath):
+        needs = adapter.required_keywords()
+    parts = []
+    if named:
+        parts.append(
+            f"it names {', '.join(dict.fromkeys(named))}: a param-group key goes in with "
+            f"--group '{{\"{named[0]}\": ...}}', a constructor keyword with --kwargs"
+        )
+    if needs:
+        parts.append(
+            f"its constructor has keywords without a default: {', '.join(needs)} (--kwargs)"
+        )
+    parts.append(
+        'or write an adapter whose build() makes the optimizer as its users do (README, "Check your own Muon")'
+    )
+    return "hint: " + "; ".join(parts)
 
 
 def _unselected(adapter: Adapter, device: str, started: float) -> dict[str, Any]:
@@ -410,10 +690,11 @@ def _runs_for(adapter: Adapter, family: str) -> bool:
 
 
 def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
-    """One failing case per failure kind and mode (and family, off a single device), for the shrinker."""
+    """One failing case per failure kind and mode (and family, off a single device), for the shrinker: departures,
+    crashes and hangs (not a refusal at construction, a routed case or one within tolerance)."""
     firsts: dict[tuple, Outcome] = {}
     for o in outcomes:
-        if o.status != "bitwise":
+        if o.status in ("differs", "crash", "hang"):
             firsts.setdefault(
                 (o.case.mode, _kind(o), o.case.family if o.case.mode != "single" else ""), o
             )
@@ -421,18 +702,30 @@ def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
 
 
 def _line(o: Outcome) -> str:
-    detail = o.error or (
-        ""
-        if o.status == "bitwise"
-        else f"max|dP| {o.max_diff:.3g}, first differs at step {o.first_step}, "
-        f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}"
-    )
+    """One case as the run prints it: status, then the difference, the stage, the routing and the notes."""
+    if o.error:
+        detail = o.error
+    elif o.status == "bitwise":
+        detail = ""
+    elif o.status == "routed":
+        detail = "every param sent to another optimizer"
+    elif o.max_diff:
+        detail = (
+            f"max|dP| {o.max_diff:.3g} ({o.max_ulps:.3g} ulp), first differs at step {o.first_step}, "
+            f"{'grows' if o.grows else 'does not grow'}; max|dM| {o.state_diff}"
+        )
+    else:
+        detail = (
+            f"params equal; momentum differs (max|dM| {o.state_diff}), first at step {o.first_step}"
+        )
     notes = [
         n
         for n in (
+            o.stage and f"{o.stage} departs ({o.stage_detail})",
+            o.routed and o.status != "routed" and f"routed: params {sorted(o.routed)}",
             o.policy and f"None grads: {o.policy}",
             o.replicas and f"replicas: {o.replicas}",
-            o.elementwise and f"elementwise: {o.elementwise}",
+            o.elementwise and f"rounding: {o.elementwise}",
             o.resumed and f"resume: {o.resumed}",
         )
         if n
@@ -444,10 +737,17 @@ def print_report(report: dict[str, Any], log=_print) -> None:
     log(f"verdict: {report['verdict']}")
     log(f"diagnosis: {report['diagnosis']}")
     for s in report["minimal_failing_cases"]:
-        log(
-            f"  minimal {s['status']}: {s['to']}"
-            + (f" ({s['error']})" if s["error"] else f" (max|dP| {s['max_diff']:.3g})")
-        )
+        if s["error"]:
+            why = s["error"]
+        elif s.get("max_diff"):
+            why = f"max|dP| {s['max_diff']:.3g}" + (f"; {s['stage']}" if s.get("stage") else "")
+        else:
+            why = f"params equal, momentum differs (max|dM| {s.get('state_diff')})"
+        log(f"  minimal {s['status']}: {s['to']} ({why})")
+    for label in report.get("momentum_read_from", []):
+        log(f"  momentum read from: {label}")
+    for item in report.get("not_compared", []):
+        log(f"  not compared: {item}")
     bitwise = sum(o["status"] == "bitwise" for o in report["outcomes"])
     log(
         f"{bitwise}/{len(report['outcomes'])} cases bitwise equal to the claim ({report['wall_s']} s)"
@@ -609,6 +909,19 @@ def _parser() -> argparse.ArgumentParser:
         '("partial": true until the run ends)',
     )
     p.add_argument("--markdown", action="store_true", help="print the README's conformance table")
+    p.add_argument(
+        "--routing",
+        metavar="RULE",
+        help="the params the candidate states it sends to another optimizer, by shape: terms joined by ' or ', "
+        "each ndim|min_side|max_side|aspect|numel, then !=, ==, > or <, then a number (e.g. 'ndim != 2 or "
+        "min_side < 2'); those params are not compared. Default: the adapter's (none)",
+    )
+    p.add_argument(
+        "--search-budget",
+        type=float,
+        default=SEARCH_BUDGET_S,
+        help="seconds of configuration search per adapter's diagnosis (pairs of options, the nearest)",
+    )
     g = p.add_argument_group("for an optimizer class given by import path")
     g.add_argument("--preset", default="torch")
     g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
@@ -616,6 +929,12 @@ def _parser() -> argparse.ArgumentParser:
         "--hp-names", type=json.loads, default={}, help='e.g. {"momentum": "mu", "nesterov": null}'
     )
     g.add_argument("--kwargs", type=json.loads, default={}, help="constructor keywords, JSON")
+    g.add_argument(
+        "--group",
+        type=json.loads,
+        default={},
+        help='param-group keys the class needs, JSON (e.g. {"use_muon": true}): the params go in as one group',
+    )
     g.add_argument("--distributed", choices=["dtensor", "replicated", "unreduced"], default=None)
     return p
 
@@ -832,6 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
                 hp_names=args.hp_names,
                 kwargs=args.kwargs,
                 distributed=args.distributed,
+                group=args.group,
             )
             for spec in args.adapter
         ]
@@ -853,9 +1173,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
         return 2
     state_key = _state_map(args.state_map)
+    if args.routing:
+        try:
+            parse_rule(args.routing)
+        except ValueError as e:
+            print(f"error: --routing {args.routing!r}: {e}", file=sys.stderr)
+            return 2
     for adapter in adapters:
         if state_key is not False:
             adapter.state_key = state_key
+        if args.routing:
+            adapter.routing = args.routing
         if adapter.distributed is None:
             try:
                 declared = _distributed_arguments(adapter)
@@ -937,6 +1265,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 seed=args.seed,
                 progress=lambda r: save(r),
+                search_budget=args.search_budget,
             )
         )
         print_report(reports[-1])

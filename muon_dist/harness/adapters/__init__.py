@@ -54,6 +54,9 @@ class Adapter:
     hyperparameters: frozenset[str] = HYPERPARAMETERS
     variants: tuple[dict[str, Any], ...] = ({},)
     state_key: str | None = "momentum_buffer"
+    routing: str | None = (
+        None  # the rule by which it sends params to another optimizer (routing.py), if it states one
+    )
 
     def version(self) -> str:
         return "local"
@@ -96,10 +99,52 @@ def import_module_as_python_m(module: str) -> Any:
     return importlib.import_module(module)
 
 
+# Constructor keywords that other Muons use for the check's hyperparameters (ImportPath maps by signature, where
+# exactly one of them is a keyword of the class): the field's spellings (pytorch_optimizer, timm, heavyball, keras,
+# Dion's `mu`, Emerging's `weight_decay`)
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "lr": ("lr", "learning_rate"),
+    "weight_decay": ("weight_decay", "wd", "decay"),
+    "momentum": ("momentum", "mu", "beta", "beta1", "momentum_beta", "betas"),
+    "nesterov": ("nesterov", "use_nesterov"),
+}
+
+
+def keyword_map(cls: type) -> tuple[dict[str, str | None], dict[str, Any]]:
+    """(our hyperparameter -> the class's keyword or None, the class's defaults of the mapped keywords) by its
+    signature: our own name where the class has it; else the keyword of SYNONYMS the class has when it has exactly
+    one; our own name where it takes **kwargs and has none of them; None (not passed: the claim keeps its preset's
+    value) otherwise."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return {k: k for k in HYPERPARAMETERS}, {}
+    varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names: dict[str, str | None] = {}
+    for ours, spellings in SYNONYMS.items():
+        present = [n for n in spellings if n in params]
+        if ours in params:  # its own name wins over a synonym
+            names[ours] = ours
+        else:
+            names[ours] = (
+                present[0] if len(present) == 1 else (ours if varkw and not present else None)
+            )
+    defaults = {
+        n: params[n].default
+        for n in names.values()
+        if n in params and params[n].default is not inspect.Parameter.empty
+    }
+    return names, defaults
+
+
 class ImportPath(Adapter):
     """Any optimizer class by import path: "[checkout_dir:]module:Class". The checkout dir (if given) goes on
-    sys.path first; `hp_names` maps our hyperparameter names to the class's (None: it has no such argument);
-    `kwargs` are passed as they are."""
+    sys.path first; `hp_names` maps our hyperparameter names to the class's (None: it has no such argument; by
+    default read from its signature, keyword_map); `kwargs` are passed as they are, and `group` keys go into the
+    one param group it is given; `routing` is the rule by which it states it sends params elsewhere
+    (muon_dist/harness/adapters/routing.py)."""
 
     def __init__(
         self,
@@ -111,6 +156,8 @@ class ImportPath(Adapter):
         distributed: str | None = None,
         families: frozenset[str] | None = None,
         state_key: str | None = "momentum_buffer",
+        group: dict[str, Any] | None = None,
+        routing: str | None = None,
     ) -> None:
         parts = target.split(":")
         if len(parts) not in (2, 3):
@@ -123,9 +170,11 @@ class ImportPath(Adapter):
             k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v
             for k, v in (overrides or {}).items()
         }
-        self.hp_names = {k: k for k in HYPERPARAMETERS} | dict(hp_names or {})
+        mapped, self.keyword_defaults = self._signature()
+        self.hp_names = {**mapped, **dict(hp_names or {})}
         self.hyperparameters = frozenset(k for k, v in self.hp_names.items() if v is not None)
         self.kwargs, self.distributed, self.state_key = dict(kwargs or {}), distributed, state_key
+        self.group, self.routing = dict(group or {}), routing
         default = {
             None: SINGLE_FAMILIES,
             "dtensor": SINGLE_FAMILIES | DIST_FAMILIES,
@@ -135,11 +184,34 @@ class ImportPath(Adapter):
         self.families = families or default
         self.name = parts[-1]
 
+    def _signature(self) -> tuple[dict[str, str | None], dict[str, Any]]:
+        """keyword_map of the class, or our own names where it does not import here (the run says why)."""
+        try:
+            return keyword_map(self._class())
+        except Exception:  # noqa: BLE001 - an import failure is reported by the run, with its error
+            return {k: k for k in HYPERPARAMETERS}, {}
+
     def _class(self) -> type:
         *root, module, cls = self.target.split(":")
         if root and root[0] not in sys.path:
             sys.path.insert(0, root[0])
         return getattr(import_module_as_python_m(module), cls)
+
+    def required_keywords(self) -> list[str]:
+        """The class's constructor keywords without a default (besides params)."""
+        import inspect
+
+        try:
+            params = inspect.signature(self._class()).parameters
+        except (TypeError, ValueError, ImportError):
+            return []
+        return [
+            n
+            for n, p in params.items()
+            if n != "params"
+            and p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
 
     def version(self) -> str:
         from importlib.metadata import packages_distributions
@@ -151,9 +223,22 @@ class ImportPath(Adapter):
             or (package_version(dists[0]) if dists else "local")
         )
 
+    def describe(self) -> str:
+        renamed = {k: v for k, v in self.hp_names.items() if v != k}
+        note = ", ".join(f"{k} as {v or 'not passed'}" for k, v in sorted(renamed.items()))
+        return super().describe() + (f" [keywords: {note}]" if note else "")
+
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
-        named = {self.hp_names[k]: v for k, v in hp.items() if self.hp_names.get(k)}
-        return self._class()(params, **named, **self.kwargs)
+        named = {}
+        for k, v in hp.items():
+            keyword = self.hp_names.get(k)
+            if keyword == "betas":  # (beta1, beta2): the momentum is beta1, beta2 keeps its default
+                second = tuple(self.keyword_defaults.get("betas", (v, 0.999)))[1:]
+                named["betas"] = (v, *second)
+            elif keyword:
+                named[keyword] = v
+        given = [{"params": params, **self.group}] if self.group else params
+        return self._class()(given, **named, **self.kwargs)
 
 
 def load_adapter(spec: str, **import_path_options: Any) -> Adapter:
@@ -176,4 +261,12 @@ def load_adapter(spec: str, **import_path_options: Any) -> Adapter:
     raise ValueError(f"--adapter {spec!r} is neither an Adapter nor a torch.optim.Optimizer class")
 
 
-__all__ = ["Adapter", "HYPERPARAMETERS", "ImportPath", "load_adapter", "package_version"]
+__all__ = [
+    "Adapter",
+    "HYPERPARAMETERS",
+    "ImportPath",
+    "SYNONYMS",
+    "keyword_map",
+    "load_adapter",
+    "package_version",
+]

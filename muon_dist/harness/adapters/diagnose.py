@@ -1,29 +1,50 @@
-"""Diagnosis of a departure from the claim: a convention (some muon_ref configuration reproduces every case
-that ran, bit for bit) or a bug (none does; named by the case families that depart). Replicas that disagree
-(oracle.py: replicated bits that differ across ranks) are a bug whatever the configuration (muon_ref gives every
-rank the same answer), named "replicas disagree on" their families; so is optimizer state that a save and load
-changed (oracle.py: Outcome.resumed), named "the resume changes the optimizer state on" its families; crashes and
-hangs are named by their families too. A conforming adapter's answer to gradients missing on some ranks only (asym_none) is named with it.
+"""Diagnosis: what a candidate computes where it is not its claim, in the words a maintainer would accept.
 
-Search, in order (the first configuration that matches every completed case wins):
-    1. the claimed preset with one convention option changed (CONVENTION_OPTIONS), the claim's other
-       overrides kept;
+Findings, each with its own word (docs/checking.md, "Reading a diagnosis"):
+    not a Muon     every compared param is sent elsewhere or not orthogonalised (routing.py); its singular values
+    convention     some muon_ref configuration reproduces every case of a partition bit for bit (the search below)
+    bug            the departing stage (stages.py) on a partition where other families of the same dtype conform
+                   (the departure depends on the layout, world size, accumulation or scale), or replicas that
+                   disagree, or state that a save and load changed
+    departs        the departing stage where every family of that dtype departs (the arithmetic itself differs),
+                   with the nearest configuration of the search and its distance (cases bitwise, units in the last
+                   place)
+    rounding       a departure of at most one unit in the last place at the update's application that no muon_ref
+                   rounding reproduces (not a bug: the ops' order, dtype or memory layout)
+    routing        params the candidate sends to another optimizer, the rule inferred from their shapes, not
+                   compared (a claim may state its rule)
+    unsupported input   families whose params the candidate refuses at construction (one line, its error)
+    non-deterministic   the candidate differs from itself on the same inputs: compared at a stated tolerance
+    crashes, hangs, could not run on gloo: as the ranks answered
+A convention, a named rounding (oracle.Rounding) and routing are never called a bug.
+
+Search for a configuration, in order (the first that reproduces every completed case of a partition wins):
+    1. the claimed preset with one convention option changed (CONVENTION_OPTIONS), the claim's other overrides kept;
     2. every other preset, with the claim's lr, weight_decay, momentum and nesterov;
-    3. every other preset with one option changed.
-A configuration is tried on the departing cases first (most fail at their first step), then on the cases
-that were bitwise (a convention must keep those too).
+    3. every other preset with one option changed;
+    4. the claimed preset with two options of different keys changed, those of the located stage first;
+bounded by a time budget (--search-budget). A configuration is tried on the departing cases first (most fail at
+their first step), then on the cases that were bitwise (a convention must keep those too). The nearest
+configuration is the one of steps 1-3 with the most departing cases bitwise, then the fewest units in the last
+place, reported where no configuration is exact.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
-from typing import Any, Callable
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
 from muon_ref.presets import PRESETS, preset_defaults
 
-from .oracle import Outcome, matches, resolved_hyperparameters
+from .oracle import Outcome, resolved_hyperparameters, trial
+from .routing import infer_rule
+from .stages import STAGES, locate
 
 # One option (or a pair that only makes sense together) per entry; values found in the field
 # (docs/conventions.md; muon_ref/config.py documents each).
@@ -52,7 +73,28 @@ CONVENTION_OPTIONS: list[dict[str, Any]] = [
     {"normalize_before_cast": True},
     {"normalize_before_cast": False},
     {"ns_dtype": torch.float32},
+    {"flatten": True},
+    {"flatten": False},
 ]
+# the stage (stages.STAGES) each option acts at: the pairs search tries the located stage's options first
+STAGE_OF: dict[str, str] = {
+    "momentum_style": "momentum",
+    "nesterov": "Nesterov input",
+    "nesterov_form": "Nesterov input",
+    "eps": "Newton-Schulz input and normalisation",
+    "eps_mode": "Newton-Schulz input and normalisation",
+    "normalize_before_cast": "Newton-Schulz input and normalisation",
+    "ns_dtype": "Newton-Schulz input and normalisation",
+    "schedule": "orthogonalised direction",
+    "step_form": "orthogonalised direction",
+    "flatten": "orthogonalised direction",
+    "lr_scale": "shape scale",
+    "scale_sqrt": "shape scale",
+    "weight_decay_form": "weight decay",
+    "scale_apply": "application",
+    "update_dtype": "application",
+}
+SEARCH_BUDGET_S = 60.0  # seconds of configuration search per diagnosis, in all (--search-budget)
 
 
 def _valid(preset: str | None, overrides: dict[str, Any]) -> bool:
@@ -67,29 +109,41 @@ def _changes(
     preset: str | None, overrides: dict[str, Any]
 ) -> list[tuple[dict[str, Any], str | None, dict]]:
     """(the change, preset, overrides) for each option that changes this configuration."""
-    current = preset_defaults(preset, overrides)
+    current = {**preset_defaults(preset, overrides), **overrides}
     out = []
     for option in CONVENTION_OPTIONS:
         if all(current.get(k) == v for k, v in option.items()):
             continue
-        trial = {**overrides, **option}
-        if _valid(preset, trial):
-            out.append((option, preset, trial))
+        trial_overrides = {**overrides, **option}
+        if _valid(preset, trial_overrides):
+            out.append((option, preset, trial_overrides))
     return out
 
 
-def alternatives(preset: str | None, overrides: dict[str, Any]):
+def alternatives(
+    preset: str | None, overrides: dict[str, Any], stage: str | None = None, pairs: bool = True
+) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
     """Yield (description, preset, overrides) in search order (module docstring)."""
     claimed = f"claimed preset {preset!r}" if preset else "the claimed configuration"
-    for option, p, trial in _changes(preset, overrides):
-        yield f"matches {claimed} with {_fmt(option)}", p, trial
+    singles = _changes(preset, overrides)
+    for option, p, t in singles:
+        yield f"matches {claimed} with {_fmt(option)}", p, t
     hp = resolved_hyperparameters(preset, overrides)
     others = [p for p in PRESETS if p != preset]
     for other in others:
         yield f"matches preset {other!r}", other, dict(hp)
     for other in others:
-        for option, p, trial in _changes(other, dict(hp)):
-            yield f"matches preset {other!r} with {_fmt(option)}", p, trial
+        for option, p, t in _changes(other, dict(hp)):
+            yield f"matches preset {other!r} with {_fmt(option)}", p, t
+    if not pairs:
+        return
+    ranked = sorted(singles, key=lambda c: not any(STAGE_OF.get(k) == stage for k in c[0]))
+    for (a, _, _), (b, _, _) in itertools.combinations(ranked, 2):
+        if set(a) & set(b):
+            continue
+        both = {**overrides, **a, **b}
+        if _valid(preset, both):
+            yield f"matches {claimed} with {_fmt({**a, **b})}", preset, both
 
 
 def _fmt(option: dict[str, Any]) -> str:
@@ -99,52 +153,95 @@ def _fmt(option: dict[str, Any]) -> str:
     )
 
 
-def find_convention(
-    outcomes: list[Outcome],
-    preset: str | None,
-    overrides: dict[str, Any],
-    match: Callable[[Outcome, str | None, dict[str, Any]], bool] = matches,
-) -> str | None:
-    """The first configuration of the search that reproduces every completed case; None if none does."""
-    found = search(outcomes, preset, overrides, match)
-    return found[0] if found else None
+@dataclass
+class Nearest:
+    """The configuration nearest a partition's departing cases: how many of them it reproduces, and the largest
+    distance of the others in units in the last place."""
+
+    description: str
+    bitwise: int
+    total: int
+    ulps: float
+
+    def describe(self) -> str:
+        rest = f", the others within {_ulps(self.ulps)}" if self.bitwise < self.total else ""
+        return f"{self.description.removeprefix('matches ')} ({self.bitwise}/{self.total} departing cases bitwise{rest})"
 
 
-def search(
-    outcomes: list[Outcome],
-    preset: str | None,
-    overrides: dict[str, Any],
-    match: Callable[[Outcome, str | None, dict[str, Any]], bool] = matches,
-) -> tuple[str, str | None, dict[str, Any]] | None:
-    """(description, preset, overrides) of the first configuration that reproduces every completed case."""
-    departing = [o for o in outcomes if o.status == "differs"]
-    kept = [o for o in outcomes if o.status == "bitwise"]
-    if not departing:
+def _ulps(value: float) -> str:
+    return (
+        "inf units in the last place"
+        if math.isinf(value)
+        else f"{value:.3g} units in the last place"
+    )
+
+
+class Search:
+    """The configuration search of one diagnosis, memoised per (outcome, configuration) and bounded in time."""
+
+    def __init__(self, budget_s: float = SEARCH_BUDGET_S) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.seen: dict[tuple, Outcome] = {}
+
+    def judged(self, o: Outcome, p: str | None, t: dict[str, Any]) -> Outcome:
+        key = (id(o), p, repr(sorted(t.items(), key=lambda kv: kv[0])))
+        if key not in self.seen:
+            self.seen[key] = trial(o, p, t)
+        return self.seen[key]
+
+    def match(self, o: Outcome, p: str | None, t: dict[str, Any]) -> bool:
+        return self.judged(o, p, t).status in ("bitwise", "close")
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def find(
+        self,
+        outcomes: list[Outcome],
+        preset: str | None,
+        overrides: dict[str, Any],
+        stage: str | None,
+    ) -> tuple[str, str | None, dict[str, Any]] | None:
+        """The first configuration that reproduces every completed case of `outcomes`."""
+        departing = [o for o in outcomes if o.status == "differs"]
+        kept = [o for o in outcomes if o.status in ("bitwise", "close")]
+        if not departing:
+            return None
+        for description, p, t in alternatives(preset, overrides, stage):
+            if self.out_of_time():
+                return None
+            if all(self.match(o, p, t) for o in departing) and all(
+                self.match(o, p, t) for o in kept
+            ):
+                return description, p, t
         return None
-    for description, p, trial in alternatives(preset, overrides):
-        if all(match(o, p, trial) for o in departing) and all(match(o, p, trial) for o in kept):
-            return description, p, trial
-    return None
 
-
-def _memo() -> Callable[[Outcome, str | None, dict[str, Any]], bool]:
-    """matches, remembered per (outcome, configuration): the partitions of one diagnosis ask again."""
-    seen: dict[tuple, bool] = {}
-
-    def match(o: Outcome, p: str | None, trial: dict[str, Any]) -> bool:
-        key = (id(o), p, repr(sorted(trial.items())))
-        if key not in seen:
-            seen[key] = matches(o, p, trial)
-        return seen[key]
-
-    return match
+    def nearest(
+        self, departing: list[Outcome], preset: str | None, overrides: dict[str, Any]
+    ) -> Nearest | None:
+        """The nearest configuration of search steps 1-3 (module docstring), as far as time allows, where it is
+        nearer than the claim itself (more departing cases bitwise, or fewer units in the last place)."""
+        claim_ulps = max((o.max_ulps or 0.0 for o in departing), default=0.0)
+        best: Nearest | None = None
+        for description, p, t in alternatives(preset, overrides, pairs=False):
+            if self.out_of_time():
+                break
+            results = [self.judged(o, p, t) for o in departing]
+            exact = sum(r.status in ("bitwise", "close") for r in results)
+            ulps = max((r.max_ulps or 0.0 for r in results if r.status == "differs"), default=0.0)
+            trial_near = Nearest(description, exact, len(departing), ulps)
+            if best is None or (exact, -ulps) > (best.bitwise, -best.ulps):
+                best = trial_near
+        if best is None or (best.bitwise == 0 and best.ulps >= claim_ulps):
+            return None
+        return best
 
 
 # Partitions of the cases, coarsest first: a convention is searched on all cases, then per dtype, then per dtype
 # and mode (one device, or the adapter's distributed mode). Not per family or world size: there a configuration
 # matches by coincidence (a scale computed from the shard's shape equals lr_scale="none" on a family whose
 # shards are square), and a convention is a property of the candidate's arithmetic, not of a parameter set. The
-# departures no partition explains are the bug, located by family, world size and dtype (by_family).
+# departures no partition explains are located by stage, family, world size and dtype.
 PARTITIONS: tuple[tuple[str, ...], ...] = ((), ("dtype",), ("dtype", "mode"))
 
 
@@ -157,14 +254,24 @@ def _partition_label(fields: tuple[str, ...], key: tuple) -> str:
 
 
 def explain(
-    outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]
+    outcomes: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    search: Search | None = None,
 ) -> tuple[list[tuple[str, str]], list[Outcome]]:
     """(the conventions found, each with the partition it explains, coarsest first; the departing cases that no
     convention of any partition explains). A partition is explained when one configuration of the search
     reproduces every completed case in it (the departing and the bitwise ones). A departing case of an unexplained
-    partition that a convention found elsewhere reproduces is explained too: the bug is located in the cases no
-    found convention reproduces."""
-    match = _memo()
+    partition that a convention found elsewhere reproduces is explained too: the departure is located in the cases
+    no found convention reproduces."""
+    found, rest, _ = _explain(outcomes, preset, overrides, search or Search())
+    return found, rest
+
+
+def _explain(
+    outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any], search: Search
+) -> tuple[list[tuple[str, str]], list[Outcome], list[tuple[str | None, dict[str, Any]]]]:
+    """explain, and the configurations found (preset, overrides) in the order of the conventions."""
     found: list[tuple[str, str]] = []
     configs: list[tuple[str | None, dict[str, Any]]] = []
     open_cases = [o for o in outcomes if o.status == "differs"]
@@ -174,12 +281,25 @@ def explain(
         keys = list(dict.fromkeys(_key(o, fields) for o in open_cases))
         for key in keys:
             part = [o for o in outcomes if _key(o, fields) == key]
-            convention = search(part, preset, overrides, match)
+            stage = next((o.stage for o in part if o.stage), None)
+            convention = search.find(part, preset, overrides, stage)
             if convention:
                 found.append((_partition_label(fields, key), convention[0]))
                 configs.append(convention[1:])
                 open_cases = [o for o in open_cases if _key(o, fields) != key]
-    return found, [o for o in open_cases if not any(match(o, p, t) for p, t in configs)]
+    rest = [o for o in open_cases if not any(search.match(o, p, t) for p, t in configs)]
+    return found, rest, configs
+
+
+def find_convention(
+    outcomes: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    match: Callable[[Outcome, str | None, dict[str, Any]], bool] | None = None,
+) -> str | None:
+    """The first configuration of the search that reproduces every completed case; None if none does."""
+    found = Search().find(outcomes, preset, overrides, None)
+    return found[0] if found else None
 
 
 def by_family(outcomes: list[Outcome], hit: Callable[[Outcome], bool]) -> str:
@@ -233,59 +353,252 @@ def gloo_refusal(error: str | None) -> str | None:
     return None
 
 
-def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, Any]) -> str:
-    """One line: conforms, the conventions that explain the departures (with the partition each explains when
-    no single one explains all), or a bug named by the partition it lives in (the families, world sizes and
-    dtypes of the departures no convention explains); replicas that disagree, crashes and hangs after; the
-    elementwise rounding of the cases that needed a shard-local one."""
-    parts = []
+@dataclass(frozen=True)
+class Context:
+    """What a diagnosis needs besides the outcomes: the candidate's run-to-run differences per dtype (empty: it
+    did not differ from itself) and the tolerance they set, the routing rule the claim states, and the time the
+    configuration search may take."""
+
+    self_differences: dict[str, float] | None = None
+    tolerance: float | None = None
+    stated_routing: str | None = None
+    search_budget_s: float = SEARCH_BUDGET_S
+
+
+@dataclass(frozen=True)
+class Finding:
+    """kind: one of the module docstring's words; text: the finding, as the diagnosis line carries it."""
+
+    kind: str
+    text: str
+
+
+def _compared(o: Outcome) -> bool:
+    return o.status in ("bitwise", "close", "differs")
+
+
+def findings(
+    outcomes: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    context: Context | None = None,
+) -> list[Finding]:
+    """Every finding of a run, in the order the diagnosis line gives them (module docstring)."""
+    context = context or Context()
+    out: list[Finding] = []
+    if _not_a_muon(outcomes):
+        out.append(Finding("not a Muon", _not_a_muon_text(outcomes)))
     departing = [o for o in outcomes if o.status == "differs"]
-    if departing:
-        disagree = any(o.replicas or o.resumed for o in departing)
-        found, unexplained = ([], departing) if disagree else explain(outcomes, preset, overrides)
+    disagree = [o for o in departing if o.replicas or o.resumed]
+    search = Search(context.search_budget_s)
+    if departing and not out:
+        found, unexplained, configs = _explain(
+            [o for o in outcomes if o not in disagree], preset, overrides, search
+        )
+        _relocate(unexplained, [(c, *config) for (_, c), config in zip(found, configs)])
         if found and found[0][0] == "all cases":
-            parts.append(f"convention: {found[0][1]}")
+            out.append(Finding("convention", found[0][1]))
         elif found:
-            parts.append(
-                "conventions by partition: " + "; ".join(f"{where}: {c}" for where, c in found)
+            out.append(
+                Finding("convention", "by partition: " + "; ".join(f"{w}: {c}" for w, c in found))
             )
-        if unexplained:
-            bitwise = sorted(
-                {o.case.family for o in outcomes if o.status == "bitwise"}
-                - {o.case.family for o in unexplained}
+        out += _located(
+            outcomes, [o for o in unexplained if o not in disagree], preset, overrides, search
+        )
+    if any(o.replicas for o in departing):
+        out.append(
+            Finding(
+                "bug", f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}"
             )
-            kind = "bug" if bitwise or found else "departs everywhere"
-            ids = {id(o) for o in unexplained}
-            departs = by_family(outcomes, lambda o: id(o) in ids)
-            parts.append(
-                f"{kind}: no muon_ref convention explains it; departs on {departs}"
-                + (f"; bitwise on {', '.join(bitwise)}" if bitwise else "")
-            )
-        if any(o.replicas for o in departing):
-            parts.append(f"replicas disagree on {by_family(outcomes, lambda o: bool(o.replicas))}")
-        if any(o.resumed for o in departing):
-            parts.append(
+        )
+    if any(o.resumed for o in departing):
+        out.append(
+            Finding(
+                "bug",
                 "the resume changes the optimizer state on "
-                + by_family(outcomes, lambda o: bool(o.resumed))
+                + by_family(outcomes, lambda o: bool(o.resumed)),
             )
+        )
+    out += _failures(outcomes)
+    out += _routing(outcomes, context.stated_routing)
+    unsupported = [o for o in outcomes if o.status == "unsupported"]
+    if unsupported:
+        errors = sorted({o.error or "" for o in unsupported})
+        out.append(
+            Finding(
+                "unsupported input",
+                f"refused at construction on {by_family(outcomes, _status('unsupported'))} "
+                f"({'; '.join(errors)[:300]}): not run",
+            )
+        )
+    if context.self_differences:
+        diffs = ", ".join(f"{d:.3g} ({dt})" for dt, d in sorted(context.self_differences.items()))
+        out.append(
+            Finding(
+                "non-deterministic",
+                f"two runs on the same inputs differ by up to {diffs}; compared at tolerance "
+                f"{context.tolerance:.3g} (twice its own difference) instead of bits",
+            )
+        )
+    return out
+
+
+def _relocate(
+    unexplained: list[Outcome], configs: list[tuple[str, str | None, dict[str, Any]]]
+) -> None:
+    """Locate each unexplained departure again under every configuration found for another partition
+    (description, preset, overrides), and keep the latest stage: where the candidate's conventions differ from the
+    claim everywhere (its momentum form, say), the departure to name is the one after them ("weight decay departs
+    in bf16; momentum and direction equal")."""
+    for o in unexplained:
+        for description, p, t in configs:
+            located = locate(o, p, t)
+            if located is not None and (
+                o.stage is None or STAGES.index(located.stage) > STAGES.index(o.stage)
+            ):
+                o.stage = located.stage
+                o.stage_detail = f"{located.describe()}; where the candidate {description}"
+
+
+def _located(
+    outcomes: list[Outcome],
+    unexplained: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    search: Search,
+) -> list[Finding]:
+    """A finding per departing stage of the cases no convention explains: rounding, bug or departs (module
+    docstring), with the partition, the stage's detail and, for a departure, the nearest configuration."""
+    out = []
+    stages = sorted(
+        {o.stage for o in unexplained}, key=lambda s: (s is None, STAGES.index(s) if s else 0)
+    )
+    for stage in stages:
+        mine = [o for o in unexplained if o.stage == stage]
+        where = by_family(outcomes, lambda o, ids={id(x) for x in mine}: id(o) in ids)
+        detail = mine[0].stage_detail
+        if stage == "application" and all(
+            (o.stage_detail or "").startswith("a rounding") for o in mine
+        ):
+            out.append(
+                Finding(
+                    "rounding",
+                    f"the update's application rounds differently on {where} ({detail}); no muon_ref "
+                    "rounding reproduces it, and it is not a bug",
+                )
+            )
+            continue
+        dtypes = {o.case.dtype for o in mine}
+        conforming = {
+            o.case.family
+            for o in outcomes
+            if o.status in ("bitwise", "close") and o.case.dtype in dtypes
+        } - {o.case.family for o in mine}
+        kind = "bug" if conforming else "departs"
+        what = (
+            f"{stage} departs on {where}"
+            if stage
+            else f"no muon_ref configuration explains it; departs on {where}"
+        )
+        text = what + (f" ({detail})" if detail else "")
+        if conforming:
+            text += f"; bitwise on {', '.join(sorted(conforming))}"
+        near = search.nearest(mine, preset, overrides)
+        if near is not None and kind == "departs":
+            text += f"; nearest configuration: {near.describe()}"
+        out.append(Finding(kind, text))
+    return out
+
+
+def _failures(outcomes: list[Outcome]) -> list[Finding]:
+    """Crashes (gloo's refusals apart) and hangs."""
+    out = []
     refused = {id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash"}
     for collective in sorted({c for c in refused.values() if c}):
-        parts.append(
-            f"could not run on gloo ({collective}: {GLOO_REFUSALS[collective]}) on "
-            f"{by_family(outcomes, lambda o: refused.get(id(o)) == collective)}"
+        out.append(
+            Finding(
+                "could not run on gloo",
+                f"({collective}: {GLOO_REFUSALS[collective]}) on "
+                f"{by_family(outcomes, lambda o: refused.get(id(o)) == collective)}",
+            )
         )
     if any(o.status == "crash" and not refused[id(o)] for o in outcomes):
-        parts.append(
-            f"crashes on {by_family(outcomes, lambda o: o.status == 'crash' and not refused[id(o)])}"
+        out.append(
+            Finding(
+                "crashes",
+                f"on {by_family(outcomes, lambda o: o.status == 'crash' and not refused[id(o)])}",
+            )
         )
     if any(o.status == "hang" for o in outcomes):
-        parts.append(f"hangs on {by_family(outcomes, _status('hang'))}")
-    verdict = "; ".join(parts) or "conforms: every case bitwise equal to the claim"
+        out.append(Finding("hangs", f"on {by_family(outcomes, _status('hang'))}"))
+    return out
+
+
+def _not_a_muon(outcomes: list[Outcome]) -> bool:
+    """No case conforms, and of the params whose first update could be read (routing.Update), none is
+    orthogonalised and some are not: the candidate orthogonalises nothing (sends everything elsewhere, or steps
+    like SGD)."""
+    if any(o.status in ("bitwise", "close") for o in outcomes):
+        return False
+    answers = [u.orthogonalised for o in outcomes for u in o.updates.values()]
+    return False in answers and True not in answers
+
+
+def _not_a_muon_text(outcomes: list[Outcome]) -> str:
+    updates = [u for o in outcomes for u in o.updates.values() if u.orthogonalised is False]
+    routed = sorted({u.routed.split(":")[0] for u in updates if u.routed})
+    where = f"; routed as {', '.join(routed)}" if routed else ""
+    return f"no param's update is orthogonalised in any case ({updates[0].describe()}{where})"
+
+
+def _routing(outcomes: list[Outcome], stated: str | None) -> list[Finding]:
+    """The params the candidate sends to another optimizer, the rule inferred from their shapes (module
+    docstring); empty where it sends none, or where it is not a Muon (said there)."""
+    routed, kept = set(), set()
+    for o in outcomes:
+        if not (_compared(o) or o.status == "routed"):
+            continue
+        for i, shape in enumerate(o.case.shapes):
+            (routed if i in o.routed else kept).add(tuple(shape))
+    if not routed or _not_a_muon(outcomes):
+        return []
+    rule = infer_rule(routed, kept)
+    reasons = sorted({why.split(":")[0] for o in outcomes for why in o.routed.values()})
+    text = (
+        f"params of shape {', '.join(map(str, sorted(routed)))} go to another optimizer "
+        f"({'; '.join(reasons)}), not compared; "
+        + (
+            f"rule inferred: {rule}"
+            if rule
+            else "no rule of one or two terms separates them from the compared shapes"
+        )
+    )
+    if stated:
+        text += f"; the claim states: {stated}"
+    return [Finding("routing", text)]
+
+
+def diagnose(
+    outcomes: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    context: Context | None = None,
+    found: list[Finding] | None = None,
+) -> str:
+    """One line: the findings (module docstring; `found` when already made) joined, or conforms; the roundings
+    the conforming cases needed (shard-local, update layout) and an asym_none answer after it."""
+    found = findings(outcomes, preset, overrides, context) if found is None else found
+    parts = [phrase(f) for f in found]
+    if not any(f.kind not in ("routing", "unsupported input", "non-deterministic") for f in found):
+        within = " (within the stated tolerance)" if context and context.tolerance else ""
+        parts.insert(0, f"conforms: every compared case equal to the claim{within}")
+    verdict = "; ".join(parts)
     local = [o for o in outcomes if o.elementwise]
     if local:
         verdict += (
-            f" (elementwise stages shard-local, a rounding convention, on "
-            f"{by_family(outcomes, lambda o: bool(o.elementwise))})"
+            f" (named roundings, conventions of the candidate's elementwise arithmetic, on "
+            f"{by_family(outcomes, lambda o: bool(o.elementwise))}: "
+            f"{'; '.join(sorted({_rounding_name(o.elementwise) for o in local}))})"
         )
     answers = sorted({o.policy for o in outcomes if o.policy})
     return verdict + (
@@ -293,8 +606,28 @@ def diagnose(outcomes: list[Outcome], preset: str | None, overrides: dict[str, A
     )
 
 
+def phrase(f: Finding) -> str:
+    """A finding as the diagnosis line says it: "KIND: TEXT", with the forms the line has always used for
+    conventions by partition, crashes, hangs and gloo's refusals."""
+    if f.kind == "convention" and f.text.startswith("by partition: "):
+        return f"conventions {f.text}"
+    if f.kind in ("crashes", "hangs", "could not run on gloo"):
+        return f"{f.kind} {f.text}"
+    return f"{f.kind}: {f.text}"
+
+
+def _rounding_name(label: str) -> str:
+    """'shard-local', 'update layout 'contiguous'' ...: a rounding label without its boundaries."""
+    return "; ".join(part.split(", boundaries")[0] for part in label.split("; "))
+
+
 __all__ = [
     "CONVENTION_OPTIONS",
+    "Context",
+    "Finding",
+    "Search",
+    "findings",
+    "phrase",
     "GLOO_REFUSALS",
     "alternatives",
     "by_family",

@@ -46,6 +46,9 @@ class DistributedReference(Reference):
     name = "muon_dist.DistributedMuon"
     distributed = "dtensor"
     families = SINGLE_FAMILIES | DIST_FAMILIES
+    overrides = {
+        "update_layout": "contiguous"
+    }  # the layout it implements (muon_dist/optim.py UPDATE_LAYOUT)
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         return DistributedMuon(_groups(params), preset=self.preset, **self.overrides, **hp)
@@ -58,6 +61,7 @@ class ReplicatedReference(Reference):
     name = "muon_dist.DistributedMuon (replicated)"
     distributed = "replicated"
     families = REPLICATED_FAMILIES
+    overrides = {"update_layout": "contiguous"}
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         return DistributedMuon(_groups(params), preset=self.preset, **self.overrides, **hp)

@@ -74,6 +74,61 @@ def _feed(params: list[torch.Tensor], case: Case, step: int) -> None:
             torch.autograd.backward([p * 1.0 for p, _ in fed], [g for _, g in fed])
 
 
+# The steps after which every param-sized state tensor and the exposed momentum are kept (besides the last): the
+# first departing step is almost always among them, and the stage replay (locate.py) starts from the step before.
+RECORDED_STEPS = 4
+
+
+class ConstructionError(Exception):
+    """The candidate's constructor raised on this case's params (before any step): its message is
+    "ExceptionType: first line" of what the constructor raised."""
+
+
+def build(adapter: Adapter, params: list[torch.Tensor], options: dict[str, Any]) -> Any:
+    """adapter.build, its failure raised as ConstructionError (the check tells a refusal at construction from a
+    crash in a step)."""
+    try:
+        return adapter.build(params, **options)
+    except ImportError:
+        raise  # the candidate is not installed: the run could not start (conformance: could not run)
+    except Exception as e:  # noqa: BLE001 - whatever else the constructor raises is its refusal
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConstructionError(f"{type(e).__name__}: {first}") from None
+
+
+def state_tensors(
+    entry: Any, sizes: dict[int, torch.Size], path: str = ""
+) -> dict[str, torch.Tensor]:
+    """Every tensor in a param's optimizer state with as many elements as the param (its local shard or the whole),
+    found through nested dicts, lists and tuples, as {path: CPU copy in the param's (local) shape}; path spells the
+    subscripts after state[p] (e.g. "['momentum_buffer']", "[0]['buf']")."""
+    if isinstance(entry, torch.Tensor):
+        t = local(entry.detach())
+        if t.numel() > 1 and t.numel() in sizes:
+            return {path: t.reshape(sizes[t.numel()]).cpu().clone()}
+        return {}
+    if not isinstance(entry, (dict, list, tuple)):
+        return {}
+    items = entry.items() if isinstance(entry, dict) else enumerate(entry)
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        found.update(state_tensors(value, sizes, f"{path}[{key!r}]"))
+    return found
+
+
+def _recorded(opt: torch.optim.Optimizer, adapter: Adapter, params: list[torch.Tensor]) -> dict:
+    """The momentum the adapter exposes and every param-sized state tensor, per param, now."""
+    states = []
+    for p in params:
+        sizes = {p.numel(): p.shape, local(p.detach()).numel(): local(p.detach()).shape}
+        states.append(state_tensors(opt.state.get(p, {}), sizes))
+    momenta = [adapter.momentum(opt, p) for p in params]
+    return {
+        "momentum": [None if m is None else m.detach().cpu().clone() for m in momenta],
+        "state": states,
+    }
+
+
 def _steps(
     adapter: Adapter,
     case: Case,
@@ -83,8 +138,10 @@ def _steps(
 ) -> dict[str, Any]:
     """Run `steps`. After each, every rank meets at the harness barrier: a rank that finished its step cannot run
     ahead into the next step's collectives while a peer is still inside this one (the peer then waits, and the
-    case is a hang, as in the field). The step of asym_none may raise: the error is recorded, not raised."""
-    per_step, errors = [], []
+    case is a hang, as in the field). The step of asym_none may raise: the error is recorded, not raised. After the
+    first RECORDED_STEPS steps and the last, the exposed momentum and the param-sized state are kept ("recorded",
+    by step index)."""
+    per_step, errors, recorded = [], [], {}
     for step in steps:
         _feed(params, case, step)
         error = None
@@ -98,6 +155,8 @@ def _steps(
             dist.barrier(group=_harness_group())
         per_step.append([local(p.detach()).cpu().clone() for p in params])
         errors.append(error)
+        if step < RECORDED_STEPS or step == steps.stop - 1:
+            recorded[step] = _recorded(opt, adapter, params)
     momenta = [adapter.momentum(opt, p) for p in params]
     snapshot = (
         {"state": state_snapshot(opt, params)} if case.family in STATE_ROUNDTRIP_FAMILIES else {}
@@ -111,6 +170,7 @@ def _steps(
         "state_keys": [
             [] if m is not None else param_sized_state(opt, p) for m, p in zip(momenta, params)
         ],
+        "recorded": recorded,
     }
 
 
@@ -145,12 +205,21 @@ def param_sized_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
     )
 
 
-def candidate_steps(adapter: Adapter, case: Case, hp: dict[str, Any]) -> dict[str, Any]:
+def _seed_random(rng_seed: int) -> None:
+    """torch's global generators seeded before each case (a candidate that draws random numbers, e.g. stochastic
+    rounding, gets the same draws whatever ran before it on this rank; the determinism probe varies rng_seed)."""
+    torch.manual_seed(rng_seed)
+
+
+def candidate_steps(
+    adapter: Adapter, case: Case, hp: dict[str, Any], rng_seed: int = 0
+) -> dict[str, Any]:
     """case.steps steps of the candidate, built with the check's hyperparameters `hp` and the case's options; this
     rank's params after every step and its final momentum (CPU copies: results travel to the parent by a pipe)."""
     _harness_group()
+    _seed_random(rng_seed)
     params = list(_params(case).params)
-    opt = adapter.build(params, **{**hp, **dict(case.options)})
+    opt = build(adapter, params, {**hp, **dict(case.options)})
     return _steps(adapter, case, opt, params, range(case.steps))
 
 
@@ -162,8 +231,9 @@ def candidate_save(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     _harness_group()
+    _seed_random(0)
     module = _params(case)
-    opt = adapter.build(list(module.params), **{**hp, **dict(case.options)})
+    opt = build(adapter, list(module.params), {**hp, **dict(case.options)})
     result = _steps(adapter, case, opt, list(module.params), range(save_step(case)))
     dcp.save(
         {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)},
@@ -183,8 +253,9 @@ def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str
     )
 
     _harness_group()
+    _seed_random(1)
     module = _params(case, zeros=True)
-    opt = adapter.build(list(module.params), **{**hp, **dict(case.options)})
+    opt = build(adapter, list(module.params), {**hp, **dict(case.options)})
     state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
     dcp.load(state, checkpoint_id=path)
     module.load_state_dict(state["model"])

@@ -1,0 +1,402 @@
+"""The stage at which a departing candidate first leaves its claim, found by replaying muon_ref stage by stage from the
+candidate's own state.
+
+At the first step s that departs (params or recorded momentum), from the candidate's own params P and momentum M
+after step s - 1 (the reference's momentum where the candidate exposes none: up to s - 1 both agree) and the step's
+gradient G, the claim's stages give (muon_ref.functional)
+
+    M', D  = momentum_direction(G, M)     momentum, then the Nesterov input D
+    O      = orthogonalize(D)             Newton-Schulz input and normalisation, then the orthogonalised direction
+    P'     = apply_update(P, O)           = c * P - a * O: weight decay c = 1 - lr * wd, shape scale a = lr * s,
+                                            and the application (the ops' order, dtype and memory layout)
+
+and they are compared with what the candidate shows after step s:
+    momentum      its momentum after step s differs from M' bit for bit (the field's momentum forms are named where
+                  one gives its bits: sum or EMA, mu rounded to the param's dtype, float32, weight decay coupled into
+                  the gradient, a buffer normalised in place);
+    shape scale, weight decay, application: its params are apply_update(P, O) under one of the known variants of
+                  that stage, bit for bit (another lr_scale or square root, lr rounded to the dtype; the decay factor
+                  rounded to the param's dtype, bf16 or fp16, the other decay form, no decay; another scale_apply or
+                  update dtype);
+    application   otherwise, its params are within one unit in the last place of P' (a rounding of the update's
+                  application: the ops' order, dtype or memory layout);
+    weight decay  or shape scale: otherwise, P_cand - P' = alpha * P + beta * O up to FIT_ULPS units in the last
+                  place (least squares in float64): the decay factor is about c + alpha, the step size about
+                  a - beta; the larger of the two terms names the stage;
+    Nesterov input, Newton-Schulz input and normalisation, orthogonalised direction: otherwise the direction
+                  departs. Each is named when one of its alternatives (the field's Nesterov forms;
+                  NORMALISATION_OPTIONS; DIRECTION_OPTIONS) gives params within one unit in the last place of the
+                  candidate's; the orthogonalised direction is also the stage when none does, with the relative
+                  distance of the candidate's implied update (c * P - P_cand) / a from O.
+The first stage over the case's departing params is the case's (Located).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from muon_ref import MuonConfig, apply_update, momentum_direction, orthogonalize
+from muon_ref.config import lr_scale
+from muon_ref.optim import group_config
+
+from ..fixtures import same_bits
+from .cases import Case, initial_params, oracle_gradients
+from .oracle import Outcome, reference_optimizer, reference_steps
+from .routing import full_params
+
+STAGES = (
+    "momentum",
+    "Nesterov input",
+    "Newton-Schulz input and normalisation",
+    "orthogonalised direction",
+    "shape scale",
+    "weight decay",
+    "application",
+)
+FIT_ULPS = 2.0  # a fit explains a departure when what it leaves is within this many units in the last place
+
+NORMALISATION_OPTIONS: tuple[dict[str, Any], ...] = (
+    *({"eps": e} for e in (1e-6, 1e-7, 1e-8, 0.0)),
+    {"eps_mode": "add"},
+    {"eps_mode": "clamp"},
+    {"normalize_before_cast": True},
+    {"normalize_before_cast": False},
+    *({"ns_dtype": d} for d in (None, torch.float32, torch.bfloat16, torch.float16)),
+)
+DIRECTION_OPTIONS: tuple[dict[str, Any], ...] = (
+    *({"schedule": s} for s in ("keller", "you5", "polar_express", "polar_express_modded")),
+    *({"step_form": f} for f in ("addmm", "keller", "dion")),
+)
+
+
+@dataclass(frozen=True)
+class Located:
+    """stage: one of STAGES; step: the first departing step (1-based); param: its index; detail: what differs."""
+
+    stage: str
+    step: int
+    param: int
+    detail: str
+
+    def describe(self) -> str:
+        return f"step {self.step}, param {self.param}: {self.detail}"
+
+
+def _full_momentum(case: Case, segments: list, view: Any, step: int) -> list[Tensor | None]:
+    """The candidate's whole momentum per param after `step` (0-based), where its view exposes it on every rank."""
+    for _, results in segments:
+        if step not in results[0].get("recorded", {}):
+            continue
+        out: list[Tensor | None] = []
+        for i in range(len(case.shapes)):
+            parts = [view.momentum(r, i, step) for r in results]
+            if any(p is None for p in parts):
+                out.append(None)
+            elif case.mode == "dtensor":
+                out.append(torch.cat(parts, 0))
+            else:
+                out.append(parts[0])
+        return out
+    return [None] * len(case.shapes)
+
+
+def _configs(case: Case, preset: str | None, overrides: dict[str, Any]) -> list[tuple]:
+    """(MuonConfig, MatrixLayout) of each param under the claim, read from the reference optimizer itself."""
+    params = initial_params(case)
+    opt = reference_optimizer(params, case, preset, overrides)
+    out = []
+    for p, group in zip(params, opt.param_groups):
+        out.append((group_config(group), opt.layout_of(p, group)))
+    return out
+
+
+def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> Located | None:
+    """The first stage at which the case departs (module docstring), or None where the replay cannot read the
+    candidate's state at that step (a crash, a case without its params)."""
+    case, segments, view = outcome.case, outcome.results, outcome.view
+    if outcome.first_step is None or segments is None or view is None:
+        return None
+    s = outcome.first_step - 1
+    before = initial_params(case) if s == 0 else full_params(case, segments, s - 1)
+    after = full_params(case, segments, s)
+    if before is None or after is None:
+        return None
+    m_before = (
+        [torch.zeros_like(p) for p in before]
+        if s == 0
+        else _full_momentum(case, segments, view, s - 1)
+    )
+    m_after = _full_momentum(case, segments, view, s)
+    reference = reference_steps(case, preset, overrides)["skip"]
+    grads = oracle_gradients(case, s)
+    found = []
+    for i, (cfg, layout) in enumerate(_configs(case, preset, overrides)):
+        if i in outcome.routed or grads[i] is None:
+            continue
+        m_prev = m_before[i]
+        if m_prev is None:
+            m_prev = reference.momenta[s - 1][i] if s > 0 else torch.zeros_like(before[i])
+        located = _param(
+            i, s, before[i].cpu(), after[i], m_prev, m_after[i], grads[i].cpu(), cfg, layout
+        )
+        if located is not None:
+            found.append(located)
+    return min(found, key=lambda x: STAGES.index(x.stage), default=None)
+
+
+def _param(
+    i: int,
+    s: int,
+    P: Tensor,
+    P_cand: Tensor,
+    M: Tensor,
+    M_cand: Tensor | None,
+    G: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+) -> Located | None:
+    M_new, D = momentum_direction(G, M.to(G.dtype), cfg)
+    if M_cand is not None and not same_bits(M_cand.to(M_new.dtype), M_new):
+        return Located("momentum", s + 1, i, _momentum_detail(M_cand, M_new, G, M, P, cfg))
+    O = orthogonalize(D, layout, cfg)
+    P_new = apply_update(P, O, layout, cfg)
+    if same_bits(P_cand, P_new):
+        return None
+    for stage, variants in (
+        ("shape scale", _scale_variants(cfg, P.dtype)),
+        ("weight decay", _decay_variants(cfg, P.dtype)),
+        ("application", _apply_variants(cfg)),
+    ):
+        for text, alt in variants:
+            if same_bits(P_cand, apply_update(P, O, layout, alt)):
+                return Located(stage, s + 1, i, text)
+    ulp = _spacing(P_new)
+    ratio = ((P_cand.double() - P_new.double()).abs() / ulp).max().item()
+    if ratio <= 1.0:
+        return Located(
+            "application",
+            s + 1,
+            i,
+            f"a rounding: within {ratio:.2g} unit in the last place of {_dtype(P_new)} "
+            "(the update's ops, their dtype or memory order)",
+        )
+    fit = _fit(P, P_cand, P_new, O)
+    c, a = _factors(cfg, layout)
+    if fit is not None:
+        alpha, beta, norm_p, norm_o = fit
+        if abs(beta) * norm_o >= abs(alpha) * norm_p:
+            return Located(
+                "shape scale",
+                s + 1,
+                i,
+                f"the update is applied with a step of about {a - beta:.6g} where the claim's lr * scale is "
+                f"{a:.6g} (a least-squares fit)",
+            )
+        return Located(
+            "weight decay",
+            s + 1,
+            i,
+            f"the params are scaled by about {c + alpha:.7g} where the claim's 1 - lr * wd is {c:.7g} (a "
+            "least-squares fit)",
+        )
+    return _direction(i, s, P, P_cand, G, M_new, D, O, cfg, layout, c, a)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
+
+
+def _decay_variants(cfg: MuonConfig, dtype: torch.dtype) -> list[tuple[str, MuonConfig]]:
+    """Decays the field gets wrong in a known way: the factor rounded to a narrower dtype (an in-place foreach
+    multiply with a Python float rounds it to the tensor's dtype on CPU), the other decay form, no decay."""
+    lr, wd = float(cfg.lr), cfg.weight_decay
+    c = 1 - lr * wd
+    out = []
+    for narrow in dict.fromkeys([dtype, torch.bfloat16, torch.float16]):
+        r = _rounded(c, narrow)
+        if r != c and lr > 0 and narrow.is_floating_point:
+            text = f"the decay factor 1 - lr * wd = {c:.7g} rounded to {_name(narrow)} ({r:.9g})"
+            out.append((text, cfg.replace(weight_decay=(1 - r) / lr)))
+    other = "add_self" if cfg.weight_decay_form == "mul" else "mul"
+    out.append((f"weight_decay_form={other!r}", cfg.replace(weight_decay_form=other)))
+    if wd:
+        out.append(("no weight decay", cfg.replace(weight_decay=0.0)))
+    return out
+
+
+def _scale_variants(cfg: MuonConfig, dtype: torch.dtype) -> list[tuple[str, MuonConfig]]:
+    """Other shape scales (muon_ref.config.lr_scale), the other square root, and a learning rate rounded to the
+    param's dtype."""
+    out = [
+        (f"lr_scale={name!r}", cfg.replace(lr_scale=name))
+        for name in ("original", "match_rms_adamw", "spectral_norm", "spectral", "none")
+        if name != cfg.lr_scale
+    ]
+    other = "pow" if cfg.scale_sqrt == "sqrt" else "sqrt"
+    out.append((f"scale_sqrt={other!r}", cfg.replace(scale_sqrt=other)))
+    lr = float(cfg.lr)
+    if _rounded(lr, dtype) != lr:
+        text = f"the learning rate rounded to {_name(dtype)}"
+        out.append(
+            (
+                text,
+                cfg.replace(
+                    lr=_rounded(lr, dtype), weight_decay=cfg.weight_decay * lr / _rounded(lr, dtype)
+                ),
+            )
+        )
+    return out
+
+
+def _apply_variants(cfg: MuonConfig) -> list[tuple[str, MuonConfig]]:
+    """The other ways the field applies the scaled update (scale_apply) and its dtype (update_dtype)."""
+    out = [
+        (f"scale_apply={form!r}", cfg.replace(scale_apply=form))
+        for form in ("alpha", "update", "update_lr", "update_lr_cast")
+        if form != cfg.scale_apply
+    ]
+    for dtype in (None, torch.float32, torch.bfloat16):
+        if dtype != cfg.update_dtype:
+            out.append((f"update_dtype={_value(dtype)}", cfg.replace(update_dtype=dtype)))
+    return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _direction(i, s, P, P_cand, G, M_new, D, O, cfg, layout, c, a) -> Located:
+    """Which stage of the direction departs (module docstring)."""
+    mu = cfg.momentum
+    forms = {
+        "the momentum itself (no Nesterov)": M_new,
+        "G.add(M', alpha=mu)": G.add(M_new, alpha=mu),
+        "M' * mu + G": M_new.mul(mu).add(G),
+        "lerp(G, M', mu)": G.lerp(M_new, mu),
+    }
+    for name, D_alt in forms.items():
+        if not same_bits(D_alt, D) and _fits(
+            P_cand, apply_update(P, orthogonalize(D_alt, layout, cfg), layout, cfg)
+        ):
+            return Located("Nesterov input", s + 1, i, f"its Newton-Schulz input is {name}")
+    for stage, options in (
+        ("Newton-Schulz input and normalisation", NORMALISATION_OPTIONS),
+        ("orthogonalised direction", DIRECTION_OPTIONS),
+    ):
+        for option in options:
+            try:
+                alt = cfg.replace(**option)
+            except ValueError:
+                continue
+            if alt == cfg:
+                continue
+            P_alt = apply_update(P, orthogonalize(D, layout, alt), layout, alt)
+            if _fits(P_cand, P_alt):
+                text = ", ".join(f"{k}={_value(v)}" for k, v in option.items())
+                return Located(stage, s + 1, i, f"reproduced with {text}")
+    implied = (c * P.double() - P_cand.double()) / a if a else None
+    distance = (
+        ((implied - O.double()).norm() / O.double().norm().clamp_min(1e-300)).item()
+        if implied is not None
+        else math.nan
+    )
+    return Located(
+        "orthogonalised direction",
+        s + 1,
+        i,
+        f"its implied update is {distance:.3g} (relative) from the claim's Newton-Schulz output; no single "
+        "Newton-Schulz option reproduces it",
+    )
+
+
+def _momentum_detail(
+    M_cand: Tensor, M_new: Tensor, G: Tensor, M: Tensor, P: Tensor, cfg: MuonConfig
+) -> str:
+    """What the candidate's momentum is, where one of the field's forms gives its bits."""
+    mu = cfg.momentum
+    coupled = G.add(
+        P.to(G.dtype), alpha=cfg.weight_decay
+    )  # weight decay coupled into the gradient (L2)
+    forms = {
+        "M * mu + (G + wd * P) (sum, weight decay coupled into the gradient)": M.to(G.dtype)
+        .mul(mu)
+        .add(coupled),
+        "lerp(M, G + wd * P, 1 - mu) (EMA, weight decay coupled into the gradient)": M.to(
+            G.dtype
+        ).lerp(coupled, 1 - mu),
+        "lerp(M, G, 1 - mu) (EMA)": M.to(G.dtype).lerp(G, 1 - mu),
+        "M * mu + G (sum)": M.to(G.dtype).mul(mu).add(G),
+        f"M * {_dtype(G)}(mu) + G (mu rounded to the param's dtype)": M.to(G.dtype)
+        .mul(torch.tensor(mu, dtype=G.dtype))
+        .add(G),
+        "lerp(M, G, 1 - mu) in float32": M.float().lerp(G.float(), 1 - mu),
+        "M * mu + G in float32": M.float().mul(mu).add(G.float()),
+        "the claim's momentum divided by its Frobenius norm, clamped at eps (a buffer normalised in place: the "
+        "Newton-Schulz input aliases it)": M_new / M_new.norm().clamp(min=cfg.eps),
+        "the claim's momentum divided by its Frobenius norm plus eps (a buffer normalised in place)": M_new
+        / (M_new.norm() + cfg.eps),
+    }
+    for name, value in forms.items():
+        if same_bits(M_cand, value):
+            return f"its momentum is {name}"
+    d = (M_cand.double() - M_new.double()).abs().max().item()
+    return f"max |dM| {d:.3g} from the claim's momentum"
+
+
+def _spacing(t: Tensor) -> Tensor:
+    a = t.abs()
+    return (
+        (torch.nextafter(a, torch.full_like(a, math.inf)) - a)
+        .double()
+        .clamp_min(torch.finfo(t.dtype).tiny)
+    )
+
+
+def _fit(
+    P: Tensor, P_cand: Tensor, P_ref: Tensor, O: Tensor
+) -> tuple[float, float, float, float] | None:
+    """(alpha, beta, |P|, |O|) of P_cand - P_ref = alpha * P + beta * O, when what the fit leaves is within FIT_ULPS
+    units in the last place of P_ref; None otherwise."""
+    d = (P_cand.double() - P_ref.double()).reshape(-1)
+    basis = torch.stack([P.double().reshape(-1), O.double().reshape(-1)], 1)
+    if d.numel() < 2:
+        return None
+    x = torch.linalg.lstsq(basis, d.unsqueeze(1)).solution.squeeze(1)
+    rest = (d - basis @ x).abs() / _spacing(P_ref).reshape(-1)
+    if rest.max().item() > FIT_ULPS:
+        return None
+    return float(x[0]), float(x[1]), float(basis[:, 0].norm()), float(basis[:, 1].norm())
+
+
+def _fits(P_cand: Tensor, P_alt: Tensor) -> bool:
+    """An alternative direction reproduces the candidate: its bits, or within one unit in the last place."""
+    if same_bits(P_cand, P_alt):
+        return True
+    return bool(((P_cand.double() - P_alt.double()).abs() <= _spacing(P_alt)).all())
+
+
+def _factors(cfg: MuonConfig, layout: Any) -> tuple[float, float]:
+    """(c, a): the claim's decay factor 1 - lr * wd and step lr * scale (of the layout's matrices)."""
+    lr = float(cfg.lr)
+    c = 1 - lr * cfg.weight_decay
+    if layout.separate:
+        return c, lr
+    return c, lr * lr_scale(
+        cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt
+    ) * cfg.scale_factor
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _value(v: Any) -> str:
+    return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else repr(v)
+
+
+__all__ = ["STAGES", "Located", "locate"]
