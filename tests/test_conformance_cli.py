@@ -187,3 +187,17 @@ def test_several_adapters_print_the_planned_cases_and_the_progress(tmp_path, cap
     assert f"2 adapters, {total} cases" in printed
     assert f": {per_adapter[0]} cases" in printed  # each adapter's count before it runs
     assert f"[{per_adapter[0]}/{total} cases in " in printed and " s left at this pace]" in printed
+
+
+@pytest.mark.parametrize("changes, said", [("", False), (" M muon_ref/config.py", True)])
+def test_the_provenance_says_when_the_checkout_has_uncommitted_changes(monkeypatch, changes, said):
+    """A cited commit must be the code that ran: changes the commit does not hold are said beside it."""
+    import subprocess
+
+    def fake(argv, **_):
+        out = "abc1234" if "rev-parse" in argv else changes
+        return subprocess.CompletedProcess(argv, 0, stdout=out + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    commit = conformance.provenance([])["commit"]
+    assert commit == ("abc1234 with uncommitted changes" if said else "abc1234")

@@ -105,7 +105,7 @@ def test_every_correct_control_conforms_with_its_rounding_named(
     assert len(controls) == 4 and suite[1]["false_positives"] == 0
     for c in controls:
         assert c["conforms"] and c["cases"] > 40, c
-        assert "elementwise stages shard-local" in c["diagnosis"], c
+        assert "named roundings" in c["diagnosis"] and ": shard-local" in c["diagnosis"], c
 
 
 @pytest.mark.parametrize("planted", PLANTED, ids=lambda p: f"bug{p.field_bug}")

@@ -63,7 +63,7 @@ from .adapters.oracle import (
     resolved_hyperparameters,
 )
 from .adapters.routing import classify, parse_rule
-from .adapters.stages import locate
+from .adapters.stages import locate, update_vanishes
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
 from .fixtures import same_bits
 from .launch import RankFailure, RankPool, device_unavailable
@@ -222,6 +222,11 @@ class Runner:
             if found:
                 outcome = judged({**found, **stated})
         outcome.updates = updates
+        if case.family == "tiny" and update_vanishes(case, self.preset, self.overrides):
+            outcome.vacuous = (
+                "the claim's Newton-Schulz maps the tiny gradients to zero (its input underflows): the family "
+                "cannot show a scale bug under this claim"
+            )
         if outcome.routed and len(outcome.routed) == len(case.shapes):
             outcome.status = "routed"
         if outcome.status == "differs":
@@ -573,6 +578,8 @@ def not_compared(outcomes: list[Outcome], adapter: Adapter) -> list[str]:
                 out.setdefault(f"momentum: {label.removeprefix('not compared: ')}", set()).add(
                     where
                 )
+        if o.vacuous:
+            out.setdefault(f"what the family targets: {o.vacuous}", set()).add(where)
         for path in _other_state(o, adapter):
             out.setdefault(f"state[p]{path} (param-sized, not the momentum)", set()).add(where)
     return [f"{what} [{', '.join(sorted(fams))}]" for what, fams in out.items()]
@@ -786,6 +793,15 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
             ).stdout.strip()
             or None
         )
+        # the checkout's own changes (tracked files, and files git would add), which the commit does not name
+        changed = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=normal"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        if commit and changed:
+            commit += " with uncommitted changes"
     except (OSError, subprocess.SubprocessError):
         commit = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None

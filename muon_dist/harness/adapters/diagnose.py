@@ -510,10 +510,28 @@ def _located(
     return out
 
 
+# A resume that torch.distributed.checkpoint refuses because the saved optimizer never created a param's state
+# (state created lazily, at a param's first step with a gradient; the fresh optimizer's template has it): the
+# checkpoint_unstepped family's target (Dion #18), shared by every lazily-initialising torch.optim optimizer.
+LAZY_STATE = "Missing key in checkpoint state_dict: optim.state"
+
+
 def _failures(outcomes: list[Outcome]) -> list[Finding]:
-    """Crashes (gloo's refusals apart) and hangs."""
+    """Crashes (gloo's refusals and resumes of lazily created state apart) and hangs."""
     out = []
-    refused = {id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash"}
+    lazy = {id(o) for o in outcomes if o.status == "crash" and LAZY_STATE in (o.error or "")}
+    if lazy:
+        out.append(
+            Finding(
+                "resume fails",
+                "(state created lazily: a param that never stepped has no momentum in the checkpoint, and "
+                "torch.distributed.checkpoint's load expects one) on "
+                + by_family(outcomes, lambda o: id(o) in lazy),
+            )
+        )
+    refused = {
+        id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash" and id(o) not in lazy
+    }
     for collective in sorted({c for c in refused.values() if c}):
         out.append(
             Finding(
@@ -522,13 +540,9 @@ def _failures(outcomes: list[Outcome]) -> list[Finding]:
                 f"{by_family(outcomes, lambda o: refused.get(id(o)) == collective)}",
             )
         )
-    if any(o.status == "crash" and not refused[id(o)] for o in outcomes):
-        out.append(
-            Finding(
-                "crashes",
-                f"on {by_family(outcomes, lambda o: o.status == 'crash' and not refused[id(o)])}",
-            )
-        )
+    plain = {id(o) for o in outcomes if id(o) in refused and not refused[id(o)]}
+    if plain:
+        out.append(Finding("crashes", f"on {by_family(outcomes, lambda o: id(o) in plain)}"))
     if any(o.status == "hang" for o in outcomes):
         out.append(Finding("hangs", f"on {by_family(outcomes, _status('hang'))}"))
     return out
@@ -611,7 +625,7 @@ def phrase(f: Finding) -> str:
     conventions by partition, crashes, hangs and gloo's refusals."""
     if f.kind == "convention" and f.text.startswith("by partition: "):
         return f"conventions {f.text}"
-    if f.kind in ("crashes", "hangs", "could not run on gloo"):
+    if f.kind in ("crashes", "hangs", "could not run on gloo", "resume fails"):
         return f"{f.kind} {f.text}"
     return f"{f.kind}: {f.text}"
 

@@ -82,7 +82,8 @@ class Outcome:
     optimizer state right after a load differs from the state at the save (None: it does not, or the family does not
     compare it). routed: param index -> why the candidate sends it elsewhere (not compared); momentum_sources: per
     param, where its momentum was read (View.labels). stage, stage_detail: where a departure starts (stages.py).
-    view: what was compared (View); updates: the first step's update of each param, read (routing.Update)."""
+    view: what was compared (View); updates: the first step's update of each param, read (routing.Update).
+    vacuous: why the case cannot show what its family targets under this claim (None: it can)."""
 
     case: Case
     status: str
@@ -104,6 +105,7 @@ class Outcome:
     tolerance: float | None = None
     view: Any = field(default=None, repr=False, compare=False)
     updates: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    vacuous: str | None = None
 
     @property
     def max_diff(self) -> float | None:
@@ -153,6 +155,7 @@ class Outcome:
             "stage": self.stage,
             "stage_detail": self.stage_detail,
             "tolerance": self.tolerance,
+            "vacuous": self.vacuous,
         }
 
 
@@ -677,7 +680,10 @@ def matches(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> 
 
 
 def trial(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> Outcome:
-    """The outcome's case judged against muon_ref under (preset, overrides), with the outcome's view."""
+    """The outcome's case judged against muon_ref under (preset, overrides), with the outcome's view (the outcome
+    itself where it kept no results: nothing to judge again)."""
+    if outcome.results is None:
+        return outcome
     return judge(outcome.case, outcome.results, preset, overrides, view=outcome.view)
 
 

@@ -138,11 +138,10 @@ class HeavyballMuon(Adapter):
     - `p32 * (1 - wd*lr) + u * -lr` with lr an fp32 0-dim tensor, stochastic copy into bf16 params
       (utils.py:2430-2466, chainable.py:2328-2345, 2594).
     Claim: preset `keller` with you5 (its docstring cites Keller Jordan's post). momentum -> betas[0]. Its momentum
-    lives in heavyball's nested per-view state: not exposed."""
+    lives in heavyball's nested per-view state (an fp32 copy): the check finds it by value."""
 
     name, preset = "heavyball.Muon (eager)", "keller"
     overrides = {"schedule": "you5"}
-    state_key = None
 
     def version(self) -> str:
         return package_version("heavyball")

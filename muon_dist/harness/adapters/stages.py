@@ -115,6 +115,19 @@ def _configs(case: Case, preset: str | None, overrides: dict[str, Any]) -> list[
     return out
 
 
+def update_vanishes(case: Case, preset: str | None, overrides: dict[str, Any]) -> bool:
+    """Whether the claim's first update of every param of the case is exactly zero (its Newton-Schulz input
+    underflows: the tiny family's gradients of 2^-40 cast to float16): the case then cannot show a scale bug."""
+    grads = oracle_gradients(case, 0)
+    for (cfg, layout), p, g in zip(_configs(case, preset, overrides), initial_params(case), grads):
+        if g is None:
+            continue
+        _, D = momentum_direction(g.cpu(), torch.zeros_like(g.cpu()), cfg)
+        if orthogonalize(D, layout, cfg).abs().max() != 0:
+            return False
+    return True
+
+
 def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> Located | None:
     """The first stage at which the case departs (module docstring), or None where the replay cannot read the
     candidate's state at that step (a crash, a case without its params)."""
@@ -399,4 +412,4 @@ def _value(v: Any) -> str:
     return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else repr(v)
 
 
-__all__ = ["STAGES", "Located", "locate"]
+__all__ = ["STAGES", "Located", "locate", "update_vanishes"]

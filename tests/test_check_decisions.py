@@ -1,0 +1,377 @@
+"""The conformance check's decision code, in this process and in seconds: the comparison and its roundings
+(oracle.py), where the momentum is found (momentum.py), what an update says about routing (routing.py), the words
+of a diagnosis (diagnose.py) and the verdict (conformance.verdict). Each decision is asserted both ways: the answer
+where its cause is present, and the other answer where it is absent (the mutation target `check_decisions` runs
+these first: docs/mutation.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import muon_ref
+from muon_dist.harness.adapters import Adapter
+from muon_dist.harness.adapters.cases import Case, initial_params, oracle_gradients
+from muon_dist.harness.adapters.diagnose import Context, Finding, diagnose, findings, phrase
+from muon_dist.harness.adapters.momentum import find, second_moment, state_paths
+from muon_dist.harness.adapters.oracle import (
+    HYPERPARAMETERS,
+    ROUNDINGS,
+    WHOLE,
+    Outcome,
+    View,
+    claim_options,
+    compare,
+    judge,
+    max_ulps,
+    other_layout,
+    reference_steps,
+)
+from muon_dist.harness.adapters.routing import Update, classify, update_of
+from muon_dist.harness.adapters.stages import STAGES
+from muon_dist.harness.conformance import run_here, verdict
+
+CASE = Case("tall", "single", 1, ((12, 6),), "float32", steps=2)
+
+
+def results_of(
+    case: Case, params: list[list[torch.Tensor]], states: list[dict] | None = None
+) -> list:
+    """One rank's result, as the workers report it, made of full tensors: params after each step, the momentum
+    the adapter exposes (none), and the recorded state of each step (`states[step]`: per param, path -> tensor)."""
+    recorded = {}
+    for step in range(len(params)):
+        state = states[step] if states else [{} for _ in case.shapes]
+        recorded[step] = {"momentum": [None] * len(case.shapes), "state": state}
+    return [
+        (
+            1,
+            [
+                {
+                    "first_step": 0,
+                    "params": params,
+                    "errors": [None] * len(params),
+                    "momentum": [None] * len(case.shapes),
+                    "state_keys": [[] for _ in case.shapes],
+                    "recorded": recorded,
+                }
+            ],
+        )
+    ]
+
+
+def reference_of(case: Case, **overrides: Any):
+    """muon_ref under preset torch with the check's hyperparameters (lr 0.02, wd 0.1, momentum 0.9, Nesterov)."""
+    return reference_steps(case, "torch", {**HYPERPARAMETERS, **overrides})
+
+
+def one_ulp_up(t: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(t, torch.full_like(t, math.inf))
+
+
+# ---------------------------------------------------------------- oracle: the comparison
+
+
+def test_the_reference_itself_is_bitwise_and_one_ulp_anywhere_differs():
+    reference = reference_of(CASE)
+    run = reference["skip"]
+    assert compare(CASE, results_of(CASE, run.params), reference).status == "bitwise"
+    bumped = [list(step) for step in run.params]
+    bumped[-1][0] = bumped[-1][0].clone()
+    bumped[-1][0][3, 2] = one_ulp_up(bumped[-1][0][3, 2])
+    outcome = compare(CASE, results_of(CASE, bumped), reference)
+    assert outcome.status == "differs" and outcome.first_step == 2 and outcome.max_ulps == 1.0
+
+
+def test_a_tolerance_makes_a_small_difference_close_and_never_a_large_one():
+    reference = reference_of(CASE)
+    run = reference["skip"]
+    shifted = [[p + 1e-6 for p in step] for step in run.params]
+    view = View(((("none", "test"),)), tolerance=1e-5)
+    assert compare(CASE, results_of(CASE, shifted), reference, view).status == "close"
+    view = View(((("none", "test"),)), tolerance=1e-7)
+    assert compare(CASE, results_of(CASE, shifted), reference, view).status == "differs"
+
+
+def test_a_routed_param_is_left_out_and_only_it():
+    case = Case("mixed", "single", 1, ((12, 6), (6, 12)), "float32", steps=1)
+    reference = reference_of(case)
+    params = [[reference["skip"].params[0][0], torch.zeros(6, 12)]]
+    assert compare(case, results_of(case, params), reference).status == "differs"
+    routed = View((("none", "a"), ("none", "b")), routed={1: "Adam"})
+    outcome = compare(case, results_of(case, params), reference, routed)
+    assert outcome.status == "bitwise" and outcome.routed == {1: "Adam"}
+    left = View((("none", "a"), ("none", "b")), routed={0: "Adam"})
+    assert compare(case, results_of(case, params), reference, left).status == "differs"
+
+
+def test_a_momentum_that_departs_after_a_recorded_step_names_that_step():
+    reference = reference_of(CASE)
+    run = reference["skip"]
+    states = [[{"['buf']": run.momenta[0][0]}], [{"['buf']": run.momenta[1][0] * 2}]]
+    segments = results_of(CASE, run.params, states)
+    view = View.of(CASE, segments, reference)
+    assert view.sources == (("state", "['buf']"),)
+    outcome = compare(CASE, segments, reference, view)
+    assert outcome.status == "differs" and outcome.max_diff == 0.0 and outcome.first_step == 2
+
+
+def test_max_ulps_counts_units_in_the_last_place_at_the_tensors_scale():
+    want = torch.tensor([1.0, 1e-30, -2.0], dtype=torch.bfloat16)
+    assert max_ulps(want, want) == 0.0
+    assert max_ulps(one_ulp_up(want), want) <= 1.0
+    near_zero = want.clone()
+    near_zero[1] = 1e-28  # far in its own ulps, nothing at the tensor's RMS
+    assert max_ulps(near_zero, want) < 1.0
+    assert max_ulps(want.float(), want) == math.inf
+
+
+def test_the_other_update_layout_is_the_second_rounding_the_oracle_tries_on_one_device():
+    assert ROUNDINGS[0] == WHOLE and not any(
+        r.local for r in ROUNDINGS if r.other_layout and r.name == "whole"
+    )
+    assert other_layout("torch", {}) == "contiguous" and other_layout(
+        "torch", {"update_layout": "contiguous"}
+    ) == ("kernel")
+    flipped = next(r for r in ROUNDINGS if r.other_layout and not r.local)
+    assert claim_options(CASE, "torch", {}, flipped)["update_layout"] == "contiguous"
+    assert "update_layout" not in claim_options(CASE, "torch", {}, WHOLE)
+
+
+class ContiguousMuon(Adapter):
+    name, preset = "contiguous layout", "torch"
+
+    def build(self, params, **hp):
+        return muon_ref.Muon(params, preset="torch", update_layout="contiguous", **hp)
+
+
+def test_a_candidate_in_the_other_layout_conforms_under_the_named_rounding():
+    case = Case("tall", "single", 1, ((64, 16),), "bfloat16", steps=2)
+    outcome = run_here(ContiguousMuon(), case)
+    assert outcome.status == "bitwise"
+    direct = judge(
+        case, outcome.results, "torch", {**HYPERPARAMETERS, "update_layout": "contiguous"}
+    )
+    assert direct.status == "bitwise" and direct.elementwise is None
+    # where this CPU rounds the two layouts differently, only the rounding makes it conform, and it is named
+    assert (outcome.elementwise is None) == (
+        compare(case, outcome.results, reference_of(case)).status == "bitwise"
+    )
+    if outcome.elementwise:
+        assert "update layout 'contiguous'" in outcome.elementwise
+
+
+# ---------------------------------------------------------------- momentum found by value
+
+
+def test_the_momentum_is_found_by_its_bits_then_by_proportion_and_otherwise_not():
+    reference = reference_of(CASE)
+    run = reference["skip"]
+    grad = oracle_gradients(CASE, 0)[0]
+    noise = torch.rand(12, 6, generator=torch.Generator().manual_seed(0))
+    exact = [[{"[0]['buf']": run.momenta[0][0], "['noise']": noise}]] * 2
+    assert find(CASE, results_of(CASE, run.params, exact), reference, 0) == "[0]['buf']"
+    doubled = [[{"['m']": grad * 3.0, "['noise']": noise}]] * 2
+    assert find(CASE, results_of(CASE, run.params, doubled), reference, 0) == "['m']"
+    neither = [[{"['noise']": noise}]] * 2
+    segments = results_of(CASE, run.params, neither)
+    assert find(CASE, segments, reference, 0) is None
+    assert View.of(CASE, segments, reference).sources == (("unmapped", ("['noise']",)),)
+    assert View.of(CASE, results_of(CASE, run.params), reference).sources[0][0] == "none"
+    assert View.of(CASE, segments, reference, search=False).sources[0] == (
+        "none",
+        "left out (--state-map none)",
+    )
+    assert state_paths(segments, 0) == ["['noise']"]
+
+
+def test_an_adam_second_moment_is_told_from_a_momentum():
+    grad = oracle_gradients(CASE, 0)[0]
+    run = reference_of(CASE)["skip"]
+    adam = [[{"['exp_avg']": grad * 0.1, "['exp_avg_sq']": grad * grad * 1e-3}]]
+    assert second_moment(CASE, results_of(CASE, run.params[:1], adam), 0) == "['exp_avg_sq']"
+    momentum_only = [[{"['exp_avg']": grad * 0.1, "['abs']": grad.abs()}]]
+    assert second_moment(CASE, results_of(CASE, run.params[:1], momentum_only), 0) is None
+
+
+# ---------------------------------------------------------------- routing: what an update says
+
+
+def _updates(p1: torch.Tensor, p1_ref: torch.Tensor, case: Case = CASE) -> Update | None:
+    from muon_dist.harness.adapters.routing import _views
+
+    p0 = initial_params(case)[0]
+    grad = oracle_gradients(case, 0)[0]
+    return update_of(p0, p1, p1_ref, grad, 0.02, 0.1, _views(case.shapes[0], {}))
+
+
+def test_a_muon_update_is_orthogonalised_and_an_sgd_update_is_not_and_is_elementwise():
+    p0 = initial_params(CASE)[0]
+    grad = oracle_gradients(CASE, 0)[0]
+    p1_ref = reference_of(CASE)["skip"].params[0][0]
+    muon = _updates(p1_ref, p1_ref)
+    assert muon.orthogonalised is True and not muon.elementwise
+    sgd = _updates(p0 * (1 - 0.002) - 0.02 * grad, p1_ref)
+    assert sgd.orthogonalised is False and sgd.elementwise
+    adam = _updates(p0 * (1 - 0.002) - 0.02 * grad.sign(), p1_ref)
+    assert adam.elementwise
+    assert "singular values span" in sgd.describe()
+
+
+def test_an_update_below_the_params_rounding_is_not_read():
+    case = Case("tall", "single", 1, ((12, 6),), "bfloat16", steps=1)
+    p1_ref = reference_of(case)["skip"].params[0][0]
+    assert _updates(p1_ref, p1_ref, case) is None
+
+
+def test_classify_routes_an_adam_param_and_an_sgd_param_and_keeps_a_muon_one():
+    case = Case("mixed", "single", 1, ((12, 6), (8, 8), (6, 12)), "float32", steps=1)
+    run = reference_of(case)["skip"]
+    p0, grads = initial_params(case), oracle_gradients(case, 0)
+    params = [
+        [run.params[0][0], p0[1] * 0.998 - 0.02 * grads[1], p0[2] * 0.998 - 0.02 * grads[2].sign()]
+    ]
+    states = [[{}, {}, {"['exp_avg_sq']": grads[2] ** 2}]]
+    got = classify(case, results_of(case, params, states), run.params[0], 0.02, 0.1, {})
+    assert got[0].routed is None and got[0].orthogonalised is True
+    assert got[1].routed.startswith("not orthogonalised, elementwise")
+    assert got[2].routed.startswith("Adam-style second moment at state[p]['exp_avg_sq']")
+
+
+# ---------------------------------------------------------------- diagnose: the words
+
+
+def _outcome(family: str, status: str, dtype: str = "float32", **fields: Any) -> Outcome:
+    return Outcome(Case(family, "single", 1, ((12, 6),), dtype), status, **fields)
+
+
+NOT_ORTHO = Update(3.0, 0.5, 3.1, False, True, "not orthogonalised, elementwise: spread")
+ORTHO = Update(0.5, 0.5, 3.1, True, False)
+
+
+def test_not_a_muon_needs_every_read_update_unorthogonalised_and_no_conforming_case():
+    routed = [
+        _outcome(f, "routed", routed={0: NOT_ORTHO.routed}, updates={0: NOT_ORTHO})
+        for f in ("tall", "wide")
+    ]
+    assert findings(routed, "torch", {})[0].kind == "not a Muon"
+    mixed = routed + [_outcome("square", "differs", updates={0: ORTHO}, stage="shape scale")]
+    assert all(f.kind != "not a Muon" for f in findings(mixed, "torch", {}))
+    with_bitwise = routed + [_outcome("square", "bitwise")]
+    kinds = [f.kind for f in findings(with_bitwise, "torch", {})]
+    assert "not a Muon" not in kinds and "routing" in kinds
+
+
+def test_routing_unsupported_input_and_non_determinism_are_listed_and_never_a_departure():
+    outcomes = [
+        _outcome("tall", "bitwise"),
+        _outcome("row", "routed", routed={0: "Adam-style second moment at state[p]['v']"}),
+        _outcome("conv4d", "unsupported", error="ValueError: only 2-D"),
+        _outcome("square", "close"),
+    ]
+    context = Context(self_differences={"bfloat16": 1e-3}, tolerance=2e-3)
+    kinds = [f.kind for f in findings(outcomes, "torch", {}, context)]
+    assert kinds == ["routing", "unsupported input", "non-deterministic"]
+    line = diagnose(outcomes, "torch", {}, context)
+    assert line.startswith(
+        "conforms: every compared case equal to the claim (within the stated tolerance)"
+    )
+    assert "bug" not in line and "departs" not in line
+
+
+def test_a_located_departure_is_a_bug_where_another_family_of_its_dtype_conforms_else_it_departs():
+    def line(extra: list[Outcome]) -> str:
+        departing = _outcome(
+            "micro_batches", "differs", stage="momentum", stage_detail="step 1, param 0: x"
+        )
+        return diagnose([departing, *extra], "torch", {}, Context(search_budget_s=0.0))
+
+    assert line([_outcome("tall", "bitwise")]).startswith("bug: momentum departs on micro_batches")
+    assert line([_outcome("tall", "bitwise", dtype="bfloat16")]).startswith(
+        "departs: momentum departs on"
+    )
+    assert line([]).startswith("departs: momentum departs on")
+
+
+def test_a_one_ulp_application_difference_is_a_rounding_not_a_bug():
+    rounding = _outcome(
+        "tall", "differs", stage="application", stage_detail="a rounding: within 1 unit"
+    )
+    got = diagnose(
+        [rounding, _outcome("wide", "bitwise")], "torch", {}, Context(search_budget_s=0.0)
+    )
+    assert got.startswith("rounding: the update's application rounds differently on tall"), got
+    other = _outcome("tall", "differs", stage="application", stage_detail="scale_apply='update'")
+    assert diagnose(
+        [other, _outcome("wide", "bitwise")], "torch", {}, Context(search_budget_s=0.0)
+    ).startswith("bug: application departs")
+
+
+def test_phrases_keep_the_lines_old_forms():
+    assert phrase(Finding("convention", "by partition: x")) == "conventions by partition: x"
+    assert phrase(Finding("crashes", "on tall")) == "crashes on tall"
+    assert phrase(Finding("bug", "x")) == "bug: x"
+    assert STAGES[0] == "momentum" and STAGES[-1] == "application"
+
+
+# ---------------------------------------------------------------- verdict
+
+
+class Named(Adapter):
+    name = "named"
+
+
+def test_each_verdict_and_only_its_cause():
+    def v(
+        *outcomes: Outcome, not_a_muon: bool = False, state_key: str | None = "momentum_buffer"
+    ) -> str:
+        adapter = Named()
+        adapter.state_key = state_key
+        return verdict(list(outcomes), adapter, not_a_muon)
+
+    bitwise, close = _outcome("tall", "bitwise"), _outcome("wide", "close")
+    assert v(bitwise) == "conforms"
+    assert v(bitwise, close) == "conforms within tolerance"
+    assert v(bitwise, _outcome("row", "routed"), _outcome("conv4d", "unsupported")) == "conforms"
+    assert v(bitwise, _outcome("wide", "differs")) == "departs"
+    assert v(bitwise, _outcome("wide", "crash")) == "departs"
+    assert v(_outcome("wide", "crash"), _outcome("tall", "unsupported")) == "could not run"
+    assert v(bitwise, not_a_muon=True) == "not a Muon"
+    unmapped = _outcome("wide", "bitwise", unmapped=("['x']",))
+    assert v(unmapped) == "incomplete" and v(unmapped, state_key=None) == "conforms"
+
+
+@pytest.mark.parametrize(
+    "status", ["bitwise", "close", "differs", "crash", "hang", "unsupported", "routed"]
+)
+def test_every_status_is_summarised(status):
+    summary = _outcome("tall", status).summary()
+    assert summary["status"] == status and "stage" in summary and "routed" in summary
+
+
+def test_a_resume_of_lazily_created_state_is_named_and_other_crashes_stay_crashes():
+    lazy = _outcome(
+        "checkpoint_unstepped",
+        "crash",
+        error="rank 0: RuntimeError: Missing key in checkpoint state_dict: optim.state.params.1.momentum_buffer.",
+    )
+    other = _outcome("uneven", "crash", error="rank 0: RuntimeError: shapes differ")
+    line = diagnose([lazy, other, _outcome("tall", "bitwise")], "torch", {})
+    assert (
+        line.startswith("resume fails (state created lazily") and "on checkpoint_unstepped" in line
+    ), line
+    assert "crashes on uneven" in line and "crashes on checkpoint_unstepped" not in line, line
+
+
+def test_the_tiny_family_is_vacuous_where_the_claims_newton_schulz_flushes_it_to_zero():
+    from muon_dist.harness.adapters.stages import update_vanishes
+
+    tiny = Case("tiny", "single", 1, ((8, 6),), "float32", steps=1)
+    fp16 = {**HYPERPARAMETERS, "ns_dtype": torch.float16, "eps": 1e-6, "eps_mode": "add"}
+    assert update_vanishes(tiny, "torch", fp16)
+    assert not update_vanishes(
+        tiny, "torch", dict(HYPERPARAMETERS)
+    )  # bf16 keeps fp32's exponent range
