@@ -375,3 +375,231 @@ def test_the_tiny_family_is_vacuous_where_the_claims_newton_schulz_flushes_it_to
     assert not update_vanishes(
         tiny, "torch", dict(HYPERPARAMETERS)
     )  # bf16 keeps fp32's exponent range
+
+
+# ---------------------------------------------------------------- cases: the families and what ranks feed
+
+from muon_dist.harness.adapters import cases as C  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "family, mode, W, shapes",
+    [
+        ("even", "dtensor", 3, ((6, 5),) * 3),
+        ("uneven", "dtensor", 2, ((3, 3),) * 2),
+        ("empty", "dtensor", 4, ((3, 4),) * 4),
+        ("remainder", "dtensor", 2, ((4, 5),) * 3),
+        ("experts", "dtensor", 2, ((3, 4, 3),) * 2),
+        ("padded_scale", "dtensor", 2, ((5, 3),) * 2),
+        ("mixed", "replicated", 2, ((6, 4),) * 3 + ((3, 5),)),
+        ("straddle", "unreduced", 2, ((3, 5),) * 3),
+        ("badly_scaled", "unreduced", 2, ((5, 4),) * 4),
+        ("row_sharded", "dtensor", 3, ((1, 6),) * 2),
+        ("resume_long", "dtensor", 2, ((3, 3),)),
+        ("fused_sharded", "dtensor", 2, ((10, 3),)),
+        ("checkpoint", "dtensor", 2, ((5, 2),) * 2),
+    ],
+)
+def test_each_family_has_its_shapes_and_keeps_its_cases_inside_it(family, mode, W, shapes):
+    assert C.family_shapes(family, mode, W) == shapes
+    case = Case(
+        family,
+        mode,
+        W,
+        shapes,
+        steps=C.LONG_SAVE + 1 if family == "resume_long" else 3,
+        resume_world_size=W if family in C.CHECKPOINT_FAMILIES else None,
+        options=C.FAMILY_OPTIONS.get(family, ()),
+    )
+    assert C.in_family(case)
+    assert all(C.in_family(c) for c in C.smaller(case)) and case not in C.smaller(case)
+
+
+@pytest.mark.parametrize(
+    "family, mode, W",
+    [
+        ("remainder", "dtensor", 1),
+        ("uneven", "dtensor", 1),
+        ("even", "unreduced", 3),
+        ("straddle", "dtensor", 2),
+        ("resume_long", "dtensor", 3),
+        ("fused_sharded", "dtensor", 3),
+        ("mixed", "dtensor", 2),
+    ],
+)
+def test_a_family_that_cannot_exist_there_has_no_shapes(family, mode, W):
+    assert C.family_shapes(family, mode, W) is None
+
+
+@pytest.mark.parametrize(
+    "family, mode, W, shapes",
+    [
+        ("tall", "single", 1, ((6, 6),)),
+        ("wide", "single", 1, ((6, 6),)),
+        ("square", "single", 1, ((6, 5),)),
+        ("row", "single", 1, ((2, 5),)),
+        ("primes", "single", 1, ((9, 7),)),
+        ("experts3d", "single", 1, ((3, 4),)),
+        ("conv4d", "single", 1, ((3, 4, 2),)),
+        ("even", "dtensor", 2, ((3, 5),)),
+        ("remainder", "dtensor", 2, ((4, 5),) * 2),
+        ("uneven", "dtensor", 2, ((4, 3),)),
+        ("empty", "dtensor", 2, ((4, 3),)),
+        ("experts", "dtensor", 2, ((4, 3),)),
+        ("padded_scale", "dtensor", 2, ((4, 3),)),
+        ("straddle", "unreduced", 2, ((4, 4),) * 2),
+        ("asym_none", "dtensor", 1, ((4, 4),)),
+        ("checkpoint_unstepped", "dtensor", 2, ((5, 2),)),
+        ("row_sharded", "dtensor", 2, ((2, 6),)),
+        ("badly_scaled", "dtensor", 2, ((5, 4),)),
+        ("mixed", "replicated", 2, ((6, 4),) * 3),
+        ("even", "unreduced", 3, ((6, 5),) * 3),
+        ("", "dtensor", 2, ()),
+    ],
+)
+def test_a_case_outside_its_family_is_refused(family, mode, W, shapes):
+    assert not C.in_family(Case(family or "even", mode, W, shapes))
+
+
+def test_default_cases_run_every_family_dtype_variant_and_resume_where_the_list_says():
+    cases = C.default_cases(
+        frozenset({"tall", "even", "checkpoint", "resume_long"}),
+        "dtensor",
+        (1, 2),
+        ("float32", "bfloat16"),
+        3,
+        variants=({}, {"nesterov": False}),
+    )
+    assert sum(c.family == "tall" for c in cases) == 4  # 2 dtypes x 2 variants, one device only
+    assert {(c.world_size, c.resume_world_size) for c in cases if c.family == "checkpoint"} == {
+        (1, 2),
+        (2, 1),
+    }
+    assert {
+        (c.world_size, c.resume_world_size, c.steps) for c in cases if c.family == "resume_long"
+    } == {(1, 1, C.LONG_SAVE + 1), (2, 2, C.LONG_SAVE + 1)}
+    assert all(c.steps == 3 for c in cases if c.family != "resume_long")
+    assert C.default_cases(frozenset({"tall", "even"}), None, (2,), ("float32",), 3) == [
+        Case("tall", "single", 1, ((12, 6),), "float32", 3)
+    ]
+
+
+def test_what_ranks_feed_sums_to_what_the_oracle_steps_on_exactly():
+    case = Case("accumulation", "unreduced", 2, ((4, 5),) * 2, "bfloat16", 2)
+    fed = [C.rank_gradients(case, 0, r) for r in range(2)]
+    assert len(fed[0]) == C.MICRO_BATCHES and not torch.equal(fed[0][0][0], fed[1][0][0])
+    total = sum(micro[0].double() for per_rank in fed for micro in per_rank) / 2
+    assert torch.equal(C.oracle_gradients(case, 0)[0].double(), total)
+    single = Case("tall", "single", 1, ((12, 6),))
+    assert torch.equal(C.rank_gradients(single, 1, 0)[0][0], C.gradients(single, 1)[0])
+    assert C.gradient_scale(Case("tiny", "single", 1, ((8, 6),)), 0) == C.TINY
+    assert (
+        C.gradient_scale(Case("badly_scaled", "dtensor", 2, ((5, 4),) * 4), 3) == C.BADLY_SCALED[3]
+    )
+    assert C.gradient_scale(single, 0) == 1.0
+
+
+def test_gradients_missing_on_some_ranks_follow_each_policy():
+    case = Case("asym_none", "dtensor", 3, ((6, 5),) * 3, steps=3)
+    step = C.asym_step(case)
+    assert step == 1 and C.asym_step(replace_steps(case, 1)) == 0
+    missing = [[g is None for g in C.rank_gradients(case, step, r)[0]] for r in range(3)]
+    assert missing == [[False, False, False], [True, False, False], [False, True, False]]
+    skip, raised = C.oracle_gradients(case, step, "skip"), C.oracle_gradients(case, step, "raise")
+    assert [g is None for g in skip] == [True, True, False] and all(g is None for g in raised)
+    assert all(g is not None for g in C.oracle_gradients(case, 0, "raise"))
+
+
+def replace_steps(case: Case, steps: int) -> Case:
+    from dataclasses import replace
+
+    return replace(case, steps=steps)
+
+
+def test_checkpoint_steps_and_world_sizes():
+    case = Case("checkpoint", "dtensor", 2, ((5, 2),) * 2, steps=3, resume_world_size=4)
+    assert C.save_step(case) == 2 and [C.world_at(case, s) for s in range(3)] == [2, 2, 4]
+    long = Case("resume_long", "dtensor", 2, ((3, 3),), steps=C.LONG_SAVE + 1, resume_world_size=2)
+    assert C.save_step(long) == C.LONG_SAVE
+    unstepped = Case(
+        "checkpoint_unstepped", "dtensor", 2, ((5, 2),) * 2, steps=3, resume_world_size=2
+    )
+    assert (
+        C.rank_gradients(unstepped, 0, 0)[0][1] is None
+        and C.rank_gradients(unstepped, 2, 0)[0][1] is not None
+    )
+    assert C.local_box(torch.arange(10.0).reshape(5, 2), case, 1).tolist() == [
+        [6.0, 7.0],
+        [8.0, 9.0],
+    ]
+    assert (
+        C.placement(case) == "S0"
+        and C.placement(Case("even", "replicated", 2, ((4, 5),))) == "plain"
+    )
+
+
+def test_exact_gradients_sum_exactly_in_any_order():
+    parts = [C.exact_gradient((4, 4), seed, "bfloat16") for seed in range(8)]
+    forward = sum(p.float() for p in parts)
+    backward = sum(p.float() for p in reversed(parts))
+    assert torch.equal(forward, backward) and torch.equal(forward.bfloat16().float(), forward)
+
+
+# ---------------------------------------------------------------- the search, in this process
+
+
+class Sum(Adapter):
+    name, preset = "sum momentum", "torch"
+
+    def build(self, params, **hp):
+        return muon_ref.Muon(
+            params, preset="torch", momentum_style="sum", nesterov_form="add_alpha", **hp
+        )
+
+
+class SumSpectral(Adapter):
+    name, preset = "two away", "torch"
+
+    def build(self, params, **hp):
+        return muon_ref.Muon(
+            params, preset="torch", lr_scale="spectral_norm", weight_decay_form="add_self", **hp
+        )
+
+
+def _run(adapter: Adapter, families=("tall", "wide", "square")) -> list[Outcome]:
+    shapes = {"tall": ((12, 6),), "wide": ((6, 12),), "square": ((8, 8),)}
+    return [run_here(adapter, Case(f, "single", 1, shapes[f], steps=2)) for f in families]
+
+
+def test_the_search_finds_one_option_then_two_and_a_partition_only_where_it_must():
+    from muon_dist.harness.adapters.diagnose import Search, explain
+
+    preset, overrides = "torch", dict(HYPERPARAMETERS)
+    found, rest = explain(_run(Sum()), preset, overrides)
+    assert found == [
+        (
+            "all cases",
+            "matches claimed preset 'torch' with momentum_style='sum', nesterov_form='add_alpha'",
+        )
+    ]
+    assert rest == []
+    found, _ = explain(_run(SumSpectral()), preset, overrides, Search(120.0))
+    assert (
+        "lr_scale='spectral_norm'" in found[0][1] and "weight_decay_form='add_self'" in found[0][1]
+    )
+    found, rest = explain(
+        _run(SumSpectral()), preset, overrides, Search(0.0)
+    )  # no time: nothing found
+    assert found == [] and len(rest) == 3
+
+
+def test_the_nearest_configuration_is_named_only_where_it_is_nearer_than_the_claim():
+    from muon_dist.harness.adapters.diagnose import Search
+
+    outcomes = _run(SumSpectral())
+    near = Search(120.0).nearest(outcomes, "torch", dict(HYPERPARAMETERS))
+    # sqrt(fo / fi) equals sqrt(max(1, fo / fi)) on tall and square matrices: the decay form alone fixes those two
+    assert near.description == "matches claimed preset 'torch' with weight_decay_form='add_self'"
+    assert (near.bitwise, near.total) == (2, 3) and near.ulps > 0
+    assert "departing cases bitwise" in near.describe()
+    assert Search(120.0).nearest(_run(Sum())[:0], "torch", dict(HYPERPARAMETERS)) is None

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import pickle
 import re
@@ -51,21 +50,29 @@ from .adapters.cases import (
     smaller,
 )
 from .adapters.diagnose import SEARCH_BUDGET_S, Context, diagnose, findings
-from .adapters.momentum import state_paths
 from .adapters.oracle import (
     Outcome,
     View,
     candidate_hyperparameters,
     claim_of,
     judge,
-    max_abs_diff,
     reference_steps,
     resolved_hyperparameters,
 )
 from .adapters.routing import classify, parse_rule
 from .adapters.stages import locate, update_vanishes
+from .adapters.verdict import (
+    EXIT,
+    PRECEDENCE,
+    TOLERANCE_FACTOR,
+    failure_kind,
+    first_of_each_failure,
+    not_compared,
+    self_difference,
+    stop,
+    verdict,
+)
 from .adapters.workers import candidate_resume, candidate_save, candidate_steps
-from .fixtures import same_bits
 from .launch import RankFailure, RankPool, device_unavailable
 
 if TYPE_CHECKING:
@@ -307,18 +314,10 @@ def _last_line(message: str) -> str:
     )
 
 
-def _kind(o: Outcome) -> tuple:
-    """The failure a shrunk case must keep: status, the exception type of a crash, the departing stage, the dtype
-    and mode, and whether the candidate routes some of its params (a smaller case counts only if it fails the same
-    way, for the same cause)."""
-    error = o.error.split(":")[1].strip() if o.status == "crash" and o.error else None
-    return o.status, error, o.stage, o.case.dtype, o.case.mode, bool(o.routed)
-
-
 def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
     """A minimal case with the same failure (_kind): greedy over smaller world sizes, then `smaller` moves."""
     deadline, best = time.monotonic() + budget_s, outcome
-    kind, improved = _kind(outcome), True
+    kind, improved = failure_kind(outcome), True
     while improved and time.monotonic() < deadline:
         improved = False
         for case in _smaller_worlds(best.case) + smaller(best.case):
@@ -327,7 +326,7 @@ def shrink(runner: Runner, outcome: Outcome, budget_s: float) -> Outcome:
             trial = runner.run(
                 case, timeout=min(runner.timeout, 20.0) if kind[0] == "hang" else None
             )
-            if _kind(trial) == kind:
+            if failure_kind(trial) == kind:
                 best, improved = trial, True
                 break
     return best
@@ -342,58 +341,6 @@ def _smaller_worlds(case: Case) -> list[Case]:
             trial = replace(case, world_size=W, shapes=shapes)
             out += [trial] if in_family(trial) else []
     return out
-
-
-# Verdicts of one adapter and the exit status of a run (the worst of its adapters' in this order of precedence:
-# a departure is the finding a user must see first).
-EXIT = {
-    "conforms": 0,
-    "conforms within tolerance": 0,
-    "departs": 1,
-    "not a Muon": 1,
-    "incomplete": 2,
-    "refused": 2,
-    "could not build": 2,
-    "could not run": 3,
-}
-PRECEDENCE = (
-    "departs",
-    "not a Muon",
-    "refused",
-    "could not build",
-    "incomplete",
-    "could not run",
-    "conforms within tolerance",
-    "conforms",
-)
-
-# Errors of a candidate that uses torch.distributed in ranks without a process group (a non-distributed adapter)
-LOOKS_DISTRIBUTED = (
-    "Default process group has not been initialized",
-    "init_process_group",
-    "environment variable RANK",
-    "environment variable MASTER_ADDR",
-    "DeviceMesh",
-)
-IMPORT_ERRORS = ("ModuleNotFoundError", "ImportError")
-
-
-def verdict(outcomes: list[Outcome], adapter: Adapter, not_a_muon: bool = False) -> str:
-    """could not run (no case ran to completion: every one crashed, hung or was refused at construction), not a
-    Muon (diagnose: no param orthogonalised), incomplete (momentum the check could not find: unmapped state),
-    conforms (every compared case bitwise; "within tolerance" where some case was compared at the candidate's
-    run-to-run tolerance), or departs. Params sent to another optimizer and cases refused at construction are
-    listed apart (the report's not_compared), never a departure."""
-    ran = [o for o in outcomes if o.status not in ("crash", "hang", "unsupported")]
-    if not ran:
-        return "could not run"
-    if not_a_muon:
-        return "not a Muon"
-    if adapter.state_key is not None and any(o.unmapped for o in outcomes):
-        return "incomplete"
-    if any(o.status in ("differs", "crash", "hang") for o in outcomes):
-        return "departs"
-    return "conforms within tolerance" if any(o.status == "close" for o in outcomes) else "conforms"
 
 
 def check(
@@ -468,7 +415,7 @@ def check(
         for case in cases:
             outcomes.append(runner.run(case))
             log(_line(outcomes[-1]))
-            stopped = _stop(adapter, outcomes[-1])
+            stopped = stop(adapter, outcomes[-1])
             if stopped:
                 return report(False, stopped[1], stopped[0])
             if progress:
@@ -499,26 +446,10 @@ def probe_determinism(runner: Runner, cases: list[Case]) -> dict[str, float]:
         runner.keep(case, first)
         if isinstance(first, Outcome) or isinstance(second, Outcome):
             continue
-        d = _self_difference(first[0], second[0])
+        d = self_difference(first[0], second[0])
         if d:
             out[case.dtype] = max(out.get(case.dtype, 0.0), d)
     return out
-
-
-def _self_difference(a: list, b: list) -> float:
-    """max |dP| between two runs' results (every segment, rank, step and param; inf where shapes differ)."""
-    d = 0.0
-    for (_, ra), (_, rb) in zip(a, b):
-        for x, y in zip(ra, rb):
-            for step_a, step_b in zip(x["params"], y["params"]):
-                for p, q in zip(step_a, step_b):
-                    if not same_bits(p, q):
-                        d = max(d, max_abs_diff(p, q) or math.inf)
-    return d
-
-
-# A candidate that differs from itself is compared at this multiple of its own largest run-to-run difference
-TOLERANCE_FACTOR = 2.0
 
 
 def _tolerant(runner: Runner, differences: dict[str, float], context: Context) -> Context:
@@ -544,7 +475,7 @@ def _diagnosis_line(
 
 def _shrunk(runner: Runner, outcomes: list[Outcome], budget: float) -> list[dict[str, Any]]:
     """A minimal case per failure (shrink), within `budget` seconds in all."""
-    firsts = _first_of_each_failure(outcomes) if budget > 0 else []
+    firsts = first_of_each_failure(outcomes) if budget > 0 else []
     out = []
     for o in firsts:
         small = shrink(runner, o, budget / len(firsts))
@@ -562,47 +493,6 @@ def _shrunk(runner: Runner, outcomes: list[Outcome], budget: float) -> list[dict
     return out
 
 
-def not_compared(outcomes: list[Outcome], adapter: Adapter) -> list[str]:
-    """Every quantity the check did not compare, each once with where: params sent to another optimizer, cases
-    refused at construction, momentum not kept or left out, and param-sized state that is not the momentum."""
-    out: dict[str, set[str]] = {}
-    for o in outcomes:
-        where = o.case.family
-        for i, why in o.routed.items():
-            kind = why.split(":")[0]
-            out.setdefault(f"param of shape {o.case.shapes[i]}: routed ({kind})", set()).add(where)
-        if o.status == "unsupported":
-            out.setdefault(f"every param: refused at construction ({o.error})", set()).add(where)
-        for label in o.momentum_sources:
-            if label.startswith("not compared: ") and "routed" not in label:
-                out.setdefault(f"momentum: {label.removeprefix('not compared: ')}", set()).add(
-                    where
-                )
-        if o.vacuous:
-            out.setdefault(f"what the family targets: {o.vacuous}", set()).add(where)
-        for path in _other_state(o, adapter):
-            out.setdefault(f"state[p]{path} (param-sized, not the momentum)", set()).add(where)
-    return [f"{what} [{', '.join(sorted(fams))}]" for what, fams in out.items()]
-
-
-def _other_state(o: Outcome, adapter: Adapter) -> list[str]:
-    """Paths of param-sized state tensors that are not the momentum the check read, over the case's params."""
-    if o.results is None or o.view is None:
-        return []
-    out = set()
-    for i in range(len(o.case.shapes)):
-        if i in o.routed:
-            continue
-        kind, path = o.view.sources[i] if i < len(o.view.sources) else ("adapter", None)
-        for p in state_paths(o.results, i):
-            if kind == "state" and p == path:
-                continue
-            if kind == "adapter" and p == f"[{adapter.state_key!r}]":
-                continue
-            out.add(p)
-    return sorted(out)
-
-
 def selected_cases(
     adapter: Adapter,
     world_sizes: tuple[int, ...],
@@ -618,55 +508,6 @@ def selected_cases(
     return default_cases(
         chosen, adapter.distributed, world_sizes, dtypes, steps, device, adapter.variants
     )
-
-
-def _stop(adapter: Adapter, o: Outcome) -> tuple[str, str] | None:
-    """(verdict, diagnosis) when the run cannot go on: the candidate does not import (could not run), its
-    constructor refuses a plain matrix (could not build: no case can run; with a hint, never shrunk), or a
-    candidate not declared distributed calls torch.distributed (refused, with the fix)."""
-    if o.status == "unsupported" and _plain_matrices(o.case):
-        return "could not build", (
-            f"could not build: {adapter.name}'s constructor raised on {o.case.label()}: {o.error}; "
-            f"{construction_hint(adapter, o.error or '')}"
-        )
-    if o.status != "crash" or not o.error:
-        return None
-    if any(e in o.error for e in IMPORT_ERRORS):
-        return "could not run", f"could not run: {o.error}"
-    if adapter.distributed is None and any(e in o.error for e in LOOKS_DISTRIBUTED):
-        return "refused", (
-            f"refused: {adapter.name} looks distributed (it uses torch.distributed: {o.error[:160]}); "
-            "rerun with --distributed dtensor, replicated or unreduced"
-        )
-    return None
-
-
-def _plain_matrices(case: Case) -> bool:
-    """Every param of the case is a 2-D matrix with both sides >= 2: a Muon that refuses these refuses everything."""
-    return all(len(s) == 2 and min(s) >= 2 for s in case.shapes)
-
-
-def construction_hint(adapter: Adapter, error: str) -> str:
-    """One line: what the constructor seems to need (a quoted name in its error; keywords of its signature
-    without a default) and how to give it (--group, --kwargs, or an adapter)."""
-    named = re.findall(r"[`'\"]([A-Za-z_]\w*)[`'\"]", error)
-    needs = []
-    if isinstance(adapter, ImportPath):
-        needs = adapter.required_keywords()
-    parts = []
-    if named:
-        parts.append(
-            f"it names {', '.join(dict.fromkeys(named))}: a param-group key goes in with "
-            f"--group '{{\"{named[0]}\": ...}}', a constructor keyword with --kwargs"
-        )
-    if needs:
-        parts.append(
-            f"its constructor has keywords without a default: {', '.join(needs)} (--kwargs)"
-        )
-    parts.append(
-        'or write an adapter whose build() makes the optimizer as its users do (README, "Check your own Muon")'
-    )
-    return "hint: " + "; ".join(parts)
 
 
 def _unselected(adapter: Adapter, device: str, started: float) -> dict[str, Any]:
@@ -694,18 +535,6 @@ def _runs_for(adapter: Adapter, family: str) -> bool:
         for k, _ in FAMILY_OPTIONS.get(family, ())
         if k in HYPERPARAMETERS
     )
-
-
-def _first_of_each_failure(outcomes: list[Outcome]) -> list[Outcome]:
-    """One failing case per failure kind and mode (and family, off a single device), for the shrinker: departures,
-    crashes and hangs (not a refusal at construction, a routed case or one within tolerance)."""
-    firsts: dict[tuple, Outcome] = {}
-    for o in outcomes:
-        if o.status in ("differs", "crash", "hang"):
-            firsts.setdefault(
-                (o.case.mode, _kind(o), o.case.family if o.case.mode != "single" else ""), o
-            )
-    return list(firsts.values())
 
 
 def _line(o: Outcome) -> str:

@@ -43,6 +43,7 @@ DEFAULT_TARGETS = (
     "dist_elementwise",
     "dist_layout",
     "dist_comm",
+    "check_decisions",
 )
 
 
