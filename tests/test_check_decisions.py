@@ -603,3 +603,119 @@ def test_the_nearest_configuration_is_named_only_where_it_is_nearer_than_the_cla
     assert (near.bitwise, near.total) == (2, 3) and near.ulps > 0
     assert "departing cases bitwise" in near.describe()
     assert Search(120.0).nearest(_run(Sum())[:0], "torch", dict(HYPERPARAMETERS)) is None
+
+
+def test_a_shard_local_rounding_is_named_with_its_row_boundaries():
+    from muon_dist.harness.adapters.oracle import elementwise_label, rounding_label
+
+    case = Case("uneven", "dtensor", 2, ((3, 3), (3, 3)), "bfloat16", steps=2)
+    label = elementwise_label(case, "shard-local")
+    assert label == "shard-local, boundaries rows [0:2 | 2:3] of (3, 3) at W=2", label
+    flat = Case("straddle", "unreduced", 2, ((3, 5),) * 3, "bfloat16", steps=1)
+    assert elementwise_label(flat, "shard-local momentum").startswith(
+        "shard-local momentum, boundaries elements [0:15] of (3, 5) at W=2"
+    )
+    assert elementwise_label(case, "whole") == "whole"
+    both = next(r for r in ROUNDINGS if r.local and r.other_layout and r.name == "shard-local")
+    assert rounding_label(case, both, "torch", {}).endswith(
+        "; update layout 'contiguous' (the claim's is the other)"
+    )
+
+
+def test_the_shape_scale_variants_include_a_learning_rate_rounded_to_the_params_dtype_with_the_same_decay():
+    from muon_dist.harness.adapters.stages import _scale_variants
+    from muon_ref.config import MuonConfig
+
+    cfg = MuonConfig(lr=0.02, weight_decay=0.1)
+    (text, alt), *_ = [v for v in _scale_variants(cfg, torch.bfloat16) if "learning rate" in v[0]]
+    assert text == "the learning rate rounded to bfloat16" and alt.lr == float(
+        torch.tensor(0.02).bfloat16()
+    )
+    assert math.isclose(1 - alt.lr * alt.weight_decay, 1 - 0.02 * 0.1, rel_tol=1e-15)
+    assert not [
+        v for v in _scale_variants(MuonConfig(lr=0.5), torch.bfloat16) if "learning rate" in v[0]
+    ]
+
+
+def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_where_it_says():
+    from muon_dist.harness.adapters.verdict import not_compared
+
+    class Plain(Adapter):
+        name, preset = "plain", "torch"
+
+        def build(self, params, **hp):
+            return muon_ref.Muon(params, preset="torch", **hp)
+
+    outcome = run_here(Plain(), CASE)
+    assert outcome.status == "bitwise" and not_compared([outcome], Plain()) == []
+    keyed = Plain()
+    keyed.state_key = (
+        "mom"  # a key it does not have: the momentum is found by value, nothing left out
+    )
+    found = run_here(keyed, CASE)
+    assert not_compared([found], keyed) == [] and "found by value" in found.momentum_sources[0]
+
+
+def _errors(per_rank: list[list[str | None]]) -> list:
+    return [(len(per_rank), [{"first_step": 0, "errors": errors} for errors in per_rank])]
+
+
+def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_that_step():
+    from muon_dist.harness.adapters.oracle import _policy
+
+    case = Case("asym_none", "dtensor", 2, ((4, 5),) * 2, steps=3)
+    assert _policy(case, _errors([[None] * 3, [None] * 3])) == ("skip", None)
+    same = "ValueError: missing"
+    assert _policy(case, _errors([[None, same, None], [None, same, None]])) == ("raise", None)
+    policy, crash = _policy(case, _errors([[same, None, None], [same, None, None]]))  # another step
+    assert policy == "" and crash.startswith("at step 1 rank 0 raised ValueError")
+    policy, crash = _policy(case, _errors([[None, same, None], [None, None, None]]))  # one rank
+    assert crash.endswith("; ranks [1] did not")
+    policy, crash = _policy(case, _errors([[None, same, None], [None, "TypeError: x", None]]))
+    assert crash.endswith("; the ranks raised different errors")
+
+
+@pytest.mark.parametrize(
+    "form, expected",
+    [
+        ("sum", "M * mu + G (sum)"),
+        ("ema32", "lerp(M, G, 1 - mu) in float32"),
+        ("sum_coupled", "M * mu + (G + wd * P) (sum, weight decay coupled into the gradient)"),
+        (
+            "ema_coupled",
+            "lerp(M, G + wd * P, 1 - mu) (EMA, weight decay coupled into the gradient)",
+        ),
+        ("normalised", "the claim's momentum divided by its Frobenius norm, clamped at eps"),
+        ("mu_rounded", "M * bfloat16(mu) + G (mu rounded to the param's dtype)"),
+    ],
+)
+def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected):
+    from muon_dist.harness.adapters.stages import _momentum_detail
+    from muon_ref.config import MuonConfig
+
+    cfg = MuonConfig(momentum=0.9, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(6, 4, generator=gen).bfloat16()
+    M = torch.randn(6, 4, generator=gen).bfloat16()
+    P = torch.randn(6, 4, generator=gen).bfloat16()
+    claim = M.lerp(G, 0.1)
+    coupled = G.add(P, alpha=0.1)
+    candidate = {
+        "sum": M.mul(0.9).add(G),
+        "ema32": M.float().lerp(G.float(), 0.1),
+        "sum_coupled": M.mul(0.9).add(coupled),
+        "ema_coupled": M.lerp(coupled, 0.1),
+        "normalised": claim / claim.norm().clamp(min=cfg.eps),
+        "mu_rounded": M.mul(torch.tensor(0.9, dtype=torch.bfloat16)).add(G),
+    }[form]
+    assert _momentum_detail(candidate, claim, G, M, P, cfg).startswith(
+        f"its momentum is {expected}"
+    )
+    assert _momentum_detail(claim * 3, claim, G, M, P, cfg).startswith("max |dM|")
+
+
+def test_the_rounding_bound_is_half_a_unit_in_the_last_place():
+    from muon_dist.harness.adapters.routing import _rounding
+
+    assert _rounding(torch.tensor([1.0])).item() == 2.0**-24
+    assert _rounding(torch.tensor([1.0], dtype=torch.bfloat16)).item() == 2.0**-8

@@ -283,7 +283,20 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _direction(i, s, P, P_cand, G, M_new, D, O, cfg, layout, c, a) -> Located:
+def _direction(
+    i: int,
+    s: int,
+    P: Tensor,
+    P_cand: Tensor,
+    G: Tensor,
+    M_new: Tensor,
+    D: Tensor,
+    O: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+    c: float,
+    a: float,
+) -> Located:
     """Which stage of the direction departs (module docstring)."""
     mu = cfg.momentum
     forms = {
