@@ -689,24 +689,25 @@ def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_th
         ("mu_rounded", "M * bfloat16(mu) + G (mu rounded to the param's dtype)"),
     ],
 )
-def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected):
+@pytest.mark.parametrize("mu", [0.9, 0.3])  # 0.3: 1 - mu and other spellings of it part below 0.5
+def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected, mu):
     from muon_dist.harness.adapters.stages import _momentum_detail
     from muon_ref.config import MuonConfig
 
-    cfg = MuonConfig(momentum=0.9, weight_decay=0.1)
+    cfg = MuonConfig(momentum=mu, weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     G = torch.randn(6, 4, generator=gen).bfloat16()
     M = torch.randn(6, 4, generator=gen).bfloat16()
     P = torch.randn(6, 4, generator=gen).bfloat16()
-    claim = M.lerp(G, 0.1)
+    claim = M.lerp(G, 1 - mu)
     coupled = G.add(P, alpha=0.1)
     candidate = {
-        "sum": M.mul(0.9).add(G),
-        "ema32": M.float().lerp(G.float(), 0.1),
-        "sum_coupled": M.mul(0.9).add(coupled),
-        "ema_coupled": M.lerp(coupled, 0.1),
+        "sum": M.mul(mu).add(G),
+        "ema32": M.float().lerp(G.float(), 1 - mu),
+        "sum_coupled": M.mul(mu).add(coupled),
+        "ema_coupled": M.lerp(coupled, 1 - mu),
         "normalised": claim / claim.norm().clamp(min=cfg.eps),
-        "mu_rounded": M.mul(torch.tensor(0.9, dtype=torch.bfloat16)).add(G),
+        "mu_rounded": M.mul(torch.tensor(mu, dtype=torch.bfloat16)).add(G),
     }[form]
     assert _momentum_detail(candidate, claim, G, M, P, cfg).startswith(
         f"its momentum is {expected}"
@@ -719,3 +720,25 @@ def test_the_rounding_bound_is_half_a_unit_in_the_last_place():
 
     assert _rounding(torch.tensor([1.0])).item() == 2.0**-24
     assert _rounding(torch.tensor([1.0], dtype=torch.bfloat16)).item() == 2.0**-8
+
+
+def test_of_several_matching_state_tensors_the_one_named_like_a_momentum_is_read_first_in_order():
+    reference = reference_of(CASE)
+    run = reference["skip"]
+    m = run.momenta[0][0]
+    several = [[{"['copy']": m, "['mom_a']": m, "['mom_b']": m}]] * 2
+    assert find(CASE, results_of(CASE, run.params, several), reference, 0) == "['mom_a']"
+    unnamed = [[{"['x']": m, "['y']": m}]] * 2
+    assert find(CASE, results_of(CASE, run.params, unnamed), reference, 0) == "['x']"
+
+
+def test_a_step_without_a_closure_is_named_as_the_resume_failure_it_causes():
+    crash = _outcome(
+        "checkpoint",
+        "crash",
+        error="rank 0: TypeError: Muon.step() got an unexpected keyword argument 'closure'",
+    )
+    line = diagnose([crash, _outcome("tall", "bitwise")], "torch", {})
+    assert line.startswith("resume fails (its step() takes no closure") and "crashes" not in line, (
+        line
+    )

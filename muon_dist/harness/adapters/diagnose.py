@@ -470,6 +470,7 @@ def _located(
     """A finding per departing stage of the cases no convention explains: rounding, bug or departs (module
     docstring), with the partition, the stage's detail and, for a departure, the nearest configuration."""
     out = []
+    said = False  # the families that conform are said once, with the first bug
     stages = sorted(
         {o.stage for o in unexplained}, key=lambda s: (s is None, STAGES.index(s) if s else 0)
     )
@@ -501,8 +502,9 @@ def _located(
             else f"no muon_ref configuration explains it; departs on {where}"
         )
         text = what + (f" ({detail})" if detail else "")
-        if conforming:
+        if conforming and not said:
             text += f"; bitwise on {', '.join(sorted(conforming))}"
+            said = True
         near = search.nearest(mine, preset, overrides)
         if near is not None and kind == "departs":
             text += f"; nearest configuration: {near.describe()}"
@@ -514,6 +516,8 @@ def _located(
 # (state created lazily, at a param's first step with a gradient; the fresh optimizer's template has it): the
 # checkpoint_unstepped family's target (Dion #18), shared by every lazily-initialising torch.optim optimizer.
 LAZY_STATE = "Missing key in checkpoint state_dict: optim.state"
+# get_optimizer_state_dict creates an empty optimizer's state with a step(closure=...) of zero gradients
+NO_CLOSURE = "step() got an unexpected keyword argument 'closure'"
 
 
 def _failures(outcomes: list[Outcome]) -> list[Finding]:
@@ -529,6 +533,17 @@ def _failures(outcomes: list[Outcome]) -> list[Finding]:
                 + by_family(outcomes, lambda o: id(o) in lazy),
             )
         )
+    closure = {id(o) for o in outcomes if o.status == "crash" and NO_CLOSURE in (o.error or "")}
+    if closure:
+        out.append(
+            Finding(
+                "resume fails",
+                "(its step() takes no closure, which torch.distributed.checkpoint's get_optimizer_state_dict "
+                "passes to create an empty optimizer's state) on "
+                + by_family(outcomes, lambda o: id(o) in closure),
+            )
+        )
+    lazy |= closure
     refused = {
         id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash" and id(o) not in lazy
     }

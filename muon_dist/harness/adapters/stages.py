@@ -10,7 +10,7 @@ gradient G, the claim's stages give (muon_ref.functional)
     P'     = apply_update(P, O)           = c * P - a * O: weight decay c = 1 - lr * wd, shape scale a = lr * s,
                                             and the application (the ops' order, dtype and memory layout)
 
-and they are compared with what the candidate shows after step s:
+and they are compared with what the candidate shows after step s, in this order:
     momentum      its momentum after step s differs from M' bit for bit (the field's momentum forms are named where
                   one gives its bits: sum or EMA, mu rounded to the param's dtype, float32, weight decay coupled into
                   the gradient, a buffer normalised in place);
@@ -18,16 +18,16 @@ and they are compared with what the candidate shows after step s:
                   that stage, bit for bit (another lr_scale or square root, lr rounded to the dtype; the decay factor
                   rounded to the param's dtype, bf16 or fp16, the other decay form, no decay; another scale_apply or
                   update dtype);
+    Nesterov input, Newton-Schulz input and normalisation, orthogonalised direction: its params are P' with the
+                  direction of one alternative of that stage, bit for bit (the field's Nesterov forms;
+                  NORMALISATION_OPTIONS; DIRECTION_OPTIONS);
     application   otherwise, its params are within one unit in the last place of P' (a rounding of the update's
-                  application: the ops' order, dtype or memory layout);
+                  ops, their dtype or memory order, or a difference before them too small to show in that dtype);
     weight decay  or shape scale: otherwise, P_cand - P' = alpha * P + beta * O up to FIT_ULPS units in the last
                   place (least squares in float64): the decay factor is about c + alpha, the step size about
                   a - beta; the larger of the two terms names the stage;
-    Nesterov input, Newton-Schulz input and normalisation, orthogonalised direction: otherwise the direction
-                  departs. Each is named when one of its alternatives (the field's Nesterov forms;
-                  NORMALISATION_OPTIONS; DIRECTION_OPTIONS) gives params within one unit in the last place of the
-                  candidate's; the orthogonalised direction is also the stage when none does, with the relative
-                  distance of the candidate's implied update (c * P - P_cand) / a from O.
+    orthogonalised direction: otherwise, with the relative distance of the candidate's implied update
+                  (c * P - P_cand) / a from O.
 The first stage over the case's departing params is the case's (Located).
 """
 
@@ -188,6 +188,9 @@ def _param(
         for text, alt in variants:
             if same_bits(P_cand, apply_update(P, O, layout, alt)):
                 return Located(stage, s + 1, i, text)
+    named = _direction_named(P, P_cand, G, M_new, D, cfg, layout)
+    if named is not None:
+        return Located(named[0], s + 1, i, named[1])
     ulp = _spacing(P_new)
     ratio = ((P_cand.double() - P_new.double()).abs() / ulp).max().item()
     if ratio <= 1.0:
@@ -195,8 +198,8 @@ def _param(
             "application",
             s + 1,
             i,
-            f"a rounding: within {ratio:.2g} unit in the last place of {_dtype(P_new)} "
-            "(the update's ops, their dtype or memory order)",
+            f"a rounding: within {ratio:.2g} unit in the last place of {_dtype(P_new)} (the update's ops, "
+            f"their dtype or memory order, or a difference before them too small to show in {_dtype(P_new)})",
         )
     fit = _fit(P, P_cand, P_new, O)
     c, a = _factors(cfg, layout)
@@ -217,7 +220,7 @@ def _param(
             f"the params are scaled by about {c + alpha:.7g} where the claim's 1 - lr * wd is {c:.7g} (a "
             "least-squares fit)",
         )
-    return _direction(i, s, P, P_cand, G, M_new, D, O, cfg, layout, c, a)
+    return Located("orthogonalised direction", s + 1, i, _distance(P, P_cand, O, c, a))
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -283,21 +286,17 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _direction(
-    i: int,
-    s: int,
+def _direction_named(
     P: Tensor,
     P_cand: Tensor,
     G: Tensor,
     M_new: Tensor,
     D: Tensor,
-    O: Tensor,
     cfg: MuonConfig,
     layout: Any,
-    c: float,
-    a: float,
-) -> Located:
-    """Which stage of the direction departs (module docstring)."""
+) -> tuple[str, str] | None:
+    """(stage, what) where one alternative of the direction's stages gives the candidate's params bit for bit: the
+    field's Nesterov forms, NORMALISATION_OPTIONS and DIRECTION_OPTIONS."""
     mu = cfg.momentum
     forms = {
         "the momentum itself (no Nesterov)": M_new,
@@ -306,10 +305,10 @@ def _direction(
         "lerp(G, M', mu)": G.lerp(M_new, mu),
     }
     for name, D_alt in forms.items():
-        if not same_bits(D_alt, D) and _fits(
+        if not same_bits(D_alt, D) and same_bits(
             P_cand, apply_update(P, orthogonalize(D_alt, layout, cfg), layout, cfg)
         ):
-            return Located("Nesterov input", s + 1, i, f"its Newton-Schulz input is {name}")
+            return "Nesterov input", f"its Newton-Schulz input is {name}"
     for stage, options in (
         ("Newton-Schulz input and normalisation", NORMALISATION_OPTIONS),
         ("orthogonalised direction", DIRECTION_OPTIONS),
@@ -319,24 +318,26 @@ def _direction(
                 alt = cfg.replace(**option)
             except ValueError:
                 continue
-            if alt == cfg:
-                continue
-            P_alt = apply_update(P, orthogonalize(D, layout, alt), layout, alt)
-            if _fits(P_cand, P_alt):
-                text = ", ".join(f"{k}={_value(v)}" for k, v in option.items())
-                return Located(stage, s + 1, i, f"reproduced with {text}")
+            if alt != cfg and same_bits(
+                P_cand, apply_update(P, orthogonalize(D, layout, alt), layout, alt)
+            ):
+                return stage, "reproduced with " + ", ".join(
+                    f"{k}={_value(v)}" for k, v in option.items()
+                )
+    return None
+
+
+def _distance(P: Tensor, P_cand: Tensor, O: Tensor, c: float, a: float) -> str:
+    """How far the candidate's implied update (c * P - P_cand) / a is from the claim's Newton-Schulz output."""
     implied = (c * P.double() - P_cand.double()) / a if a else None
     distance = (
         ((implied - O.double()).norm() / O.double().norm().clamp_min(1e-300)).item()
         if implied is not None
         else math.nan
     )
-    return Located(
-        "orthogonalised direction",
-        s + 1,
-        i,
+    return (
         f"its implied update is {distance:.3g} (relative) from the claim's Newton-Schulz output; no single "
-        "Newton-Schulz option reproduces it",
+        "Newton-Schulz option reproduces it"
     )
 
 
@@ -397,13 +398,6 @@ def _fit(
     if rest.max().item() > FIT_ULPS:
         return None
     return float(x[0]), float(x[1]), float(basis[:, 0].norm()), float(basis[:, 1].norm())
-
-
-def _fits(P_cand: Tensor, P_alt: Tensor) -> bool:
-    """An alternative direction reproduces the candidate: its bits, or within one unit in the last place."""
-    if same_bits(P_cand, P_alt):
-        return True
-    return bool(((P_cand.double() - P_alt.double()).abs() <= _spacing(P_alt)).all())
 
 
 def _factors(cfg: MuonConfig, layout: Any) -> tuple[float, float]:

@@ -195,6 +195,7 @@ def construction_hint(adapter: Adapter, error: str) -> str:
             f"its constructor has keywords without a default: {', '.join(needs)} (--kwargs)"
         )
     parts.append(
-        'or write an adapter whose build() makes the optimizer as its users do (README, "Check your own Muon")'
+        ("or " if parts else "")
+        + 'write an adapter whose build() makes the optimizer as its users do (README, "Check your own Muon")'
     )
     return "hint: " + "; ".join(parts)
