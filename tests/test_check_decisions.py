@@ -742,3 +742,17 @@ def test_a_step_without_a_closure_is_named_as_the_resume_failure_it_causes():
     assert line.startswith("resume fails (its step() takes no closure") and "crashes" not in line, (
         line
     )
+
+
+def test_a_departure_named_exactly_gets_no_nearest_configuration_and_an_unnamed_one_does():
+    from tests.test_conformance_words import RoundedDecay
+
+    named = [
+        run_here(RoundedDecay(), Case(f, "single", 1, s, "bfloat16", steps=2))
+        for f, s in (("tall", ((12, 6),)), ("wide", ((6, 12),)))
+    ]
+    assert all(o.stage_exact for o in named)
+    line = diagnose(named, "torch", dict(HYPERPARAMETERS), Context(search_budget_s=60.0))
+    assert line.startswith("departs: weight decay departs on") and "nearest" not in line, line
+    unnamed = _run(SumSpectral())
+    assert not any(o.stage_exact for o in unnamed if o.stage == "orthogonalised direction")

@@ -240,6 +240,7 @@ class Runner:
             located = locate(outcome, self.preset, self.overrides)
             if located is not None:
                 outcome.stage, outcome.stage_detail = located.stage, located.describe()
+                outcome.stage_exact = located.exact
                 update = updates.get(located.param)
                 if (
                     located.stage == "orthogonalised direction"

@@ -456,7 +456,7 @@ def _relocate(
             if located is not None and (
                 o.stage is None or STAGES.index(located.stage) > STAGES.index(o.stage)
             ):
-                o.stage = located.stage
+                o.stage, o.stage_exact = located.stage, located.exact
                 o.stage_detail = f"{located.describe()}; where the candidate {description}"
 
 
@@ -505,8 +505,9 @@ def _located(
         if conforming and not said:
             text += f"; bitwise on {', '.join(sorted(conforming))}"
             said = True
-        near = search.nearest(mine, preset, overrides)
-        if near is not None and kind == "departs":
+        named = all(o.stage_exact for o in mine)  # a named variant already says what it computes
+        near = None if named or kind != "departs" else search.nearest(mine, preset, overrides)
+        if near is not None:
             text += f"; nearest configuration: {near.describe()}"
         out.append(Finding(kind, text))
     return out

@@ -102,6 +102,7 @@ class Outcome:
     momentum_sources: tuple[str, ...] = ()
     stage: str | None = None
     stage_detail: str | None = None
+    stage_exact: bool = False
     tolerance: float | None = None
     view: Any = field(default=None, repr=False, compare=False)
     updates: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)

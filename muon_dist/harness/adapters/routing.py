@@ -13,8 +13,9 @@ from the first step, where the momentum is a multiple of the gradient G for ever
         visibly orthogonalises)
     orthogonalised(U) iff |spread(U) - spread(U_ref)| <= |spread(U) - spread(G)| in some view: the claim's layout,
         a 3-D or larger param flattened to (shape[0], -1), or a 3-D param's matrices along any two of its axes
-    elementwise(U) iff cos(U, G) >= ELEMENTWISE_COS or cos(U, sign(G)) >= ELEMENTWISE_COS: the update is a
-        multiple of the gradient (SGD, momentum SGD, coupled decay included) or of its sign (Adam's first step)
+    elementwise(U) iff cos(U, G) >= ELEMENTWISE_COS and U keeps G's spread in every view (within SAME_SPREAD,
+        relative), or cos(U, sign(G)) >= SIGN_COS: the update is a multiple of the gradient (SGD, momentum SGD,
+        coupled decay included) or of its sign (a sign update; Adam's first step without its second moment's eps)
 
 A param is routed to another optimizer when its optimizer state holds an Adam-style second moment
 (momentum.second_moment: >= 0 and proportional to G * G after the first step), or when its update is not
@@ -48,6 +49,10 @@ DECIDES = math.log(
     1.5
 )  # the claim must narrow the spread by this much for the answer to mean anything
 ELEMENTWISE_COS = 0.98
+SAME_SPREAD = (
+    0.25  # relative: a multiple of G keeps G's spread in every view, up to the decay's noise
+)
+SIGN_COS = 0.999
 SIGNAL = (
     8.0  # an update is read only where it is this many times the params' rounding (Frobenius norms)
 )
@@ -143,16 +148,19 @@ def update_of(
     g = grad.double()
     if u_ref.norm() < SIGNAL * _rounding(p1_ref).norm():
         return None  # the params' rounding is as large as the update (bf16 params, a small lr): nothing to read
-    elementwise = max(_cos(u, g), _cos(u, g.sign())) >= ELEMENTWISE_COS
-    trials = []
+    spreads = []
     for view in views:
         mats = list(zip(view(u), view(u_ref), view(g)))
         mats = [m for m in mats if min(m[0].shape) >= 2]
-        if not mats:
-            continue
-        cand = max(_spread(a) for a, _, _ in mats)
-        claim = max(_spread(b) for _, b, _ in mats)
-        gradient = max(_spread(c) for _, _, c in mats)
+        if mats:
+            spreads.append(tuple(max(_spread(m[k]) for m in mats) for k in range(3)))
+    # a multiple of G has G's singular values in every view; a multiple of sign(G) (a sign update) is one exactly
+    follows_g = _cos(u, g) >= ELEMENTWISE_COS and all(
+        abs(cand - grad) <= SAME_SPREAD * max(grad, 0.1) for cand, _, grad in spreads
+    )
+    elementwise = follows_g or _cos(u, g.sign()) >= SIGN_COS
+    trials = []
+    for cand, claim, gradient in spreads:
         decidable = gradient - claim > DECIDES and math.isfinite(claim)
         ortho = (abs(cand - claim) <= abs(cand - gradient)) if decidable else None
         trials.append(Update(cand, claim, gradient, ortho, elementwise))

@@ -76,12 +76,16 @@ DIRECTION_OPTIONS: tuple[dict[str, Any], ...] = (
 
 @dataclass(frozen=True)
 class Located:
-    """stage: one of STAGES; step: the first departing step (1-based); param: its index; detail: what differs."""
+    """stage: one of STAGES; step: the first departing step (1-based); param: its index; detail: what differs;
+    exact: whether a named variant of the stage gives the candidate's bits."""
 
     stage: str
     step: int
     param: int
     detail: str
+    exact: bool = (
+        False  # a named variant gives the candidate's bits (not a rounding, a fit or a distance)
+    )
 
     def describe(self) -> str:
         return f"step {self.step}, param {self.param}: {self.detail}"
@@ -175,7 +179,8 @@ def _param(
 ) -> Located | None:
     M_new, D = momentum_direction(G, M.to(G.dtype), cfg)
     if M_cand is not None and not same_bits(M_cand.to(M_new.dtype), M_new):
-        return Located("momentum", s + 1, i, _momentum_detail(M_cand, M_new, G, M, P, cfg))
+        detail = _momentum_detail(M_cand, M_new, G, M, P, cfg)
+        return Located("momentum", s + 1, i, detail, detail.startswith("its momentum is"))
     O = orthogonalize(D, layout, cfg)
     P_new = apply_update(P, O, layout, cfg)
     if same_bits(P_cand, P_new):
@@ -187,10 +192,10 @@ def _param(
     ):
         for text, alt in variants:
             if same_bits(P_cand, apply_update(P, O, layout, alt)):
-                return Located(stage, s + 1, i, text)
+                return Located(stage, s + 1, i, text, exact=True)
     named = _direction_named(P, P_cand, G, M_new, D, cfg, layout)
     if named is not None:
-        return Located(named[0], s + 1, i, named[1])
+        return Located(named[0], s + 1, i, named[1], exact=True)
     ulp = _spacing(P_new)
     ratio = ((P_cand.double() - P_new.double()).abs() / ulp).max().item()
     if ratio <= 1.0:
