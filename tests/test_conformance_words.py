@@ -217,11 +217,16 @@ def test_routing_rules_parse_and_infer():
     rule = parse_rule("ndim != 2 or min_side < 2")
     assert rule((3, 6, 4)) and rule((1, 10)) and not rule((12, 6))
     assert infer_rule({(1, 10), (3, 6, 4)}, {(12, 6), (8, 8)}) == "min_side < 6"
-    assert (
-        infer_rule({(1, 10), (3, 6, 4)}, {(12, 6), (8, 8), (20, 3)}) == "ndim != 2 or min_side < 3"
-    )
+    # timm's rule (min(shape[0], prod(rest)) < 4) and keras's (ndim != 2), from the shapes the check runs
+    kept = {(12, 6), (6, 12), (8, 8), (13, 7), (6, 4), (6, 8), (8, 6)}
+    assert infer_rule({(1, 10), (3, 6, 4)}, kept | {(4, 3, 2, 2)}) == "flat_min_side < 4"
+    assert infer_rule({(3, 6, 4), (4, 3, 2, 2)}, kept | {(1, 10)}) == "ndim != 2"
+    routed, kept = {(1, 10), (3, 6, 4)}, {(12, 6), (8, 8), (20, 3)}
+    inferred = parse_rule(infer_rule(routed, kept))
+    assert all(inferred(s) for s in routed) and not any(inferred(s) for s in kept)
     assert infer_rule({(20, 2)}, {(12, 6), (8, 8), (6, 12)}) == "min_side < 6"
     assert infer_rule(set(), {(8, 8)}) is None
+    assert infer_rule({(8, 8)}, {(8, 8)}) is None  # one shape both ways: no rule
     with pytest.raises(ValueError, match="'side < 2' is not one of"):
         parse_rule("side < 2")
 

@@ -125,12 +125,12 @@ class Runner:
         self.search_state = adapter.state_key is not None or (
             type(adapter).momentum is not Adapter.momentum
         )
-        self.tolerance: dict[
-            str, float
-        ] = {}  # dtype -> tolerance, where the candidate differs from itself
-        self._runs: dict[
-            tuple, Any
-        ] = {}  # (case, rng seed) -> (segments, reference) or a failed Outcome
+        # dtype -> tolerance, where the candidate differs from itself (check's determinism probe)
+        self.tolerance: dict[str, float] = {}
+        # (case, rng seed) -> (segments, reference) or a failed Outcome: a probe's run kept for the case
+        self._runs: dict[tuple, Any] = {}
+        # param shape -> why the candidate sends it elsewhere, as read on some case (routing is by shape)
+        self.routed_shapes: dict[tuple, str] = {}
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
         """The case's outcome (a checkpoint case runs its save on world_size ranks, its resume on
@@ -226,6 +226,15 @@ class Runner:
                 self.overrides,
             )
             found = {i: u.routed for i, u in updates.items() if u.routed and i not in stated}
+            for i, shape in enumerate(
+                case.shapes
+            ):  # routing is by shape: what another case read holds here
+                if i in found:
+                    self.routed_shapes.setdefault(tuple(shape), found[i])
+                elif i not in updates and i not in stated and tuple(shape) in self.routed_shapes:
+                    found[i] = (
+                        f"{self.routed_shapes[tuple(shape)]} (read on another case of this shape)"
+                    )
             if found:
                 outcome = judged({**found, **stated})
         outcome.updates = updates

@@ -14,19 +14,21 @@ from the first step, where the momentum is a multiple of the gradient G for ever
     orthogonalised(U) iff |spread(U) - spread(U_ref)| <= |spread(U) - spread(G)| in some view: the claim's layout,
         a 3-D or larger param flattened to (shape[0], -1), or a 3-D param's matrices along any two of its axes
     elementwise(U) iff cos(U, G) >= ELEMENTWISE_COS and U keeps G's spread in every view (within SAME_SPREAD,
-        relative), or cos(U, sign(G)) >= SIGN_COS: the update is a multiple of the gradient (SGD, momentum SGD,
-        coupled decay included) or of its sign (a sign update; Adam's first step without its second moment's eps)
+        relative), or cos(U, sign(G)) >= SIGN_COS with U read with the claim's decay taken out or with none (the
+        other optimizer may decay otherwise): the update is a multiple of the gradient (SGD, momentum SGD, coupled
+        decay included) or of its sign (a sign update: Adam's first step, whatever its eps)
 
 A param is routed to another optimizer when its optimizer state holds an Adam-style second moment
 (momentum.second_moment: >= 0 and proportional to G * G after the first step), or when its update is not
-orthogonalised and is elementwise. A param whose update is not orthogonalised and is not elementwise is a Muon
+orthogonalised and is elementwise, or when its update is a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's decay: a matrix whose own
+spread is too small for the spread test to decide, stepped by SGD or Adam). A param whose update is not orthogonalised and is not elementwise is a Muon
 that departs at its orthogonalised direction (stages.py), not a routing; a candidate none of whose params is
 orthogonalised anywhere is not a Muon (diagnose.py).
 
 The rule a candidate routes by is inferred from the shapes it routes and those it orthogonalises (infer_rule), and
-a claim may state its rule (Adapter.routing, --routing): RULE is terms joined by " or ", each `ndim != K`,
-`ndim == K`, `ndim > K`, `ndim < K`, `min_side < K`, `max_side > K`, `aspect > R` (max / min of the last two
-dims) or `numel < K`.
+a claim may state its rule (Adapter.routing, --routing): RULE is terms joined by " or ", each a feature of
+FEATURES, then !=, ==, > or <, then a number: ndim; min_side, max_side, aspect (max / min) of the last two dims;
+flat_min_side, flat_aspect of (shape[0], prod(shape[1:])), the matrix an optimizer that flattens sees; numel.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -70,6 +72,7 @@ class Update:
     orthogonalised: bool | None
     elementwise: bool
     routed: str | None = None
+    proportional: bool = False  # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS)
 
     def describe(self) -> str:
         return (
@@ -154,16 +157,22 @@ def update_of(
         mats = [m for m in mats if min(m[0].shape) >= 2]
         if mats:
             spreads.append(tuple(max(_spread(m[k]) for m in mats) for k in range(3)))
-    # a multiple of G has G's singular values in every view; a multiple of sign(G) (a sign update) is one exactly
+    # a multiple of G has G's singular values in every view; a multiple of sign(G) (a sign update) is one exactly;
+    # read with the claim's decay taken out, or with none (the other optimizer may decay otherwise, or not at all)
     follows_g = _cos(u, g) >= ELEMENTWISE_COS and all(
         abs(cand - grad) <= SAME_SPREAD * max(grad, 0.1) for cand, _, grad in spreads
     )
-    elementwise = follows_g or _cos(u, g.sign()) >= SIGN_COS
+    raw = p0.double() - p1.double()
+    sign = max(_cos(u, g.sign()), _cos(raw, g.sign()))
+    exact = (
+        max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS
+    )  # a multiple of G or sign(G), to rounding
+    elementwise = follows_g or sign >= SIGN_COS
     trials = []
     for cand, claim, gradient in spreads:
         decidable = gradient - claim > DECIDES and math.isfinite(claim)
         ortho = (abs(cand - claim) <= abs(cand - gradient)) if decidable else None
-        trials.append(Update(cand, claim, gradient, ortho, elementwise))
+        trials.append(Update(cand, claim, gradient, ortho, elementwise, proportional=exact))
     for answer in (True, False, None):  # orthogonalised in some view wins; undecidable last
         chosen = next((t for t in trials if t.orthogonalised is answer), None)
         if chosen is not None:
@@ -197,20 +206,17 @@ def classify(
             out[i] = _routed(base, f"Adam-style second moment at state[p]{moment}")
         elif update is not None and update.orthogonalised is False and update.elementwise:
             out[i] = _routed(update, f"not orthogonalised, elementwise: {update.describe()}")
+        elif update is not None and update.proportional:
+            out[i] = _routed(
+                update, f"a multiple of the gradient or of its sign: {update.describe()}"
+            )
         elif update is not None:
             out[i] = update
     return out
 
 
 def _routed(update: Update, why: str) -> Update:
-    return Update(
-        update.candidate,
-        update.claim,
-        update.gradient,
-        update.orthogonalised,
-        update.elementwise,
-        why,
-    )
+    return replace(update, routed=why)
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -221,16 +227,22 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt,
     "<": operator.lt,
 }
-_TERM = re.compile(r"^\s*(ndim|min_side|max_side|aspect|numel)\s*(!=|==|>|<)\s*([0-9.]+)\s*$")
+FEATURES = ("ndim", "min_side", "max_side", "aspect", "flat_min_side", "flat_aspect", "numel")
+_TERM = re.compile(rf"^\s*({'|'.join(FEATURES)})\s*(!=|==|>|<)\s*([0-9.]+)\s*$")
 
 
 def _feature(name: str, shape: tuple[int, ...]) -> float:
+    """A shape's feature: ndim; min_side, max_side, aspect of its last two dims (a matrix's, an expert's); and
+    flat_min_side, flat_aspect of (shape[0], prod(shape[1:])), the matrix a flattening optimizer sees; numel."""
     sides = shape[-2:] if len(shape) >= 2 else shape
+    flat = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else shape
     return {
         "ndim": len(shape),
         "min_side": min(sides),
         "max_side": max(sides),
         "aspect": max(sides) / min(sides),
+        "flat_min_side": min(flat),
+        "flat_aspect": max(flat) / min(flat),
         "numel": math.prod(shape),
     }[name]
 
@@ -242,8 +254,8 @@ def parse_rule(text: str) -> Callable[[tuple[int, ...]], bool]:
         m = _TERM.match(term)
         if not m:
             raise ValueError(
-                f"routing rule term {term.strip()!r} is not one of: ndim|min_side|max_side|aspect|numel "
-                "followed by !=, ==, > or < and a number (terms joined by ' or ')"
+                f"routing rule term {term.strip()!r} is not one of: {'|'.join(FEATURES)} followed by "
+                "!=, ==, > or < and a number (terms joined by ' or ')"
             )
         terms.append((m.group(1), _OPS[m.group(2)], float(m.group(3))))
     return lambda shape: any(op(_feature(f, tuple(shape)), v) for f, op, v in terms)
@@ -266,21 +278,24 @@ def infer_rule(routed: set[tuple[int, ...]], kept: set[tuple[int, ...]]) -> str 
 
 
 def _single_terms(routed: set[tuple[int, ...]], kept: set[tuple[int, ...]]) -> list[str]:
-    """Terms that route no kept shape, each as wide as the kept shapes allow."""
+    """Terms that route no kept shape, each as wide as the kept shapes allow, simplest first."""
     terms = []
     ndims = {len(s) for s in kept}
-    if ndims and len(ndims) == 1:
+    if len(ndims) == 1:
         terms.append(f"ndim != {next(iter(ndims))}")
-    for name, low in (("min_side", True), ("aspect", False), ("max_side", False), ("numel", True)):
-        kept_values = [_feature(name, s) for s in kept]
-        if not kept_values:
-            continue
-        if low:
-            bound = min(kept_values)
-            terms.append(f"{name} < {bound:g}")
-        else:
-            bound = max(kept_values)
-            terms.append(f"{name} > {bound:g}")
+    elif ndims:
+        terms.append(f"ndim > {max(ndims)}")
+    for name, low in (
+        ("min_side", True),
+        ("flat_min_side", True),
+        ("aspect", False),
+        ("flat_aspect", False),
+        ("max_side", False),
+        ("numel", True),
+    ):
+        values = [_feature(name, s) for s in kept]
+        if values:
+            terms.append(f"{name} < {min(values):g}" if low else f"{name} > {max(values):g}")
     return terms
 
 

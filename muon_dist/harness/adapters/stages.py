@@ -159,7 +159,16 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
         if m_prev is None:
             m_prev = reference.momenta[s - 1][i] if s > 0 else torch.zeros_like(before[i])
         located = _param(
-            i, s, before[i].cpu(), after[i], m_prev, m_after[i], grads[i].cpu(), cfg, layout
+            i,
+            s,
+            before[i].cpu(),
+            after[i],
+            m_prev,
+            m_after[i],
+            grads[i].cpu(),
+            cfg,
+            layout,
+            outcome.tolerance,
         )
         if located is not None:
             found.append(located)
@@ -176,14 +185,17 @@ def _param(
     G: Tensor,
     cfg: MuonConfig,
     layout: Any,
+    tolerance: float | None = None,
 ) -> Located | None:
+    """The stage at which param i departs at step s (module docstring); a candidate compared at a tolerance (one
+    that differs from itself) departs only where a stage differs by more."""
     M_new, D = momentum_direction(G, M.to(G.dtype), cfg)
-    if M_cand is not None and not same_bits(M_cand.to(M_new.dtype), M_new):
+    if M_cand is not None and _differs(M_cand.to(M_new.dtype), M_new, tolerance):
         detail = _momentum_detail(M_cand, M_new, G, M, P, cfg)
         return Located("momentum", s + 1, i, detail, detail.startswith("its momentum is"))
     O = orthogonalize(D, layout, cfg)
     P_new = apply_update(P, O, layout, cfg)
-    if same_bits(P_cand, P_new):
+    if not _differs(P_cand, P_new, tolerance):
         return None
     for stage, variants in (
         ("shape scale", _scale_variants(cfg, P.dtype)),
@@ -378,6 +390,13 @@ def _momentum_detail(
             return f"its momentum is {name}"
     d = (M_cand.double() - M_new.double()).abs().max().item()
     return f"max |dM| {d:.3g} from the claim's momentum"
+
+
+def _differs(got: Tensor, want: Tensor, tolerance: float | None) -> bool:
+    """Other bits, or (with a tolerance) a difference beyond it."""
+    if same_bits(got, want):
+        return False
+    return tolerance is None or (got.double() - want.double()).abs().max().item() > tolerance
 
 
 def _spacing(t: Tensor) -> Tensor:
