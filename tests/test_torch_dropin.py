@@ -416,3 +416,24 @@ def test_loading_a_torch_checkpoint_without_the_group_mapping_fails(
     with pytest.raises(KeyError):
         resumed.load_state_dict(opt.state_dict())
         resumed.step()
+
+
+def test_distributed_muon_states_and_keeps_the_update_layout_it_implements() -> None:
+    """DistributedMuon implements update_layout="contiguous" (docs/distributed.md, "Update layout"): its groups
+    say so, an explicit "kernel" is a one-line ValueError naming the option (constructor, added group, a group
+    edited before a step), and a muon_ref state dict's "kernel" groups load as "contiguous"."""
+    params = make_params(torch.float32)
+    opt = DistributedMuon(params)
+    assert opt.param_groups[0]["update_layout"] == "contiguous"
+    with pytest.raises(ValueError, match="update_layout='kernel' is not implemented by DistributedMuon"):
+        DistributedMuon(params, update_layout="kernel")
+    with pytest.raises(ValueError, match="param group: update_layout='kernel'"):
+        opt.add_param_group({"params": [torch.randn(3, 3, requires_grad=True)], "update_layout": "kernel"})
+    reference = muon_ref.Muon(params, preset="torch")
+    assert reference.param_groups[0]["update_layout"] == "kernel"
+    opt.load_state_dict(reference.state_dict())
+    assert opt.param_groups[0]["update_layout"] == "contiguous"
+    opt.param_groups[0]["update_layout"] = "kernel"
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="param group 0: update_layout='kernel'"):
+        opt.step()
