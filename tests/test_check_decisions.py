@@ -756,3 +756,57 @@ def test_a_departure_named_exactly_gets_no_nearest_configuration_and_an_unnamed_
     assert line.startswith("departs: weight decay departs on") and "nearest" not in line, line
     unnamed = _run(SumSpectral())
     assert not any(o.stage_exact for o in unnamed if o.stage == "orthogonalised direction")
+
+
+def test_a_param_without_a_gradient_that_the_candidate_decays_anyway_is_located_there():
+    from muon_dist.harness.adapters.stages import _stepped_without_gradient
+    from muon_ref.config import MuonConfig
+    from muon_ref.functional import decay
+
+    cfg = MuonConfig(lr=0.02, weight_decay=0.1)
+    P = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
+    decayed = _stepped_without_gradient(1, 0, P, decay(P, cfg), cfg)
+    assert decayed.stage == "weight decay" and decayed.exact and "decayed" in decayed.detail
+    other = _stepped_without_gradient(1, 0, P, P + 1e-3, cfg)
+    assert other.stage == "application" and not other.exact
+
+
+def test_a_departure_near_one_alternative_is_named_at_that_alternatives_stage():
+    """At a later step (the momentum no longer a multiple of G), a candidate whose direction is G + M' and whose
+    update has one more small difference is closest to the G + M' alternative: located at the Nesterov input."""
+    from muon_dist.harness.adapters.stages import _closest
+    from muon_ref.config import MuonConfig
+    from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
+
+    cfg, layout = MuonConfig(lr=0.02, weight_decay=0.1, momentum=0.9), matrix_layout((12, 6))
+    gen = torch.Generator().manual_seed(5)
+    P, G, M = (torch.randn(12, 6, generator=gen) for _ in range(3))
+    M_new, D = momentum_direction(G, M, cfg)
+    P_new = apply_update(P, orthogonalize(D, layout, cfg), layout, cfg)
+    P_cand = apply_update(P, orthogonalize(G + M_new, layout, cfg), layout, cfg) + 1e-6
+    stage, text = _closest(P, P_cand, P_new, G, M_new, D, cfg, layout)
+    assert stage == "Nesterov input" and text.startswith(
+        "closest to its Newton-Schulz input is G + M'"
+    ), text
+    assert (
+        _closest(P, P_new + 1e-3, P_new, G, M_new, D, cfg, layout) is None
+    )  # nothing nearer than the claim
+
+
+def test_the_polar_factor_of_a_nearly_orthogonal_gradient_is_not_taken_for_sgd():
+    from muon_dist.harness.adapters.routing import _views
+
+    gen = torch.Generator().manual_seed(3)
+    Q = torch.linalg.qr(
+        torch.randn(12, 2, generator=gen, dtype=torch.float64)
+    ).Q.T  # orthonormal rows
+    G = torch.diag(torch.tensor([1.0, 0.97], dtype=torch.float64)) @ Q  # nearly orthogonal
+    P0 = torch.randn(2, 12, generator=gen, dtype=torch.float64)
+    polar = torch.linalg.svd(G, full_matrices=False)
+    O = polar.U @ polar.Vh
+    muon = P0 * 0.998 - 0.02 * O
+    assert torch.nn.functional.cosine_similarity(O.reshape(-1), G.reshape(-1), dim=0) > 0.999
+    update = update_of(P0, muon, muon, G, 0.02, 0.1, _views((2, 12), {}))
+    assert not update.proportional
+    sgd = update_of(P0, P0 * 0.998 - 0.02 * G, muon, G, 0.02, 0.1, _views((2, 12), {}))
+    assert sgd.proportional

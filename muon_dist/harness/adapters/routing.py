@@ -18,12 +18,17 @@ from the first step, where the momentum is a multiple of the gradient G for ever
         other optimizer may decay otherwise): the update is a multiple of the gradient (SGD, momentum SGD, coupled
         decay included) or of its sign (a sign update: Adam's first step, whatever its eps)
 
-A param is routed to another optimizer when its optimizer state holds an Adam-style second moment
-(momentum.second_moment: >= 0 and proportional to G * G after the first step), or when its update is not
-orthogonalised and is elementwise, or when its update is a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's decay: a matrix whose own
-spread is too small for the spread test to decide, stepped by SGD or Adam). A param whose update is not orthogonalised and is not elementwise is a Muon
-that departs at its orthogonalised direction (stages.py), not a routing; a candidate none of whose params is
-orthogonalised anywhere is not a Muon (diagnose.py).
+A param is routed to another optimizer when
+    its optimizer state holds an Adam-style second moment (momentum.second_moment: >= 0 and proportional to G * G
+        after the first step), or
+    its update is not orthogonalised and is elementwise, or
+    its update is a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's
+        decay) and has at least half the gradient's spread in every view (a matrix whose own spread is too small
+        for the spread test to decide, stepped by SGD or Adam; a nearly orthogonal gradient's polar factor is
+        nearly a multiple of it too, but less spread).
+A param whose update is not orthogonalised and is not elementwise is a Muon that departs at its orthogonalised
+direction (stages.py), not a routing; a candidate none of whose params is orthogonalised anywhere is not a Muon
+(diagnose.py).
 
 The rule a candidate routes by is inferred from the shapes it routes and those it orthogonalises (infer_rule), and
 a claim may state its rule (Adapter.routing, --routing): RULE is terms joined by " or ", each a feature of
@@ -164,9 +169,11 @@ def update_of(
     )
     raw = p0.double() - p1.double()
     sign = max(_cos(u, g.sign()), _cos(raw, g.sign()))
-    exact = (
-        max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS
-    )  # a multiple of G or sign(G), to rounding
+    # a multiple of G or sign(G) to rounding, and no more orthogonal than G in any view: where G is nearly
+    # orthogonal already (a 2 x 12 gradient with close singular values), its polar factor is nearly G too
+    exact = max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS and all(
+        cand >= 0.5 * grad for cand, _, grad in spreads
+    )
     elementwise = follows_g or sign >= SIGN_COS
     trials = []
     for cand, claim, gradient in spreads:

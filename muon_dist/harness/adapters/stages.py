@@ -26,6 +26,9 @@ and they are compared with what the candidate shows after step s, in this order:
     weight decay  or shape scale: otherwise, P_cand - P' = alpha * P + beta * O up to FIT_ULPS units in the last
                   place (least squares in float64): the decay factor is about c + alpha, the step size about
                   a - beta; the larger of the two terms names the stage;
+    Nesterov input, Newton-Schulz input and normalisation, orthogonalised direction: otherwise, the stage of the
+                  alternative that brings the params CLOSER times nearer the candidate's than the claim does (the
+                  first stage that departs, where later stages depart too: its distance is said);
     orthogonalised direction: otherwise, with the relative distance of the candidate's implied update
                   (c * P - P_cand) / a from O.
 The first stage over the case's departing params is the case's (Located).
@@ -35,13 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
 from muon_ref import MuonConfig, apply_update, momentum_direction, orthogonalize
 from muon_ref.config import lr_scale
+from muon_ref.functional import decay
 from muon_ref.optim import group_config
 
 from ..fixtures import same_bits
@@ -59,6 +63,7 @@ STAGES = (
     "application",
 )
 FIT_ULPS = 2.0  # a fit explains a departure when what it leaves is within this many units in the last place
+CLOSER = 4.0  # an alternative names the stage when it brings the params this many times closer than the claim
 
 NORMALISATION_OPTIONS: tuple[dict[str, Any], ...] = (
     *({"eps": e} for e in (1e-6, 1e-7, 1e-8, 0.0)),
@@ -138,7 +143,7 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
     case, segments, view = outcome.case, outcome.results, outcome.view
     if outcome.first_step is None or segments is None or view is None:
         return None
-    s = outcome.first_step - 1
+    s = _first_departing_step(outcome)
     before = initial_params(case) if s == 0 else full_params(case, segments, s - 1)
     after = full_params(case, segments, s)
     if before is None or after is None:
@@ -153,7 +158,11 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
     grads = oracle_gradients(case, s)
     found = []
     for i, (cfg, layout) in enumerate(_configs(case, preset, overrides)):
-        if i in outcome.routed or grads[i] is None:
+        if i in outcome.routed:
+            continue
+        if grads[i] is None:  # the claim leaves a param without a gradient as it is
+            if _differs(after[i], before[i].cpu(), outcome.tolerance):
+                found.append(_stepped_without_gradient(i, s, before[i].cpu(), after[i], cfg))
             continue
         m_prev = m_before[i]
         if m_prev is None:
@@ -173,6 +182,41 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
         if located is not None:
             found.append(located)
     return min(found, key=lambda x: STAGES.index(x.stage), default=None)
+
+
+def _first_departing_step(outcome: Outcome) -> int:
+    """The first step (0-based) whose params or recorded momentum differ; with a tolerance, by more than it."""
+    if outcome.tolerance is None:
+        return outcome.first_step - 1
+    diffs = [
+        max(p, m or 0.0)
+        for p, m in zip(
+            outcome.param_diffs, outcome.momentum_diffs or (None,) * len(outcome.param_diffs)
+        )
+    ]
+    return next((k for k, d in enumerate(diffs) if d > outcome.tolerance), outcome.first_step - 1)
+
+
+def _stepped_without_gradient(
+    i: int, s: int, P: Tensor, P_cand: Tensor, cfg: MuonConfig
+) -> Located:
+    """A param without a gradient at step s that the candidate changed anyway: by the claim's decay alone (it
+    stepped on a zero gradient), or otherwise."""
+    if same_bits(P_cand, decay(P, cfg)):
+        return Located(
+            "weight decay",
+            s + 1,
+            i,
+            "a param without a gradient at this step is decayed (stepped as if its gradient were zero); the claim "
+            "leaves it as it is",
+            exact=True,
+        )
+    return Located(
+        "application",
+        s + 1,
+        i,
+        "a param without a gradient at this step is changed; the claim leaves it as it is",
+    )
 
 
 def _param(
@@ -237,6 +281,9 @@ def _param(
             f"the params are scaled by about {c + alpha:.7g} where the claim's 1 - lr * wd is {c:.7g} (a "
             "least-squares fit)",
         )
+    closest = _closest(P, P_cand, P_new, G, M_new, D, cfg, layout)
+    if closest is not None:
+        return Located(closest[0], s + 1, i, closest[1])
     return Located("orthogonalised direction", s + 1, i, _distance(P, P_cand, O, c, a))
 
 
@@ -303,29 +350,24 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _direction_named(
-    P: Tensor,
-    P_cand: Tensor,
-    G: Tensor,
-    M_new: Tensor,
-    D: Tensor,
-    cfg: MuonConfig,
-    layout: Any,
-) -> tuple[str, str] | None:
-    """(stage, what) where one alternative of the direction's stages gives the candidate's params bit for bit: the
-    field's Nesterov forms, NORMALISATION_OPTIONS and DIRECTION_OPTIONS."""
+def _alternatives(
+    P: Tensor, G: Tensor, M_new: Tensor, D: Tensor, cfg: MuonConfig, layout: Any
+) -> Iterator[tuple[str, str, Tensor]]:
+    """(stage, what, params) of each alternative of the direction's stages: the field's Nesterov forms
+    (NESTEROV_FORMS, with the claim's Newton-Schulz), then NORMALISATION_OPTIONS and DIRECTION_OPTIONS (on the
+    claim's direction)."""
     mu = cfg.momentum
     forms = {
         "the momentum itself (no Nesterov)": M_new,
         "G.add(M', alpha=mu)": G.add(M_new, alpha=mu),
         "M' * mu + G": M_new.mul(mu).add(G),
         "lerp(G, M', mu)": G.lerp(M_new, mu),
+        "G + M'": G.add(M_new),
     }
     for name, D_alt in forms.items():
-        if not same_bits(D_alt, D) and same_bits(
-            P_cand, apply_update(P, orthogonalize(D_alt, layout, cfg), layout, cfg)
-        ):
-            return "Nesterov input", f"its Newton-Schulz input is {name}"
+        if not same_bits(D_alt, D):
+            P_alt = apply_update(P, orthogonalize(D_alt, layout, cfg), layout, cfg)
+            yield "Nesterov input", f"its Newton-Schulz input is {name}", P_alt
     for stage, options in (
         ("Newton-Schulz input and normalisation", NORMALISATION_OPTIONS),
         ("orthogonalised direction", DIRECTION_OPTIONS),
@@ -335,13 +377,53 @@ def _direction_named(
                 alt = cfg.replace(**option)
             except ValueError:
                 continue
-            if alt != cfg and same_bits(
-                P_cand, apply_update(P, orthogonalize(D, layout, alt), layout, alt)
-            ):
-                return stage, "reproduced with " + ", ".join(
-                    f"{k}={_value(v)}" for k, v in option.items()
-                )
+            if alt != cfg:
+                text = ", ".join(f"{k}={_value(v)}" for k, v in option.items())
+                yield stage, text, apply_update(P, orthogonalize(D, layout, alt), layout, alt)
+
+
+def _direction_named(
+    P: Tensor,
+    P_cand: Tensor,
+    G: Tensor,
+    M_new: Tensor,
+    D: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+) -> tuple[str, str] | None:
+    """(stage, what) where one alternative of the direction's stages gives the candidate's params bit for bit."""
+    for stage, text, P_alt in _alternatives(P, G, M_new, D, cfg, layout):
+        if same_bits(P_cand, P_alt):
+            prefix = "" if stage == "Nesterov input" else "reproduced with "
+            return stage, prefix + text
     return None
+
+
+def _closest(
+    P: Tensor,
+    P_cand: Tensor,
+    P_new: Tensor,
+    G: Tensor,
+    M_new: Tensor,
+    D: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+) -> tuple[str, str] | None:
+    """(stage, what) of the alternative that brings the params CLOSER times nearer the candidate's than the claim
+    does (max |dP|), where one does: the first stage that departs when later ones depart too."""
+    claim = (P_cand.double() - P_new.double()).abs().max().item()
+    best = None
+    for stage, text, P_alt in _alternatives(P, G, M_new, D, cfg, layout):
+        d = (P_cand.double() - P_alt.double()).abs().max().item()
+        if best is None or d < best[0]:
+            best = (d, stage, text)
+    if best is None or best[0] * CLOSER > claim:
+        return None
+    d, stage, text = best
+    return (
+        stage,
+        f"closest to {text}: max |dP| {d:.3g} from the candidate where the claim is {claim:.3g}",
+    )
 
 
 def _distance(P: Tensor, P_cand: Tensor, O: Tensor, c: float, a: float) -> str:
