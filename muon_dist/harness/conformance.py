@@ -15,13 +15,20 @@ process group for the single-device cases of a candidate not declared distribute
 its tensors and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a
 checkpoint case saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may
 torch.compile), and muon_ref.Muon under the adapter's claim on the full tensors, with its elementwise stages on the
-whole params or on the ranks' shards; the contract is in muon_dist/harness/adapters/oracle.py. Per case: bitwise
-(naming a shard-local rounding where one was needed), differs (max |dP|, the first step that differs and whether the
-difference grows; where ranks hold replicated params, whether they agree), crash (the error) or hang (each rank's
-blocked collective). A failing case is shrunk (fewer steps, params, smaller dims and world size, keeping the failure
-kind) and the departures diagnosed by partition (muon_dist/harness/adapters/diagnose.py). Exit status (EXIT): 0
-conforms, 1 departs, 2 usage error (also: a distributed-looking candidate without --distributed, unmapped momentum
-state), 3 could not run. docs/conformance.md says how to read and cite a verdict.
+whole params or on the ranks' shards and the update in either memory layout; the contract is in
+muon_dist/harness/adapters/oracle.py. First, the first case of each dtype and mode runs twice with torch's random
+generators seeded otherwise (every case is seeded the same): a candidate that differs from itself is compared at
+twice that difference. Per case: bitwise (naming a rounding where one was needed), close (within that tolerance),
+differs (max |dP| and in units in the last place, the first step that differs and whether the difference grows,
+the momentum after each recorded step; where ranks hold replicated params, whether they agree; the first stage that
+departs: adapters/stages.py), routed (every param sent to another optimizer: adapters/routing.py), unsupported
+(refused at construction), crash (the error) or hang (each rank's blocked collective). A failing case is shrunk
+(fewer steps, params, smaller dims and world size, keeping the status, stage, dtype, mode and routing) and the run
+diagnosed in findings with their words (adapters/diagnose.py: convention, bug, departs, rounding, not a Muon,
+routing, unsupported input, non-deterministic, crashes, hangs); the verdict and what was not compared are
+adapters/verdict.py's. Exit status (EXIT): 0 conforms (also within a stated tolerance), 1 departs or not a Muon,
+2 usage error (also: a distributed-looking candidate without --distributed, momentum state not found, a candidate
+that cannot be built on a plain matrix), 3 could not run. docs/conformance.md says how to read and cite a verdict.
 """
 
 from __future__ import annotations

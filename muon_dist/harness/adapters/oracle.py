@@ -1,12 +1,16 @@
 """The oracle side of a conformance case: muon_ref.Muon on the full tensors, and the comparison.
 
-Contract checked per case (Outcome.status == "bitwise"), for every step s, rank r and parameter i:
+Contract checked per case (Outcome.status == "bitwise"), for every step s, rank r and compared parameter i:
     bits(candidate_r,s[i]) == bits(box_r(reference_s[i]))      (bits: -0.0 and +0.0 differ; dtype must match)
-for one rounding of ELEMENTWISE, the same for every step, rank and param of the case: the reference's elementwise
-stages on the whole params (muon_ref.Muon itself), or on each rank's shard as its own tensor (_ShardLocalMuon;
-Outcome.elementwise names it: a rounding convention, never a departure).
-and for the final momentum buffers the candidate exposes: the same, against box_r(reference momentum). The
-reference steps on cases.oracle_gradients (the sum of the micro-batches, the mean over ranks in unreduced mode).
+for one Rounding of ROUNDINGS, the same for every step, rank and param of the case: the reference's elementwise
+stages on the whole params (muon_ref.Muon itself) or on each rank's shard as its own tensor (_ShardLocalMuon), with
+the update in the claim's layout or the other one (muon_ref.MuonConfig.update_layout); Outcome.elementwise names a
+rounding other than the claim's own: a rounding convention, never a departure.
+and for the momentum after every recorded step and at the end, where the View says it is kept (the adapter's
+momentum(), or a state tensor found by value: momentum.py): the same, against box_r(reference momentum). Params the
+View routes to another optimizer are not compared (routing.py). With a View tolerance (a candidate that differs from
+itself), a case within it is "close". The reference steps on cases.oracle_gradients (the sum of the micro-batches,
+the mean over ranks in unreduced mode).
 Replica agreement, on every case whose ranks hold replicated data (modes replicated and unreduced: every param, and
 every momentum buffer the candidate exposes): after every step, every rank's bits equal rank 0's (Outcome.replicas
 says where they do not). In dtensor mode the boxes of the ranks are disjoint: there is nothing replicated to agree

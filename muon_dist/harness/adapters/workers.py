@@ -4,11 +4,16 @@ rank (picklable arguments, small picklable results).
 Every gradient reaches the candidate through autograd (torch.autograd.backward on the param with the rank's
 gradient as the incoming gradient), one backward per micro-batch, after the grads were set to None: gradient hooks
 fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harness/adapters/cases.py says what each
-rank feeds). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank the result
-is {"first_step", "params" (after each step from first_step), "errors" (per step: None, or the exception a step
-raised where the family allows one), "momentum" (at the end), and for a resume "loaded" (the params right after the
-load)}; in the families of STATE_ROUNDTRIP_FAMILIES also "state" (every entry of every param's optimizer state at
-the end: state_snapshot) and, for the resume, "loaded_state" (the same right after the load).
+rank feeds). torch's random generators are seeded before a case (the same seed for every case: a candidate that
+draws random numbers gets the same draws whatever ran before it on the rank; check's determinism probe passes
+another). The candidate is built through `build`, whose failure is a ConstructionError (a refusal at construction,
+not a crash in a step). After every step the ranks meet at a barrier of the harness's own group (_steps). Per rank
+the result is {"first_step", "params" (after each step from first_step), "errors" (per step: None, or the exception
+a step raised where the family allows one), "momentum" (at the end), "recorded" (after the first RECORDED_STEPS
+steps and the last: the momentum the adapter exposes and every param-sized state tensor, by path: state_tensors),
+"state_keys", and for a resume "loaded" (the params right after the load)}; in the families of
+STATE_ROUNDTRIP_FAMILIES also "state" (every entry of every param's optimizer state at the end: state_snapshot) and,
+for the resume, "loaded_state" (the same right after the load).
 """
 
 from __future__ import annotations
