@@ -793,20 +793,25 @@ def test_a_departure_near_one_alternative_is_named_at_that_alternatives_stage():
     )  # nothing nearer than the claim
 
 
-def test_the_polar_factor_of_a_nearly_orthogonal_gradient_is_not_taken_for_sgd():
+def test_proportion_routes_sgd_only_where_the_gradient_is_far_from_its_polar_factor():
+    """Where a gradient is nearly orthogonal (its singular values close), its polar factor is nearly a multiple of
+    it: neither that nor SGD's update is routed by proportion (undecided). Where it is not, SGD's update is, and a
+    Muon's is not."""
     from muon_dist.harness.adapters.routing import _views
 
     gen = torch.Generator().manual_seed(3)
     Q = torch.linalg.qr(
         torch.randn(12, 2, generator=gen, dtype=torch.float64)
     ).Q.T  # orthonormal rows
-    G = torch.diag(torch.tensor([1.0, 0.97], dtype=torch.float64)) @ Q  # nearly orthogonal
     P0 = torch.randn(2, 12, generator=gen, dtype=torch.float64)
-    polar = torch.linalg.svd(G, full_matrices=False)
-    O = polar.U @ polar.Vh
-    muon = P0 * 0.998 - 0.02 * O
-    assert torch.nn.functional.cosine_similarity(O.reshape(-1), G.reshape(-1), dim=0) > 0.999
-    update = update_of(P0, muon, muon, G, 0.02, 0.1, _views((2, 12), {}))
-    assert not update.proportional
-    sgd = update_of(P0, P0 * 0.998 - 0.02 * G, muon, G, 0.02, 0.1, _views((2, 12), {}))
-    assert sgd.proportional
+
+    def proportional(sigma: tuple[float, float], muon: bool) -> bool:
+        G = torch.diag(torch.tensor(sigma, dtype=torch.float64)) @ Q
+        svd = torch.linalg.svd(G, full_matrices=False)
+        O = svd.U @ svd.Vh
+        ref = P0 * 0.998 - 0.02 * O
+        p1 = ref if muon else P0 * 0.998 - 0.02 * G
+        return update_of(P0, p1, ref, G, 0.02, 0.1, _views((2, 12), {})).proportional
+
+    assert not proportional((1.0, 0.97), muon=True) and not proportional((1.0, 0.97), muon=False)
+    assert proportional((1.0, 0.2), muon=False) and not proportional((1.0, 0.2), muon=True)

@@ -425,10 +425,14 @@ def test_distributed_muon_states_and_keeps_the_update_layout_it_implements() -> 
     params = make_params(torch.float32)
     opt = DistributedMuon(params)
     assert opt.param_groups[0]["update_layout"] == "contiguous"
-    with pytest.raises(ValueError, match="update_layout='kernel' is not implemented by DistributedMuon"):
+    with pytest.raises(
+        ValueError, match="update_layout='kernel' is not implemented by DistributedMuon"
+    ):
         DistributedMuon(params, update_layout="kernel")
     with pytest.raises(ValueError, match="param group: update_layout='kernel'"):
-        opt.add_param_group({"params": [torch.randn(3, 3, requires_grad=True)], "update_layout": "kernel"})
+        opt.add_param_group(
+            {"params": [torch.randn(3, 3, requires_grad=True)], "update_layout": "kernel"}
+        )
     reference = muon_ref.Muon(params, preset="torch")
     assert reference.param_groups[0]["update_layout"] == "kernel"
     opt.load_state_dict(reference.state_dict())

@@ -138,6 +138,7 @@ class Runner:
         self._runs: dict[tuple, Any] = {}
         # param shape -> why the candidate sends it elsewhere, as read on some case (routing is by shape)
         self.routed_shapes: dict[tuple, str] = {}
+        self.kept_shapes: set[tuple] = set()  # param shapes read as kept (not routed) on some case
 
     def run(self, case: Case, timeout: float | None = None) -> Outcome:
         """The case's outcome (a checkpoint case runs its save on world_size ranks, its resume on
@@ -208,7 +209,8 @@ class Runner:
         return segments, reference
 
     def judge(self, case: Case, segments: list, reference: dict) -> Outcome:
-        """The outcome of a case that ran (class docstring)."""
+        """The outcome of a case that ran (class docstring): judged with the stated routing, then, where it differs,
+        with the params the candidate sends elsewhere left out, and located where it still differs."""
         stated = {
             i: "the claim's stated routing"
             for i, shape in enumerate(case.shapes)
@@ -220,28 +222,10 @@ class Runner:
             view = View.of(case, segments, reference, routed, tolerance, self.search_state)
             return judge(case, segments, self.preset, self.overrides, reference, view)
 
-        outcome = judged(stated)
-        updates = {}
+        outcome, updates = judged(stated), {}
         if outcome.status == "differs" and not outcome.replicas and not outcome.resumed:
-            hp = resolved_hyperparameters(self.preset, {**self.overrides, **dict(case.options)})
-            updates = classify(
-                case,
-                segments,
-                next(iter(reference.values())).params[0],
-                float(hp["lr"]),
-                float(hp["weight_decay"]),
-                self.overrides,
-            )
-            found = {i: u.routed for i, u in updates.items() if u.routed and i not in stated}
-            for i, shape in enumerate(
-                case.shapes
-            ):  # routing is by shape: what another case read holds here
-                if i in found:
-                    self.routed_shapes.setdefault(tuple(shape), found[i])
-                elif i not in updates and i not in stated and tuple(shape) in self.routed_shapes:
-                    found[i] = (
-                        f"{self.routed_shapes[tuple(shape)]} (read on another case of this shape)"
-                    )
+            updates = self._read_updates(case, segments, reference)
+            found = self._routed(case, updates, stated)
             if found:
                 outcome = judged({**found, **stated})
         outcome.updates = updates
@@ -253,18 +237,47 @@ class Runner:
         if outcome.routed and len(outcome.routed) == len(case.shapes):
             outcome.status = "routed"
         if outcome.status == "differs":
-            located = locate(outcome, self.preset, self.overrides)
-            if located is not None:
-                outcome.stage, outcome.stage_detail = located.stage, located.describe()
-                outcome.stage_exact = located.exact
-                update = updates.get(located.param)
-                if (
-                    located.stage == "orthogonalised direction"
-                    and update
-                    and update.orthogonalised is False
-                ):
-                    outcome.stage_detail += f"; not orthogonalised: {update.describe()}"
+            self._locate(outcome, updates)
         return outcome
+
+    def _read_updates(self, case: Case, segments: list, reference: dict) -> dict:
+        """routing.classify of the case's first step under the claim's lr and weight decay."""
+        hp = resolved_hyperparameters(self.preset, {**self.overrides, **dict(case.options)})
+        first = next(iter(reference.values())).params[0]
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        return classify(case, segments, first, lr, wd, self.overrides)
+
+    def _routed(self, case: Case, updates: dict, stated: dict[int, str]) -> dict[int, str]:
+        """The params the candidate sends elsewhere, by what their updates say; routing goes by shape, so a shape
+        decided where its update could be read (routed, or kept) holds where it cannot (bf16 params)."""
+        found = {i: u.routed for i, u in updates.items() if u.routed and i not in stated}
+        for i, shape in enumerate(map(tuple, case.shapes)):
+            read = updates.get(i)
+            if read is not None and read.candidate == read.candidate:  # a spread was read (not NaN)
+                if i in found:
+                    self.routed_shapes.setdefault(shape, found[i])
+                else:
+                    self.kept_shapes.add(shape)
+            elif i in found and shape in self.kept_shapes:
+                del found[i]  # not readable here, and kept where it was read
+            elif i not in found and i not in stated and shape in self.routed_shapes:
+                found[i] = f"{self.routed_shapes[shape]} (read on another case of this shape)"
+        return found
+
+    def _locate(self, outcome: Outcome, updates: dict) -> None:
+        """The departing stage (stages.locate), with what the update's spread says where it is the direction."""
+        located = locate(outcome, self.preset, self.overrides)
+        if located is None:
+            return
+        outcome.stage, outcome.stage_detail = located.stage, located.describe()
+        outcome.stage_exact = located.exact
+        update = updates.get(located.param)
+        if (
+            located.stage == "orthogonalised direction"
+            and update
+            and update.orthogonalised is False
+        ):
+            outcome.stage_detail += f"; not orthogonalised: {update.describe()}"
 
     def close(self) -> None:
         if not self.shared:

@@ -20,12 +20,14 @@ from the first step, where the momentum is a multiple of the gradient G for ever
 
 A param is routed to another optimizer when
     its optimizer state holds an Adam-style second moment (momentum.second_moment: >= 0 and proportional to G * G
-        after the first step), or
+        after the first step) and its update is not a multiple of G (a vector's orthogonalised update is one, and
+        NorMuon's second moment of it is proportional to G * G too), or
     its update is not orthogonalised and is elementwise, or
     its update is a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's
-        decay) and has at least half the gradient's spread in every view (a matrix whose own spread is too small
-        for the spread test to decide, stepped by SGD or Adam; a nearly orthogonal gradient's polar factor is
-        nearly a multiple of it too, but less spread).
+        decay), has at least half the gradient's spread in every view, and the gradient is not nearly orthogonal
+        in any view (cosine with its polar factor <= POLAR_COS: there an orthogonalised update is nearly a multiple
+        of it too), nor is the claim's own update a multiple of G (gradients below Newton-Schulz's eps): a matrix
+        whose own spread is too small for the spread test, stepped by SGD or Adam.
 A param whose update is not orthogonalised and is not elementwise is a Muon that departs at its orthogonalised
 direction (stages.py), not a routing; a candidate none of whose params is orthogonalised anywhere is not a Muon
 (diagnose.py).
@@ -60,6 +62,9 @@ SAME_SPREAD = (
     0.25  # relative: a multiple of G keeps G's spread in every view, up to the decay's noise
 )
 SIGN_COS = 0.999
+POLAR_COS = (
+    0.99  # a gradient this close to its polar factor (in some view) leaves proportion undecided
+)
 SIGNAL = (
     8.0  # an update is read only where it is this many times the params' rounding (Frobenius norms)
 )
@@ -77,7 +82,10 @@ class Update:
     orthogonalised: bool | None
     elementwise: bool
     routed: str | None = None
-    proportional: bool = False  # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS)
+    proportional: bool = (
+        False  # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS), decidably
+    )
+    follows: bool = False  # a multiple of G to rounding (cosine >= SIGN_COS): what a Muon's update of a vector is
 
     def describe(self) -> str:
         return (
@@ -135,6 +143,14 @@ def _rounding(t: Tensor) -> Tensor:
     return 0.5 * (torch.nextafter(a, torch.full_like(a, math.inf)) - a).double()
 
 
+def _polar_cos(t: Tensor) -> float:
+    """The cosine between a matrix and its polar factor, sum(s) / (sqrt(k) * |s|) over its singular values s: near 1
+    where it is nearly orthogonal already, so that no update can tell an orthogonalisation from the matrix itself."""
+    s = torch.linalg.svdvals(t.double())
+    norm = s.norm()
+    return float(s.sum() / (math.sqrt(s.numel()) * norm)) if norm > 0 else 1.0
+
+
 def _spread(t: Tensor) -> float:
     s = torch.linalg.svdvals(t.double())
     return math.inf if s[-1] <= 0 else math.log(float(s[0] / s[-1]))
@@ -149,19 +165,20 @@ def _cos(a: Tensor, b: Tensor) -> float:
 def update_of(
     p0: Tensor, p1: Tensor, p1_ref: Tensor, grad: Tensor, lr: float, wd: float, views: list[View]
 ) -> Update | None:
-    """The Update of one param (None when it has no view of matrices with both sides >= 2)."""
+    """The Update of one param (None where the params' rounding hides the update; a vector's has no spreads)."""
     decay = 1 - lr * wd
     u = decay * p0.double() - p1.double()
     u_ref = decay * p0.double() - p1_ref.double()
     g = grad.double()
     if u_ref.norm() < SIGNAL * _rounding(p1_ref).norm():
         return None  # the params' rounding is as large as the update (bf16 params, a small lr): nothing to read
-    spreads = []
+    spreads, polar_cos = [], 0.0
     for view in views:
         mats = list(zip(view(u), view(u_ref), view(g)))
         mats = [m for m in mats if min(m[0].shape) >= 2]
         if mats:
             spreads.append(tuple(max(_spread(m[k]) for m in mats) for k in range(3)))
+            polar_cos = max(polar_cos, max(_polar_cos(m[2]) for m in mats))
     # a multiple of G has G's singular values in every view; a multiple of sign(G) (a sign update) is one exactly;
     # read with the claim's decay taken out, or with none (the other optimizer may decay otherwise, or not at all)
     follows_g = _cos(u, g) >= ELEMENTWISE_COS and all(
@@ -171,8 +188,12 @@ def update_of(
     sign = max(_cos(u, g.sign()), _cos(raw, g.sign()))
     # a multiple of G or sign(G) to rounding, and no more orthogonal than G in any view: where G is nearly
     # orthogonal already (a 2 x 12 gradient with close singular values), its polar factor is nearly G too
-    exact = max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS and all(
-        cand >= 0.5 * grad for cand, _, grad in spreads
+    exact = (
+        max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS
+        and all(cand >= 0.5 * grad for cand, _, grad in spreads)
+        and polar_cos <= POLAR_COS
+        and _cos(u_ref, g)
+        <= POLAR_COS  # the claim's own update is not a multiple of G (tiny gradients: it is)
     )
     elementwise = follows_g or sign >= SIGN_COS
     trials = []
@@ -180,11 +201,13 @@ def update_of(
         decidable = gradient - claim > DECIDES and math.isfinite(claim)
         ortho = (abs(cand - claim) <= abs(cand - gradient)) if decidable else None
         trials.append(Update(cand, claim, gradient, ortho, elementwise, proportional=exact))
+    follows = max(_cos(u, g), _cos(raw, g)) >= SIGN_COS
     for answer in (True, False, None):  # orthogonalised in some view wins; undecidable last
         chosen = next((t for t in trials if t.orthogonalised is answer), None)
         if chosen is not None:
-            return chosen
-    return None
+            return replace(chosen, follows=follows)
+    # no matrix view (a vector): nothing to orthogonalise, only what the update is a multiple of
+    return Update(math.nan, math.nan, math.nan, None, sign >= SIGN_COS, follows=follows)
 
 
 def classify(
@@ -208,7 +231,8 @@ def classify(
         views = _views(tuple(shape), {**options, **dict(case.options)})
         update = update_of(p0[i].cpu(), p1[i], reference_params[i], grads[i].cpu(), lr, wd, views)
         moment = second_moment(case, segments, i)
-        if moment is not None:
+        if moment is not None and not (update is not None and update.follows):
+            # (an update that is a multiple of G has a second moment of it too: NorMuon's row moments of a vector)
             base = update or Update(math.nan, math.nan, math.nan, None, True)
             out[i] = _routed(base, f"Adam-style second moment at state[p]{moment}")
         elif update is not None and update.orthogonalised is False and update.elementwise:
