@@ -815,3 +815,39 @@ def test_proportion_routes_sgd_only_where_the_gradient_is_far_from_its_polar_fac
 
     assert not proportional((1.0, 0.97), muon=True) and not proportional((1.0, 0.97), muon=False)
     assert proportional((1.0, 0.2), muon=False) and not proportional((1.0, 0.2), muon=True)
+
+
+def test_degenerate_families_conforming_do_not_make_a_departure_a_bug():
+    departing = _outcome("tall", "differs", stage="Nesterov input", stage_detail="x")
+    only_row = diagnose(
+        [departing, _outcome("row", "bitwise"), _outcome("tiny", "close")],
+        "torch",
+        {},
+        Context(search_budget_s=0.0),
+    )
+    assert only_row.startswith("departs: Nesterov input departs on tall"), only_row
+    with_square = diagnose(
+        [departing, _outcome("square", "bitwise")], "torch", {}, Context(search_budget_s=0.0)
+    )
+    assert with_square.startswith("bug: Nesterov input departs on tall"), with_square
+    other_dtype = diagnose(
+        [departing, _outcome("square", "bitwise", dtype="bfloat16")],
+        "torch",
+        {},
+        Context(search_budget_s=0.0),
+    )
+    assert other_dtype.startswith("departs:"), other_dtype
+
+
+def test_a_second_moment_routes_only_where_the_update_is_adams_first_one():
+    case = Case("row", "single", 1, ((1, 10),), "float32", steps=1)
+    p0, grad = initial_params(case)[0], oracle_gradients(case, 0)[0]
+    moment = [[{"['v']": grad * grad * 0.05}]]
+    adam = [[p0 * 0.998 - 0.02 * grad.sign()]]
+    normuon = [
+        [p0 * 0.998 - 0.02 * grad / grad.norm()]
+    ]  # an orthogonalised row is a multiple of it
+    ref = reference_of(case)["skip"].params[0]
+    routed = classify(case, results_of(case, adam, moment), ref, 0.02, 0.1, {})
+    kept = classify(case, results_of(case, normuon, moment), ref, 0.02, 0.1, {})
+    assert routed[0].routed.startswith("Adam-style second moment") and kept[0].routed is None

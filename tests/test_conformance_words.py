@@ -451,7 +451,8 @@ class TwoAway(Configured):
 
 
 class NotExpressible(Configured):
-    """lr_scale match_rms_adamw (a convention) and an extra constant added to every update (no option has it)."""
+    """lr_scale match_rms_adamw (a convention) and every param scaled by 1 + 2^-21 after the step (no option has
+    it: a few units in the last place of fp32)."""
 
     options = {"lr_scale": "match_rms_adamw"}
     families = frozenset({"tall", "wide", "square"})
@@ -465,7 +466,7 @@ class NotExpressible(Configured):
             inner_step(closure)
             with torch.no_grad():
                 for p in params:
-                    p.add_(1e-4)
+                    p.mul_(1 + 2.0**-21)
 
         opt.step = step
         return opt

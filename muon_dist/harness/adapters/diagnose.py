@@ -95,6 +95,8 @@ STAGE_OF: dict[str, str] = {
     "update_dtype": "application",
 }
 SEARCH_BUDGET_S = 60.0  # seconds of configuration search per diagnosis, in all (--search-budget)
+# a nearest configuration is named where it reproduces a departing case, or comes within this many ulps
+NEAR_ULPS = 16.0
 
 
 def _valid(preset: str | None, overrides: dict[str, Any]) -> bool:
@@ -460,6 +462,23 @@ def _relocate(
                 o.stage_detail = f"{located.describe()}; where the candidate {description}"
 
 
+# Families in which a Muon's direction cannot show a convention: a 1 x n row is orthogonalised to a multiple of
+# itself by every schedule, and gradients below Newton-Schulz's eps stay in its linear range. Their conforming says
+# nothing about a departure elsewhere (bug or departs).
+DEGENERATE = frozenset({"row", "tiny", "row_sharded"})
+
+
+def _conforming(outcomes: list[Outcome], mine: list[Outcome]) -> set[str]:
+    """The families (not degenerate, not among the departing ones) that conform in every dtype the departing
+    cases have: a departure that these families do not show depends on the family (a bug)."""
+    departing = {o.case.family for o in mine}
+    per_dtype = [
+        {o.case.family for o in outcomes if o.status in ("bitwise", "close") and o.case.dtype == d}
+        for d in {o.case.dtype for o in mine}
+    ]
+    return set.intersection(*per_dtype) - departing - DEGENERATE if per_dtype else set()
+
+
 def _located(
     outcomes: list[Outcome],
     unexplained: list[Outcome],
@@ -489,12 +508,7 @@ def _located(
                 )
             )
             continue
-        dtypes = {o.case.dtype for o in mine}
-        conforming = {
-            o.case.family
-            for o in outcomes
-            if o.status in ("bitwise", "close") and o.case.dtype in dtypes
-        } - {o.case.family for o in mine}
+        conforming = _conforming(outcomes, mine)
         kind = "bug" if conforming else "departs"
         what = (
             f"{stage} departs on {where}"
@@ -507,7 +521,7 @@ def _located(
             said = True
         named = all(o.stage_exact for o in mine)  # a named variant already says what it computes
         near = None if named or kind != "departs" else search.nearest(mine, preset, overrides)
-        if near is not None:
+        if near is not None and (near.bitwise or near.ulps <= NEAR_ULPS):
             text += f"; nearest configuration: {near.describe()}"
         out.append(Finding(kind, text))
     return out

@@ -20,14 +20,15 @@ from the first step, where the momentum is a multiple of the gradient G for ever
 
 A param is routed to another optimizer when
     its optimizer state holds an Adam-style second moment (momentum.second_moment: >= 0 and proportional to G * G
-        after the first step) and its update is not a multiple of G (a vector's orthogonalised update is one, and
-        NorMuon's second moment of it is proportional to G * G too), or
+        after the first step) and its update, where it can be read, is Adam's first one, nearly sign(G) (NorMuon
+        keeps a second moment of its orthogonalised update, which for a vector is proportional to G * G too), or
     its update is not orthogonalised and is elementwise, or
-    its update is a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's
-        decay), has at least half the gradient's spread in every view, and the gradient is not nearly orthogonal
-        in any view (cosine with its polar factor <= POLAR_COS: there an orthogonalised update is nearly a multiple
-        of it too), nor is the claim's own update a multiple of G (gradients below Newton-Schulz's eps): a matrix
-        whose own spread is too small for the spread test, stepped by SGD or Adam.
+    its update is a multiple of sign(G) to rounding (cosine >= SIGN_COS, read with or without the claim's decay)
+        where the claim's view of G is not nearly orthogonal (cosine with its polar factor <= POLAR_COS), or a
+        multiple of G where G is nearly orthogonal in no view (there an orthogonalised update is nearly a multiple
+        of it too) and the update has at least half G's spread; never where the claim's own update is a multiple of
+        G (gradients below Newton-Schulz's eps): a matrix whose spread is too small for the spread test, stepped by
+        SGD or Adam.
 A param whose update is not orthogonalised and is not elementwise is a Muon that departs at its orthogonalised
 direction (stages.py), not a routing; a candidate none of whose params is orthogonalised anywhere is not a Muon
 (diagnose.py).
@@ -54,20 +55,18 @@ from muon_ref import matrix_layout, read_block
 from .cases import Case, initial_params, oracle_gradients
 from .momentum import second_moment
 
-DECIDES = math.log(
-    1.5
-)  # the claim must narrow the spread by this much for the answer to mean anything
+# the claim must narrow the spread by this much (log) for the answer to mean anything
+DECIDES = math.log(1.5)
 ELEMENTWISE_COS = 0.98
-SAME_SPREAD = (
-    0.25  # relative: a multiple of G keeps G's spread in every view, up to the decay's noise
-)
+# relative: a multiple of G keeps G's spread in every view, up to the decay's noise
+SAME_SPREAD = 0.25
 SIGN_COS = 0.999
-POLAR_COS = (
-    0.99  # a gradient this close to its polar factor (in some view) leaves proportion undecided
-)
-SIGNAL = (
-    8.0  # an update is read only where it is this many times the params' rounding (Frobenius norms)
-)
+# a gradient this close to its polar factor (in some view) leaves proportion undecided
+POLAR_COS = 0.99
+# Adam's first update, m / (sqrt(v) + eps), is sign(G) to within its eps
+SIGN_LIKE = 0.99
+# an update is read only where it is this many times the params' rounding (Frobenius norms)
+SIGNAL = 8.0
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,12 @@ class Update:
     orthogonalised: bool | None
     elementwise: bool
     routed: str | None = None
-    proportional: bool = (
-        False  # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS), decidably
+    # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS), where that can be told from orthogonalising
+    proportional: bool = False
+    follows: bool = False  # a multiple of G to rounding: what a Muon's update of a vector is
+    sign_like: bool = (
+        False  # nearly a multiple of sign(G) (cosine >= SIGN_LIKE): Adam's first update
     )
-    follows: bool = False  # a multiple of G to rounding (cosine >= SIGN_COS): what a Muon's update of a vector is
 
     def describe(self) -> str:
         return (
@@ -169,45 +170,43 @@ def update_of(
     decay = 1 - lr * wd
     u = decay * p0.double() - p1.double()
     u_ref = decay * p0.double() - p1_ref.double()
+    raw = p0.double() - p1.double()  # the other optimizer may decay otherwise, or not at all
     g = grad.double()
     if u_ref.norm() < SIGNAL * _rounding(p1_ref).norm():
         return None  # the params' rounding is as large as the update (bf16 params, a small lr): nothing to read
-    spreads, polar_cos = [], 0.0
+    spreads, polar = [], []
     for view in views:
         mats = list(zip(view(u), view(u_ref), view(g)))
         mats = [m for m in mats if min(m[0].shape) >= 2]
         if mats:
             spreads.append(tuple(max(_spread(m[k]) for m in mats) for k in range(3)))
-            polar_cos = max(polar_cos, max(_polar_cos(m[2]) for m in mats))
-    # a multiple of G has G's singular values in every view; a multiple of sign(G) (a sign update) is one exactly;
-    # read with the claim's decay taken out, or with none (the other optimizer may decay otherwise, or not at all)
+            polar.append(max(_polar_cos(m[2]) for m in mats))
+    g_cos = max(_cos(u, g), _cos(raw, g))
+    sign_cos = max(_cos(u, g.sign()), _cos(raw, g.sign()))
+    # follows G: a multiple of it has its singular values in every view
     follows_g = _cos(u, g) >= ELEMENTWISE_COS and all(
         abs(cand - grad) <= SAME_SPREAD * max(grad, 0.1) for cand, _, grad in spreads
     )
-    raw = p0.double() - p1.double()
-    sign = max(_cos(u, g.sign()), _cos(raw, g.sign()))
-    # a multiple of G or sign(G) to rounding, and no more orthogonal than G in any view: where G is nearly
-    # orthogonal already (a 2 x 12 gradient with close singular values), its polar factor is nearly G too
-    exact = (
-        max(sign, _cos(u, g), _cos(raw, g)) >= SIGN_COS
+    by_sign = sign_cos >= SIGN_COS and bool(polar) and polar[0] <= POLAR_COS
+    by_g = (
+        g_cos >= SIGN_COS
+        and all(p <= POLAR_COS for p in polar)
         and all(cand >= 0.5 * grad for cand, _, grad in spreads)
-        and polar_cos <= POLAR_COS
-        and _cos(u_ref, g)
-        <= POLAR_COS  # the claim's own update is not a multiple of G (tiny gradients: it is)
     )
-    elementwise = follows_g or sign >= SIGN_COS
+    proportional = (by_sign or by_g) and _cos(u_ref, g) <= POLAR_COS
+    elementwise = follows_g or sign_cos >= SIGN_COS
     trials = []
     for cand, claim, gradient in spreads:
         decidable = gradient - claim > DECIDES and math.isfinite(claim)
         ortho = (abs(cand - claim) <= abs(cand - gradient)) if decidable else None
-        trials.append(Update(cand, claim, gradient, ortho, elementwise, proportional=exact))
-    follows = max(_cos(u, g), _cos(raw, g)) >= SIGN_COS
+        trials.append(Update(cand, claim, gradient, ortho, elementwise, proportional=proportional))
+    extra = {"follows": g_cos >= SIGN_COS, "sign_like": sign_cos >= SIGN_LIKE}
     for answer in (True, False, None):  # orthogonalised in some view wins; undecidable last
         chosen = next((t for t in trials if t.orthogonalised is answer), None)
         if chosen is not None:
-            return replace(chosen, follows=follows)
+            return replace(chosen, **extra)
     # no matrix view (a vector): nothing to orthogonalise, only what the update is a multiple of
-    return Update(math.nan, math.nan, math.nan, None, sign >= SIGN_COS, follows=follows)
+    return Update(math.nan, math.nan, math.nan, None, sign_cos >= SIGN_COS, **extra)
 
 
 def classify(
@@ -231,8 +230,9 @@ def classify(
         views = _views(tuple(shape), {**options, **dict(case.options)})
         update = update_of(p0[i].cpu(), p1[i], reference_params[i], grads[i].cpu(), lr, wd, views)
         moment = second_moment(case, segments, i)
-        if moment is not None and not (update is not None and update.follows):
-            # (an update that is a multiple of G has a second moment of it too: NorMuon's row moments of a vector)
+        if moment is not None and (update is None or update.sign_like):
+            # a second moment and Adam's first update, where the update can be read: NorMuon keeps a second moment
+            # of its orthogonalised update too, which for a vector is proportional to G * G
             base = update or Update(math.nan, math.nan, math.nan, None, True)
             out[i] = _routed(base, f"Adam-style second moment at state[p]{moment}")
         elif update is not None and update.orthogonalised is False and update.elementwise:
