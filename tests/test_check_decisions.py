@@ -851,3 +851,37 @@ def test_a_second_moment_routes_only_where_the_update_is_adams_first_one():
     routed = classify(case, results_of(case, adam, moment), ref, 0.02, 0.1, {})
     kept = classify(case, results_of(case, normuon, moment), ref, 0.02, 0.1, {})
     assert routed[0].routed.startswith("Adam-style second moment") and kept[0].routed is None
+
+
+def test_a_candidate_compared_at_a_tolerance_that_drifts_beyond_it_is_said_to_drift():
+    drift = _outcome("tall", "differs", tolerance=1e-3)
+    line = diagnose(
+        [drift, _outcome("square", "close", tolerance=1e-3)],
+        "torch",
+        {},
+        Context(search_budget_s=0.0),
+    )
+    assert line.startswith("departs: drifts beyond the stated tolerance on tall"), line
+
+
+def test_routing_goes_by_shape_to_cases_where_the_update_cannot_be_read():
+    from muon_dist.harness.conformance import Runner
+
+    runner = Runner(Named(), 0.0)
+    case = Case("row", "single", 1, ((1, 10),), "float32")
+    kept = Update(math.nan, math.nan, math.nan, None, False)
+    assert runner._routed(case, {0: kept}, {}) == {} and (1, 10) in runner.kept_shapes
+    unread = Update(
+        math.nan, math.nan, math.nan, None, True, routed="Adam-style second moment", read=False
+    )
+    assert runner._routed(replace_dtype(case), {0: unread}, {}) == {}  # kept where it was read
+    other = Case("tall", "single", 1, ((12, 6),), "float32")
+    assert runner._routed(other, {0: NOT_ORTHO}, {}) == {0: NOT_ORTHO.routed}
+    carried = runner._routed(replace_dtype(other), {}, {})
+    assert carried[0].endswith("(read on another case of this shape)")
+
+
+def replace_dtype(case: Case) -> Case:
+    from dataclasses import replace
+
+    return replace(case, dtype="bfloat16")

@@ -253,7 +253,7 @@ class Runner:
         found = {i: u.routed for i, u in updates.items() if u.routed and i not in stated}
         for i, shape in enumerate(map(tuple, case.shapes)):
             read = updates.get(i)
-            if read is not None and read.candidate == read.candidate:  # a spread was read (not NaN)
+            if read is not None and read.read:  # its update was read on this case
                 if i in found:
                     self.routed_shapes.setdefault(shape, found[i])
                 else:

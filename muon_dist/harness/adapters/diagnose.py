@@ -509,6 +509,15 @@ def _located(
             )
             continue
         conforming = _conforming(outcomes, mine)
+        if stage is None and all(o.tolerance for o in mine):
+            out.append(
+                Finding(
+                    "departs",
+                    f"drifts beyond the stated tolerance on {where}, though no single step departs by more "
+                    "than it from the candidate's own state",
+                )
+            )
+            continue
         kind = "bug" if conforming else "departs"
         what = (
             f"{stage} departs on {where}"

@@ -81,12 +81,11 @@ class Update:
     orthogonalised: bool | None
     elementwise: bool
     routed: str | None = None
-    # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS), where that can be told from orthogonalising
+    # a multiple of G or of sign(G) to rounding (cosine >= SIGN_COS), where that can be told apart
     proportional: bool = False
     follows: bool = False  # a multiple of G to rounding: what a Muon's update of a vector is
-    sign_like: bool = (
-        False  # nearly a multiple of sign(G) (cosine >= SIGN_LIKE): Adam's first update
-    )
+    sign_like: bool = False  # nearly sign(G) (cosine >= SIGN_LIKE): Adam's first update
+    read: bool = True  # False: the update could not be read (routed by its state alone)
 
     def describe(self) -> str:
         return (
@@ -233,7 +232,7 @@ def classify(
         if moment is not None and (update is None or update.sign_like):
             # a second moment and Adam's first update, where the update can be read: NorMuon keeps a second moment
             # of its orthogonalised update too, which for a vector is proportional to G * G
-            base = update or Update(math.nan, math.nan, math.nan, None, True)
+            base = update or Update(math.nan, math.nan, math.nan, None, True, read=False)
             out[i] = _routed(base, f"Adam-style second moment at state[p]{moment}")
         elif update is not None and update.orthogonalised is False and update.elementwise:
             out[i] = _routed(update, f"not orthogonalised, elementwise: {update.describe()}")
