@@ -608,9 +608,9 @@ def test_the_nearest_configuration_is_named_only_where_it_is_nearer_than_the_cla
 def test_a_shard_local_rounding_is_named_with_its_row_boundaries():
     from muon_dist.harness.adapters.oracle import elementwise_label, rounding_label
 
-    case = Case("uneven", "dtensor", 2, ((3, 3), (3, 3)), "bfloat16", steps=2)
+    case = Case("uneven", "dtensor", 2, ((5, 4), (5, 4)), "bfloat16", steps=2)
     label = elementwise_label(case, "shard-local")
-    assert label == "shard-local, boundaries rows [0:2 | 2:3] of (3, 3) at W=2", label
+    assert label == "shard-local, boundaries rows [0:3 | 3:5] of (5, 4) at W=2", label
     flat = Case("straddle", "unreduced", 2, ((3, 5),) * 3, "bfloat16", steps=1)
     assert elementwise_label(flat, "shard-local momentum").startswith(
         "shard-local momentum, boundaries elements [0:15] of (3, 5) at W=2"
@@ -885,3 +885,88 @@ def replace_dtype(case: Case) -> Case:
     from dataclasses import replace
 
     return replace(case, dtype="bfloat16")
+
+
+def test_primes_are_primes():
+    assert [n for n in range(1, 20) if C._prime(n)] == [2, 3, 5, 7, 11, 13, 17, 19]
+
+
+def test_a_construction_hint_names_the_key_in_the_error_and_the_keywords_without_a_default():
+    from muon_dist.harness.adapters import ImportPath
+    from muon_dist.harness.adapters.verdict import construction_hint
+
+    hint = construction_hint(Named(), "ValueError: `use_muon` must be set.")
+    assert hint.startswith(
+        "hint: it names use_muon: a param-group key goes in with --group '{\"use_muon\": ...}'"
+    )
+    assert hint.endswith(
+        'or write an adapter whose build() makes the optimizer as its users do (README, "Check '
+        'your own Muon")'
+    )
+    bare = construction_hint(Named(), "RuntimeError: no CUDA")
+    assert (
+        bare
+        == 'hint: write an adapter whose build() makes the optimizer as its users do (README, "Check your '
+        'own Muon")'
+    )
+    needs = construction_hint(ImportPath(f"{__name__}:NeedsKeyword"), "TypeError: missing 'mesh'")
+    assert "its constructor has keywords without a default: mesh (--kwargs)" in needs
+
+
+class NeedsKeyword(torch.optim.Optimizer):
+    def __init__(self, params, mesh, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+
+def test_the_momentum_is_found_only_where_every_rank_holding_a_box_has_it():
+    case = Case("even", "dtensor", 2, ((4, 5),), "float32", steps=1)
+    reference = reference_of(case)
+    run = reference["skip"]
+    boxes = [C.local_box(run.momenta[0][0], case, r) for r in range(2)]
+    results = []
+    for rank, box in enumerate(boxes):
+        state = {"['m']": box, "['other']": box if rank == 0 else box * 7}
+        results.append(
+            {
+                "first_step": 0,
+                "params": [[C.local_box(run.params[0][0], case, rank)]],
+                "errors": [None],
+                "momentum": [None],
+                "recorded": {0: {"momentum": [None], "state": [state]}},
+            }
+        )
+    assert find(case, [(2, results)], reference, 0) == "['m']"
+
+
+def test_replicas_whose_momentum_disagrees_are_named_with_the_ranks():
+    from muon_dist.harness.adapters.oracle import _disagreement
+
+    case = Case("even", "replicated", 2, ((4, 5),), "float32", steps=1)
+    p = torch.ones(4, 5)
+    results = [{"first_step": 0, "params": [[p]], "momentum": [m]} for m in (p, p * 2)]
+    assert (
+        _disagreement(case, [(2, results)])
+        == "momentum of param 0 at the end: ranks [1] differ from rank 0 (W=2)"
+    )
+    results[1]["momentum"] = [p.clone()]
+    assert _disagreement(case, [(2, results)]) is None
+
+
+def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
+    from muon_dist.harness.adapters.stages import _param
+    from muon_ref.config import MuonConfig
+    from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
+
+    cfg, layout = MuonConfig(lr=0.02, weight_decay=0.1, momentum=0.9), matrix_layout((12, 6))
+    gen = torch.Generator().manual_seed(7)
+    P, G = (torch.randn(12, 6, generator=gen) for _ in range(2))
+    M = torch.zeros(12, 6)
+    _, D = momentum_direction(G, M, cfg)
+    P_new = apply_update(P, orthogonalize(D, layout, cfg), layout, cfg)
+    one_ulp = torch.nextafter(P_new, torch.full_like(P_new, math.inf))
+    assert _param(0, 0, P, one_ulp, M, None, G, cfg, layout).stage == "application"
+    scaled = P_new * (
+        1 + 2.0**-19
+    )  # eight units in the last place or so: a decay factor, by the fit
+    located = _param(0, 0, P, scaled, M, None, G, cfg, layout)
+    assert located.stage == "weight decay" and "least-squares fit" in located.detail, located

@@ -482,7 +482,10 @@ def _differs(got: Tensor, want: Tensor, tolerance: float | None) -> bool:
 
 
 def _spacing(t: Tensor) -> Tensor:
-    a = t.abs()
+    """One unit in the last place of each element of t, at its value or at t's RMS where that is larger (an element
+    near zero, whose own unit is tiny, is measured as the tensor's others are: oracle.max_ulps)."""
+    rms = t.double().pow(2).mean().sqrt().to(t.dtype)
+    a = torch.maximum(t.abs(), rms)
     return (
         (torch.nextafter(a, torch.full_like(a, math.inf)) - a)
         .double()
