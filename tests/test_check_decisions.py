@@ -679,6 +679,7 @@ def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_th
     "form, expected",
     [
         ("sum", "M * mu + G (sum)"),
+        ("ema", "lerp(M, G, 1 - mu) (EMA)"),
         ("ema32", "lerp(M, G, 1 - mu) in float32"),
         ("sum_coupled", "M * mu + (G + wd * P) (sum, weight decay coupled into the gradient)"),
         (
@@ -703,6 +704,7 @@ def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected,
     coupled = G.add(P, alpha=0.1)
     candidate = {
         "sum": M.mul(mu).add(G),
+        "ema": M.lerp(G, 1 - mu),
         "ema32": M.float().lerp(G.float(), 1 - mu),
         "sum_coupled": M.mul(mu).add(coupled),
         "ema_coupled": M.lerp(coupled, 1 - mu),
@@ -970,3 +972,131 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
     )  # eight units in the last place or so: a decay factor, by the fit
     located = _param(0, 0, P, scaled, M, None, G, cfg, layout)
     assert located.stage == "weight decay" and "least-squares fit" in located.detail, located
+    assert "scaled by about 0.9980019 where the claim's 1 - lr * wd is 0.998" in located.detail, (
+        located
+    )
+    noise = P_new + torch.randn(12, 6, generator=gen) * 1e-5  # no decay and no step size makes this
+    assert _param(0, 0, P, noise, M, None, G, cfg, layout).stage == "orthogonalised direction"
+
+
+def test_a_located_stage_says_its_step():
+    from tests.test_conformance_words import _located
+
+    outcome = _located({"lr_scale": "match_rms_adamw"}, (12, 6))
+    assert outcome.stage_detail.startswith("step 1, param 0: lr_scale='match_rms_adamw'"), (
+        outcome.stage_detail
+    )
+
+
+def test_the_decay_variants_include_the_other_form_whichever_the_claim_has():
+    from muon_dist.harness.adapters.stages import _decay_variants
+    from muon_ref.config import MuonConfig
+
+    for form, other in (("mul", "add_self"), ("add_self", "mul")):
+        texts = [t for t, _ in _decay_variants(MuonConfig(weight_decay_form=form), torch.float32)]
+        assert f"weight_decay_form={other!r}" in texts, texts
+
+
+def test_replicas_that_disagree_are_named_by_rank_and_step():
+    from muon_dist.harness.adapters.oracle import _disagreement
+
+    case = Case("even", "replicated", 3, ((4, 5),), "float32", steps=2)
+    p = torch.ones(4, 5)
+    results = [
+        {"first_step": 0, "params": [[p], [p * (2 if r == 2 else 1)]], "momentum": [None]}
+        for r in range(3)
+    ]
+    assert (
+        _disagreement(case, [(3, results)])
+        == "param 0 after step 2: ranks [2] differ from rank 0 (W=3)"
+    )
+
+
+def test_the_badly_scaled_family_reaches_below_every_presets_eps():
+    from muon_ref import PRESETS
+
+    assert all(s > 0 and math.log2(s) == int(math.log2(s)) for s in C.BADLY_SCALED)
+    smallest = (
+        min(C.BADLY_SCALED) * C.gradients(Case("tall", "single", 1, ((5, 4),)), 0)[0].norm().item()
+    )
+    assert smallest < min(p["eps"] for p in PRESETS.values())
+
+
+def test_the_momentum_is_found_past_a_rank_with_an_empty_box():
+    case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
+    reference = reference_of(case)
+    run = reference["skip"]
+    results = []
+    for rank in range(2):
+        box = C.local_box(run.momenta[0][0], case, rank)
+        state = {"['m']": box} if box.numel() else {}
+        results.append(
+            {
+                "first_step": 0,
+                "params": [[C.local_box(run.params[0][0], case, rank)]],
+                "errors": [None],
+                "momentum": [None],
+                "recorded": {0: {"momentum": [None], "state": [state]}},
+            }
+        )
+    assert find(case, [(2, results)], reference, 0) == "['m']"
+
+
+def test_when_a_run_cannot_go_on():
+    from muon_dist.harness.adapters.verdict import stop
+
+    distributed = Named()
+    distributed.distributed = "dtensor"
+    case = Case("tall", "single", 1, ((12, 6),))
+    looks = _outcome(
+        "tall", "crash", error="rank 0: ValueError: Default process group has not been initialized"
+    )
+    assert stop(Named(), looks)[0] == "refused" and stop(distributed, looks) is None
+    missing = _outcome("tall", "crash", error="rank 0: ModuleNotFoundError: No module named 'x'")
+    assert stop(Named(), missing) == (
+        "could not run",
+        "could not run: rank 0: ModuleNotFoundError: No module named 'x'",
+    )
+    assert stop(Named(), _outcome("tall", "differs")) is None
+    assert (
+        stop(Named(), Outcome(case, "unsupported", error="ValueError: no"))[0] == "could not build"
+    )
+    assert (
+        stop(
+            Named(), Outcome(Case("conv4d", "single", 1, ((4, 3, 2, 2),)), "unsupported", error="x")
+        )
+        is None
+    )
+
+
+def test_a_rounding_needed_for_the_momentum_alone_is_named_so():
+    """Where shard-local momentum changes bits on the CPU that runs it, a candidate with exactly that rounding
+    conforms under it and the report names it; where it does not, the same results are bitwise as they are."""
+    from muon_dist.harness.adapters.oracle import Rounding
+
+    case = Case("uneven", "dtensor", 2, ((7, 7),) * 2, "bfloat16", steps=3)
+    rounding = next(r for r in ROUNDINGS if r.name == "shard-local momentum" and not r.other_layout)
+    assert rounding == Rounding("shard-local momentum", True, False)
+    run = reference_steps(case, "torch", dict(HYPERPARAMETERS), rounding)["skip"]
+    segments = [
+        (
+            2,
+            [
+                {
+                    "first_step": 0,
+                    "params": [[C.local_box(t, case, r) for t in step] for step in run.params],
+                    "errors": [None] * 3,
+                    "momentum": [C.local_box(m, case, r) for m in run.final_momenta],
+                }
+                for r in range(2)
+            ],
+        )
+    ]
+    outcome = judge(case, segments, "torch", dict(HYPERPARAMETERS))
+    assert outcome.status == "bitwise"
+    whole = compare(case, segments, reference_of(case))
+    assert (outcome.elementwise is None) == (whole.status == "bitwise")
+    if outcome.elementwise:
+        assert outcome.elementwise.startswith("shard-local momentum, boundaries"), (
+            outcome.elementwise
+        )

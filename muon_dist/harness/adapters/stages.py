@@ -144,6 +144,8 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
     if outcome.first_step is None or segments is None or view is None:
         return None
     s = _first_departing_step(outcome)
+    if s is None:
+        return None
     before = initial_params(case) if s == 0 else full_params(case, segments, s - 1)
     after = full_params(case, segments, s)
     if before is None or after is None:
@@ -184,8 +186,9 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
     return min(found, key=lambda x: STAGES.index(x.stage), default=None)
 
 
-def _first_departing_step(outcome: Outcome) -> int:
-    """The first step (0-based) whose params or recorded momentum differ; with a tolerance, by more than it."""
+def _first_departing_step(outcome: Outcome) -> int | None:
+    """The first step (0-based) whose params or recorded momentum differ; with a tolerance, by more than it (None
+    where none does: a case that departs only in what a step does not show, its replicas or its resumed state)."""
     if outcome.tolerance is None:
         return outcome.first_step - 1
     diffs = [
@@ -194,7 +197,7 @@ def _first_departing_step(outcome: Outcome) -> int:
             outcome.param_diffs, outcome.momentum_diffs or (None,) * len(outcome.param_diffs)
         )
     ]
-    return next((k for k, d in enumerate(diffs) if d > outcome.tolerance), outcome.first_step - 1)
+    return next((k for k, d in enumerate(diffs) if d > outcome.tolerance), None)
 
 
 def _stepped_without_gradient(
