@@ -156,7 +156,7 @@ def test_a_candidate_in_the_other_layout_conforms_under_the_named_rounding():
         case, outcome.results, "torch", {**HYPERPARAMETERS, "update_layout": "contiguous"}
     )
     assert direct.status == "bitwise" and direct.elementwise is None
-    # where this CPU rounds the two layouts differently, only the rounding makes it conform, and it is named
+    # where the CPU that runs the test rounds the two layouts differently, only the rounding makes it conform, and it is named
     assert (outcome.elementwise is None) == (
         compare(case, outcome.results, reference_of(case)).status == "bitwise"
     )
@@ -977,6 +977,24 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
     )
     noise = P_new + torch.randn(12, 6, generator=gen) * 1e-5  # no decay and no step size makes this
     assert _param(0, 0, P, noise, M, None, G, cfg, layout).stage == "orthogonalised direction"
+
+
+def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not():
+    from muon_dist.harness.adapters.stages import _param
+    from muon_ref.config import MuonConfig
+    from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
+
+    cfg, layout = MuonConfig(lr=0.02, weight_decay=0.0, momentum=0.9), matrix_layout((8, 5))
+    gen = torch.Generator().manual_seed(3)
+    P, G = (torch.randn(8, 5, generator=gen) for _ in range(2))
+    M = torch.zeros(8, 5)
+    located = _param(0, 0, P, P.clone(), M, None, G, cfg, layout)
+    assert located.stage == "application" and located.exact, located
+    assert "the param is left as it is" in located.detail, located
+    _, D = momentum_direction(G, M, cfg)
+    halved = apply_update(P, orthogonalize(D, layout, cfg), layout, cfg.replace(lr=0.01))
+    located = _param(0, 0, P, halved, M, None, G, cfg, layout)
+    assert "left as it is" not in located.detail and located.stage == "shape scale", located
 
 
 def test_a_located_stage_says_its_step():

@@ -86,7 +86,7 @@ def test_ns_on_padded_shards_is_a_bug_of_uneven_shards_only(tmp_path) -> None:
 def test_a_dropped_remainder_is_a_bug_of_remainder_batches_only(tmp_path) -> None:
     code, report = _report(tmp_path, f"{__name__}:DroppedRemainder")
     assert code == 1
-    assert report["diagnosis"].startswith("bug: orthogonalised direction departs on remainder (1/1: W=2)")
+    assert report["diagnosis"].startswith("bug: application departs on remainder (1/1: W=2) (step 1, param 2: the param is left as it is")
     departed = {o["family"] for o in report["outcomes"] if o["status"] != "bitwise"}
     assert departed == {"remainder"}, report["outcomes"]
     first = next(o for o in report["outcomes"] if o["family"] == "remainder")

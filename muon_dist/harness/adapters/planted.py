@@ -653,8 +653,9 @@ class PlantedAdapter(Adapter):
 class Planted:
     """A planted bug and the right answer of the check. diagnosis: what the diagnosis line must say first or at all:
     "bug" (no convention explains it), "convention" (then `names`, the muon_ref option, must appear), "crash",
-    "hang", "replicas" (replicas disagree) or "resume" (a bug, and the optimizer state right after a load differs
-    from the state at the save). caught_by: families in which it must depart; bitwise_on: families
+    "hang", "replicas" (replicas disagree), "resume" (a bug, and the optimizer state right after a load differs
+    from the state at the save) or "lazy state" (resume fails: the load crashes on state a param that never
+    stepped does not have). caught_by: families in which it must depart; bitwise_on: families
     that must stay bitwise (the diagnosis' controls: the defect shows nowhere else). trigger: for a bug that only
     some torch versions have, trigger(device) runs on every rank of a pool of world_sizes[0] ranks and returns
     None where this torch has the bug's cause, else why not: the bug is then absent, and the Muon under it, a
@@ -736,7 +737,7 @@ PLANTED: tuple[Planted, ...] = (
         8,
         "microsoft/dion #18",
         PlantedAdapter(LazyState, "dtensor", DIST_FAMILIES),
-        "crash",
+        "lazy state",
         frozenset({"checkpoint_unstepped"}),
         DIST_FAMILIES - {"checkpoint_unstepped"},
     ),
@@ -897,13 +898,16 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
     for o in outcomes:
         if o["status"] != "bitwise":
             by.setdefault(o["family"], set()).add(o["status"])
-    expected_status = {"crash": "crash", "hang": "hang"}.get(planted.diagnosis)
+    expected_status = {"crash": "crash", "hang": "hang", "lazy state": "crash"}.get(
+        planted.diagnosis
+    )
     kind = {
         "bug": diagnosis.startswith("bug:"),
         "replicas": "replicas disagree on" in diagnosis,
         "convention": diagnosis.startswith("convention:") and planted.names in diagnosis,
         "crash": "crashes on" in diagnosis,
         "hang": "hangs on" in diagnosis,
+        "lazy state": diagnosis.startswith("resume fails (state created lazily"),
         "resume": diagnosis.startswith("bug:")
         and "the resume changes the optimizer state on" in diagnosis,
     }[planted.diagnosis]

@@ -14,6 +14,7 @@ and they are compared with what the candidate shows after step s, in this order:
     momentum      its momentum after step s differs from M' bit for bit (the field's momentum forms are named where
                   one gives its bits: sum or EMA, mu rounded to the param's dtype, float32, weight decay coupled into
                   the gradient, a buffer normalised in place);
+    application   its params are P as they were: it does not step the param at all;
     shape scale, weight decay, application: its params are apply_update(P, O) under one of the known variants of
                   that stage, bit for bit (another lr_scale or square root, lr rounded to the dtype; the decay factor
                   rounded to the param's dtype, bf16 or fp16, the other decay form, no decay; another scale_apply or
@@ -244,6 +245,14 @@ def _param(
     P_new = apply_update(P, O, layout, cfg)
     if not _differs(P_cand, P_new, tolerance):
         return None
+    if same_bits(P_cand, P):
+        return Located(
+            "application",
+            s + 1,
+            i,
+            "the param is left as it is (no update, no decay): the candidate does not step it; the claim does",
+            exact=True,
+        )
     for stage, variants in (
         ("shape scale", _scale_variants(cfg, P.dtype)),
         ("weight decay", _decay_variants(cfg, P.dtype)),
