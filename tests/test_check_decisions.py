@@ -221,6 +221,20 @@ def test_a_muon_update_is_orthogonalised_and_an_sgd_update_is_not_and_is_element
     assert "singular values span" in sgd.describe()
 
 
+def test_a_vectors_update_is_elementwise_where_it_is_a_multiple_of_the_gradient_or_its_sign_only():
+    gen = torch.Generator().manual_seed(5)
+    p0, grad, other = (torch.randn(64, generator=gen, dtype=torch.float64) for _ in range(3))
+    muon = p0 * (1 - 0.002) - 0.02 * other  # the claim's update, unrelated to G here
+    for p1, elementwise in (
+        (p0 * (1 - 0.002) - 0.02 * grad, True),
+        (p0 * (1 - 0.002) - 0.02 * grad.sign(), True),
+        (muon, False),
+    ):
+        update = update_of(p0, p1, muon, grad, 0.02, 0.1, [])
+        assert update.elementwise is elementwise and update.orthogonalised is None, update
+        assert math.isnan(update.candidate), update  # a vector has no spreads
+
+
 def test_an_update_below_the_params_rounding_is_not_read():
     case = Case("tall", "single", 1, ((12, 6),), "bfloat16", steps=1)
     p1_ref = reference_of(case)["skip"].params[0][0]
@@ -616,6 +630,14 @@ def test_a_shard_local_rounding_is_named_with_its_row_boundaries():
         "shard-local momentum, boundaries elements [0:15] of (3, 5) at W=2"
     )
     assert elementwise_label(case, "whole") == "whole"
+    # a checkpoint case names the boundaries of each world that runs a step: one step runs before the save only
+    one = Case("checkpoint", "dtensor", 2, ((5, 4),), "bfloat16", steps=1, resume_world_size=1)
+    assert (
+        elementwise_label(one, "shard-local")
+        == "shard-local, boundaries rows [0:3 | 3:5] of (5, 4) at W=2"
+    )
+    four = Case("checkpoint", "dtensor", 2, ((5, 4),), "bfloat16", steps=4, resume_world_size=1)
+    assert "at W=1" in elementwise_label(four, "shard-local")
     both = next(r for r in ROUNDINGS if r.local and r.other_layout and r.name == "shard-local")
     assert rounding_label(case, both, "torch", {}).endswith(
         "; update layout 'contiguous' (the claim's is the other)"
@@ -635,6 +657,9 @@ def test_the_shape_scale_variants_include_a_learning_rate_rounded_to_the_params_
     assert not [
         v for v in _scale_variants(MuonConfig(lr=0.5), torch.bfloat16) if "learning rate" in v[0]
     ]
+    for claimed, other in (("sqrt", "pow"), ("pow", "sqrt")):
+        variants = dict(_scale_variants(MuonConfig(lr=0.5, scale_sqrt=claimed), torch.float32))
+        assert variants[f"scale_sqrt={other!r}"].scale_sqrt == other
 
 
 def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_where_it_says():
@@ -767,10 +792,11 @@ def test_a_param_without_a_gradient_that_the_candidate_decays_anyway_is_located_
 
     cfg = MuonConfig(lr=0.02, weight_decay=0.1)
     P = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
-    decayed = _stepped_without_gradient(1, 0, P, decay(P, cfg), cfg)
+    decayed = _stepped_without_gradient(1, 2, P, decay(P, cfg), cfg)
     assert decayed.stage == "weight decay" and decayed.exact and "decayed" in decayed.detail
-    other = _stepped_without_gradient(1, 0, P, P + 1e-3, cfg)
+    other = _stepped_without_gradient(1, 2, P, P + 1e-3, cfg)
     assert other.stage == "application" and not other.exact
+    assert {(x.step, x.param) for x in (decayed, other)} == {(3, 1)}  # 1-based step
 
 
 def test_a_departure_near_one_alternative_is_named_at_that_alternatives_stage():
@@ -966,17 +992,43 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
     _, D = momentum_direction(G, M, cfg)
     P_new = apply_update(P, orthogonalize(D, layout, cfg), layout, cfg)
     one_ulp = torch.nextafter(P_new, torch.full_like(P_new, math.inf))
-    assert _param(0, 0, P, one_ulp, M, None, G, cfg, layout).stage == "application"
+    located = _param(1, 2, P, one_ulp, M, None, G, cfg, layout)
+    assert located.stage == "application" and (located.step, located.param) == (3, 1), located
     scaled = P_new * (
         1 + 2.0**-19
     )  # eight units in the last place or so: a decay factor, by the fit
-    located = _param(0, 0, P, scaled, M, None, G, cfg, layout)
+    located = _param(1, 2, P, scaled, M, None, G, cfg, layout)
     assert located.stage == "weight decay" and "least-squares fit" in located.detail, located
+    assert (located.step, located.param) == (3, 1), located  # 1-based step, the param's index
     assert "scaled by about 0.9980019 where the claim's 1 - lr * wd is 0.998" in located.detail, (
         located
     )
     noise = P_new + torch.randn(12, 6, generator=gen) * 1e-5  # no decay and no step size makes this
-    assert _param(0, 0, P, noise, M, None, G, cfg, layout).stage == "orthogonalised direction"
+    located = _param(1, 2, P, noise, M, None, G, cfg, layout)
+    assert located.stage == "orthogonalised direction" and (located.step, located.param) == (3, 1)
+
+
+def test_a_fitted_step_size_is_said_beside_the_claims_lr_times_its_shape_scale():
+    from muon_dist.harness.adapters.stages import _param
+    from muon_ref.config import MuonConfig, lr_scale
+    from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
+
+    cfg, layout = (
+        MuonConfig(lr=0.02, weight_decay=0.1, lr_scale="match_rms_adamw"),
+        matrix_layout((12, 6)),
+    )
+    gen = torch.Generator().manual_seed(11)
+    P, G = (torch.randn(12, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    M = torch.zeros_like(P)
+    _, D = momentum_direction(G, M, cfg)
+    O = orthogonalize(D, layout, cfg)
+    a = 0.02 * lr_scale("match_rms_adamw", 12, 6, cfg.scale_sqrt) * cfg.scale_factor
+    P_new = apply_update(P, O, layout, cfg)
+    located = _param(0, 0, P, P_new - 0.1 * a * O.double(), M, None, G, cfg, layout)
+    assert located.stage == "shape scale", located
+    assert (
+        f"a step of about {1.1 * a:.6g} where the claim's lr * scale is {a:.6g}" in located.detail
+    ), located
 
 
 def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not():
@@ -988,13 +1040,15 @@ def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not(
     gen = torch.Generator().manual_seed(3)
     P, G = (torch.randn(8, 5, generator=gen) for _ in range(2))
     M = torch.zeros(8, 5)
-    located = _param(0, 0, P, P.clone(), M, None, G, cfg, layout)
+    located = _param(1, 2, P, P.clone(), M, None, G, cfg, layout)
     assert located.stage == "application" and located.exact, located
+    assert (located.step, located.param) == (3, 1), located
     assert "the param is left as it is" in located.detail, located
     _, D = momentum_direction(G, M, cfg)
     halved = apply_update(P, orthogonalize(D, layout, cfg), layout, cfg.replace(lr=0.01))
-    located = _param(0, 0, P, halved, M, None, G, cfg, layout)
+    located = _param(1, 2, P, halved, M, None, G, cfg, layout)
     assert "left as it is" not in located.detail and located.stage == "shape scale", located
+    assert (located.step, located.param) == (3, 1), located
 
 
 def test_a_located_stage_says_its_step():
@@ -1058,6 +1112,76 @@ def test_the_momentum_is_found_past_a_rank_with_an_empty_box():
             }
         )
     assert find(case, [(2, results)], reference, 0) == "['m']"
+
+
+def test_a_second_moment_is_found_past_a_rank_with_an_empty_box():
+    case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
+    run = reference_of(case)["skip"]
+    grad = oracle_gradients(case, 0)[0]
+    results = []
+    for rank in range(2):
+        g = C.local_box(grad, case, rank)
+        state = {"['exp_avg']": g * 0.1, "['exp_avg_sq']": g * g * 1e-3} if g.numel() else {}
+        results.append(
+            {
+                "first_step": 0,
+                "params": [[C.local_box(run.params[0][0], case, rank)]],
+                "recorded": {0: {"momentum": [None], "state": [state]}},
+            }
+        )
+    assert [C.local_box(grad, case, r).numel() for r in range(2)].count(0) == 1
+    assert second_moment(case, [(2, results)], 0) == "['exp_avg_sq']"
+
+
+def test_the_momentum_of_a_step_no_segment_recorded_is_unknown_for_every_param():
+    from muon_dist.harness.adapters.stages import _full_momentum
+
+    case = Case("even", "dtensor", 2, ((4, 5), (6, 5)), "float32", steps=2)
+    segments = [(2, [{"recorded": {0: {}}} for _ in range(2)])]
+    assert _full_momentum(case, segments, None, 1) == [None, None]
+
+
+def test_a_candidate_without_momentum_diffs_departs_at_its_first_step_past_the_tolerance():
+    from types import SimpleNamespace
+
+    from muon_dist.harness.adapters.stages import _first_departing_step
+
+    for momentum_diffs in (None, []):
+        outcome = SimpleNamespace(
+            tolerance=1e-3,
+            first_step=1,
+            param_diffs=[1e-4, 5e-3, 1.0],
+            momentum_diffs=momentum_diffs,
+        )
+        assert _first_departing_step(outcome) == 1
+    outcome = SimpleNamespace(
+        tolerance=1e-3, first_step=1, param_diffs=[1e-4, 1e-4], momentum_diffs=[1e-4, 2e-3]
+    )
+    assert _first_departing_step(outcome) == 1
+    assert _first_departing_step(SimpleNamespace(tolerance=None, first_step=3)) == 2
+
+
+def test_a_shrunk_crash_keeps_its_exception_type_whatever_its_message():
+    from muon_dist.harness.adapters.verdict import failure_kind
+
+    def crash(error: str) -> Outcome:
+        return _outcome("tall", "crash", error=error)
+
+    one, other = (
+        crash("rank 0: ValueError: shape (3, 4)"),
+        crash("rank 1: ValueError: shape (1, 2)"),
+    )
+    assert failure_kind(one) == failure_kind(other)
+    assert failure_kind(one)[1] == "ValueError"
+    assert failure_kind(crash("rank 0: TypeError: shape (3, 4)")) != failure_kind(one)
+
+
+def test_initial_params_differ_between_params_and_between_case_seeds():
+    case = Case("tall", "single", 1, ((4, 3), (4, 3)))
+    first, second = initial_params(case)
+    assert not torch.equal(first, second)
+    reseeded = initial_params(Case("tall", "single", 1, ((4, 3), (4, 3)), seed=1))
+    assert not torch.equal(first, reseeded[0]) and not torch.equal(second, reseeded[1])
 
 
 def test_when_a_run_cannot_go_on():

@@ -205,7 +205,7 @@ def update_of(
         if chosen is not None:
             return replace(chosen, **extra)
     # no matrix view (a vector): nothing to orthogonalise, only what the update is a multiple of
-    return Update(math.nan, math.nan, math.nan, None, sign_cos >= SIGN_COS, **extra)
+    return Update(math.nan, math.nan, math.nan, None, elementwise, **extra)
 
 
 def classify(
