@@ -681,6 +681,18 @@ def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_wh
     assert not_compared([found], keyed) == [] and "found by value" in found.momentum_sources[0]
 
 
+def test_the_momentum_read_is_not_listed_as_other_state_when_its_path_is_an_equal_string_from_another_rank():
+    from muon_dist.harness.adapters.verdict import _other_state
+
+    # each rank's results arrive in a pickle of their own: equal paths, distinct str objects
+    read = "".join(["['momentum", "_buffer']"])
+    results = [{"recorded": {0: {"state": [{"['momentum_buffer']": torch.zeros(12, 6)}]}}}]
+    outcome = _outcome("tall", "bitwise", results=[(1, results)], view=View((("state", read),)))
+    assert _other_state(outcome, Adapter()) == []
+    results[0]["recorded"][0]["state"][0]["['exp_avg_sq']"] = torch.zeros(12, 6)
+    assert _other_state(outcome, Adapter()) == ["['exp_avg_sq']"]
+
+
 def _errors(per_rank: list[list[str | None]]) -> list:
     return [(len(per_rank), [{"first_step": 0, "errors": errors} for errors in per_rank])]
 
@@ -713,6 +725,7 @@ def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_th
         ),
         ("normalised", "the claim's momentum divided by its Frobenius norm, clamped at eps"),
         ("mu_rounded", "M * bfloat16(mu) + G (mu rounded to the param's dtype)"),
+        ("sum32", "M * mu + G in float32"),
     ],
 )
 @pytest.mark.parametrize("mu", [0.9, 0.3])  # 0.3: 1 - mu and other spellings of it part below 0.5
@@ -735,11 +748,28 @@ def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected,
         "ema_coupled": M.lerp(coupled, 1 - mu),
         "normalised": claim / claim.norm().clamp(min=cfg.eps),
         "mu_rounded": M.mul(torch.tensor(mu, dtype=torch.bfloat16)).add(G),
+        "sum32": M.float().mul(mu).add(G.float()),
     }[form]
     assert _momentum_detail(candidate, claim, G, M, P, cfg).startswith(
         f"its momentum is {expected}"
     )
     assert _momentum_detail(claim * 3, claim, G, M, P, cfg).startswith("max |dM|")
+
+
+def test_a_buffer_normalised_by_its_norm_plus_eps_is_told_from_one_clamped_at_eps():
+    from muon_dist.harness.adapters.stages import _momentum_detail
+    from muon_ref.config import MuonConfig
+
+    cfg = MuonConfig(momentum=0.9, eps=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    G, M, P = (torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    claim = M.lerp(G, 0.1)
+    plus = _momentum_detail(claim / (claim.norm() + 1e-3), claim, G, M, P, cfg)
+    assert plus.startswith(
+        "its momentum is the claim's momentum divided by its Frobenius norm plus eps"
+    ), plus
+    clamped = _momentum_detail(claim / claim.norm().clamp(min=1e-3), claim, G, M, P, cfg)
+    assert "clamped at eps" in clamped, clamped
 
 
 def test_the_rounding_bound_is_half_a_unit_in_the_last_place():
