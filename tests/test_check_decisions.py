@@ -193,6 +193,10 @@ def test_an_adam_second_moment_is_told_from_a_momentum():
     run = reference_of(CASE)["skip"]
     adam = [[{"['exp_avg']": grad * 0.1, "['exp_avg_sq']": grad * grad * 1e-3}]]
     assert second_moment(CASE, results_of(CASE, run.params[:1], adam), 0) == "['exp_avg_sq']"
+    two = [[{"['exp_avg_sq']": grad * grad * 1e-3, "['v']": grad * grad * 2e-3}]]
+    assert (
+        second_moment(CASE, results_of(CASE, run.params[:1], two), 0) == "['exp_avg_sq']"
+    )  # sorted first
     momentum_only = [[{"['exp_avg']": grad * 0.1, "['abs']": grad.abs()}]]
     assert second_moment(CASE, results_of(CASE, run.params[:1], momentum_only), 0) is None
 
@@ -1212,6 +1216,44 @@ def test_initial_params_differ_between_params_and_between_case_seeds():
     assert not torch.equal(first, second)
     reseeded = initial_params(Case("tall", "single", 1, ((4, 3), (4, 3)), seed=1))
     assert not torch.equal(first, reseeded[0]) and not torch.equal(second, reseeded[1])
+
+
+def test_the_shape_features_of_a_routing_rule():
+    from muon_dist.harness.adapters.routing import FEATURES, _feature
+
+    want = {
+        (4, 3, 2, 6): (4, 2, 6, 3.0, 4, 9.0, 144),
+        (2, 256): (2, 2, 256, 128.0, 2, 128.0, 512),
+        (7,): (1, 7, 7, 1.0, 7, 1.0, 7),
+    }
+    for shape, values in want.items():
+        assert tuple(_feature(name, shape) for name in FEATURES) == values, shape
+
+
+def test_a_candidate_that_differs_from_itself_is_measured_and_one_that_does_not_is_not():
+    from muon_dist.harness.adapters.verdict import self_difference
+
+    def run(*params: torch.Tensor) -> list:
+        return [(2, [{"params": [[p]]} for p in params])]
+
+    a, b = torch.zeros(3), torch.tensor([0.0, 0.25, 0.0])
+    assert self_difference(run(a, a), run(a, a)) == 0.0
+    assert self_difference(run(a, a), run(a, b)) == 0.25  # the second rank differs
+
+
+def test_other_state_beside_the_adapters_momentum_is_listed_whatever_its_name_sorts_as():
+    from muon_dist.harness.adapters.verdict import _other_state
+
+    adapter = Adapter()
+    adapter.state_key = "momentum_buffer"
+    state = {
+        "['momentum_buffer']": torch.zeros(12, 6),
+        "['exp_avg']": torch.zeros(12, 6),
+        "['z']": torch.zeros(12, 6),
+    }
+    results = [{"recorded": {0: {"state": [state]}}}]
+    outcome = _outcome("tall", "bitwise", results=[(1, results)], view=View((("adapter", None),)))
+    assert _other_state(outcome, adapter) == ["['exp_avg']", "['z']"]
 
 
 def test_when_a_run_cannot_go_on():
