@@ -1254,6 +1254,52 @@ def test_other_state_beside_the_adapters_momentum_is_listed_whatever_its_name_so
     results = [{"recorded": {0: {"state": [state]}}}]
     outcome = _outcome("tall", "bitwise", results=[(1, results)], view=View((("adapter", None),)))
     assert _other_state(outcome, adapter) == ["['exp_avg']", "['z']"]
+    # where the adapter's momentum() exposed nothing, its key is state the check did not read, and is listed
+    for source in (("unmapped", tuple(sorted(state))), ("none", "left out (--state-map none)")):
+        outcome = _outcome("tall", "differs", results=[(1, results)], view=View((source,)))
+        assert _other_state(outcome, adapter) == sorted(state), source
+
+
+def test_a_candidate_that_differs_from_itself_is_compared_at_twice_its_largest_difference_per_dtype():
+    from types import SimpleNamespace
+
+    from muon_dist.harness.conformance import _tolerant
+
+    runner = SimpleNamespace(tolerance=None)
+    context = _tolerant(runner, {"float32": 1e-6, "bfloat16": 4e-3}, Context())
+    assert runner.tolerance == {"float32": 2e-6, "bfloat16": 8e-3}
+    assert context.tolerance == 8e-3 and context.self_differences == {
+        "float32": 1e-6,
+        "bfloat16": 4e-3,
+    }
+
+
+def test_a_difference_grows_where_its_last_step_is_larger_than_its_first():
+    case = Case("tall", "single", 1, ((12, 6),), steps=3)
+    assert Outcome(case, "differs", param_diffs=[0.0, 1e-3, 2e-3]).grows is True
+    assert Outcome(case, "differs", param_diffs=[0.0, 2e-3, 1e-3]).grows is False
+    assert Outcome(case, "differs", param_diffs=[0.0, 1e-3, 1e-3]).grows is False
+    assert Outcome(case, "bitwise", param_diffs=[0.0] * 3).grows is None
+
+
+def test_each_named_rounding_is_its_own_configuration():
+    from muon_dist.harness.adapters.oracle import ELEMENTWISE
+
+    assert ELEMENTWISE == {
+        "whole": (False, False),
+        "shard-local": (True, True),
+        "shard-local momentum": (True, False),
+        "shard-local update": (False, True),
+    }
+    configs = [(r.momentum_local, r.update_local, r.other_layout) for r in ROUNDINGS]
+    assert len(set(configs)) == len(configs) == 8 and ROUNDINGS[0] == WHOLE
+
+
+def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():
+    for seed in (0, 1, 12345):
+        case = Case("tall", "single", 1, ((2, 2),) * 12, seed=seed, steps=3)
+        seen = [g for step in range(3) for g in oracle_gradients(case, step)]
+        assert len({tuple(g.reshape(-1).tolist()) for g in seen}) == len(seen) == 36, seed
 
 
 def test_when_a_run_cannot_go_on():
