@@ -87,3 +87,15 @@ def test_each_bounded_option_accepts_zero_and_refuses_a_negative_value_naming_it
     assert getattr(MuonConfig(**{field: 0.0}), field) == 0.0
     with pytest.raises(ValueError, match=rf"^{field} must be >= 0, got -"):
         MuonConfig(**{field: -magnitude})
+
+
+def test_a_tensor_lr_has_one_element_or_is_refused_naming_its_shape():
+    import torch
+
+    for one in (torch.tensor(0.02), torch.tensor([0.02]), torch.tensor([[0.02]])):
+        assert float(MuonConfig(lr=one).lr) == pytest.approx(0.02)
+    for shape in ((2,), (0,), (1, 3)):
+        with pytest.raises(
+            ValueError, match=rf"^Tensor lr must be 1-element, got lr of shape \({shape[0]},"
+        ):
+            MuonConfig(lr=torch.full(shape, 0.02))

@@ -148,3 +148,19 @@ def test_a_shared_layout_refuses_equal_blocks_out_of_order():
     assert MatrixLayout(2, 2, 3, blocks[::-1]).shape == (4, 3)  # in order: a valid layout
     with pytest.raises(AssertionError):
         MatrixLayout(2, 2, 3, blocks)
+
+
+def test_a_layout_that_breaks_its_invariants_cannot_be_built():
+    """MatrixLayout's invariants, each broken alone next to a valid layout that differs in that one thing: the
+    blocks cover the param, a separate layout has no batch view, a shared layout's blocks are its batch matrix."""
+    top, bottom = Block((0, 0), (2, 3), 2, 3), Block((2, 0), (2, 3), 2, 3)
+    assert MatrixLayout(2, None, None, (top, bottom), separate=True).shape == (4, 3)
+    gap = Block((4, 0), (2, 3), 2, 3)  # rows 2:4 of the (6, 3) box belong to no block
+    with pytest.raises(AssertionError):
+        MatrixLayout(2, None, None, (top, gap), separate=True)
+    with pytest.raises(AssertionError):  # a separate layout counts every block and has no fan
+        MatrixLayout(1, None, None, (top, bottom), separate=True)
+    assert MatrixLayout(1, 2, 3, (top,)).matrices_shape == (1, 2, 3)
+    for fans in ((3, 3), (2, 4), (1, 3)):  # the batch view's fans are the blocks'
+        with pytest.raises(AssertionError):
+            MatrixLayout(1, *fans, (top,))
