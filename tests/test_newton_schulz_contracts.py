@@ -126,3 +126,36 @@ def test_ns_options_are_an_immutable_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.eps = -1.0  # type: ignore[misc]
     assert resolve_ns_options("keller").eps >= 0
+
+
+@pytest.mark.parametrize("eps_mode", ["add", "clamp"])
+@pytest.mark.parametrize("safety", [1.0, 1.05, 0.5])
+def test_normalise_is_its_reference_equation_with_the_safety_factor(eps_mode, safety):
+    """X / d, d = ||X||_F * safety + eps or max(||X||_F * safety, eps), on one matrix and on each of a stack."""
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64)
+    for eps in (1e-7, 10.0):  # 10: above every norm here, so that the clamp decides
+        for i in range(3):
+            norm = X[i].norm() * safety
+            d = norm + eps if eps_mode == "add" else norm.clamp(min=eps)
+            want = X[i] / d
+            torch.testing.assert_close(
+                normalise(X[i], eps, eps_mode, safety), want, rtol=1e-15, atol=0
+            )
+            torch.testing.assert_close(
+                normalise(X, eps, eps_mode, safety)[i], want, rtol=1e-15, atol=0
+            )
+
+
+@pytest.mark.parametrize("safety", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_safety_factor_that_is_not_positive_and_finite_is_refused(safety):
+    with pytest.raises(ValueError, match=r"^safety must be finite and > 0, got"):
+        NSOptions(coefficients=((3.0, -3.0, 1.0),), eps=1e-7, safety=safety, precondition=None)
+
+
+def test_precondition_none_is_read_by_value_as_a_config_file_gives_it():
+    from muon_ref.newton_schulz import _resolved
+
+    _resolved.cache_clear()  # a string equal to "none" but not the interned literal
+    assert resolve_ns_options("keller", precondition="".join(["no", "ne"])).precondition is None
+    assert resolve_ns_options("keller", precondition="".join(["a", "ol"])).precondition == "aol"
