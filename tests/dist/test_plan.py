@@ -212,3 +212,32 @@ def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_roun
         assert b.path != "all_to_all" or len(b.params) == b.group_size
     for rank in range(W):
         assert expected_bytes(packed, rank, ITEMSIZES) == expected_bytes(single, rank, ITEMSIZES)
+
+
+def test_only_the_all_to_all_family_packs_expert_stacks_keep_batches_of_their_group():
+    """_packed: local and subgroup_all_gather batches stay at the group's size however large the round's cap."""
+    for ep, fsdp, shape, experts, path in ((2, 1, (4, 3, 2), None, "local"),
+                                           (1, 4, (8, 3), 2, "subgroup_all_gather")):
+        layout = layout_ep(shape, ep, fsdp, "torch.float32", experts)
+        batches = plan(tuple(Entry(layout, 0, "torch.float32", True) for _ in range(8)), Options(rounds=1)).batches
+        assert [(b.path, len(b.params)) for b in batches] == [(path, ep * fsdp)] * (8 // (ep * fsdp))
+
+
+def test_an_expert_stack_is_one_sharded_along_its_expert_dim_only():
+    from muon_dist import ParamLayout
+    from muon_dist.plan import is_expert_stack
+
+    hsdp = ParamLayout("p", (4, 6, 3), "torch.float32", ((0, 1), (2, 3)), ("R", "S0"), ("dp", "fsdp"))
+    assert is_expert_stack(hsdp) and is_expert_stack(layout_ep((4, 3, 2), 2, 1, "torch.float32"))
+    assert not is_expert_stack(layout_1d((4, 6, 3), "S1", 2, "torch.float32"))
+
+
+def test_the_expert_paths_refuse_a_batch_with_owners():
+    from .batches import batch_of
+
+    for path, layout in (("local", layout_ep((4, 3, 2), 2, 1, "torch.float32")),
+                         ("subgroup_all_gather", layout_ep((8, 3), 1, 4, "torch.float32", 2))):
+        batch = batch_of(path, layout, 2, "torch.float32")
+        PATHS[path].check(batch)
+        with pytest.raises(AssertionError):
+            PATHS[path].check(dataclasses.replace(batch, owners=(0, 1)))
