@@ -241,3 +241,17 @@ def test_the_expert_paths_refuse_a_batch_with_owners():
         PATHS[path].check(batch)
         with pytest.raises(AssertionError):
             PATHS[path].check(dataclasses.replace(batch, owners=(0, 1)))
+
+
+def test_the_blocks_ledger_balances_on_a_group_of_300_ranks_with_owners_past_256():
+    """Every byte a member sends another receives: summed over the group, sent == received, with a direction and an
+    update of different dtypes, on a group large enough that owners are ints beyond CPython's small-int cache."""
+    W = 300
+    layout = dataclasses.replace(
+        layout_1d((600, 4), "S0", W, "torch.float32"), split_sizes=(3,) * 200
+    )  # every block straddles two ranks' boxes
+    planned = plan((Entry(layout, 0, "torch.bfloat16", True),), Options())
+    (batch,) = planned.batches
+    assert batch.path == "blocks" and batch.direction_dtype != batch.update_dtype
+    ledger = [expected_bytes(planned, rank, ITEMSIZES).get("blocks", (0, 0)) for rank in range(W)]
+    assert sum(s for s, _ in ledger) == sum(r for _, r in ledger) > 0
