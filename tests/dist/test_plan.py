@@ -255,3 +255,11 @@ def test_the_blocks_ledger_balances_on_a_group_of_300_ranks_with_owners_past_256
     assert batch.path == "blocks" and batch.direction_dtype != batch.update_dtype
     ledger = [expected_bytes(planned, rank, ITEMSIZES).get("blocks", (0, 0)) for rank in range(W)]
     assert sum(s for s, _ in ledger) == sum(r for _, r in ledger) > 0
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_a_path_is_pipelined_exactly_where_it_provides_steps(name: str) -> None:
+    """step.py runs a PIPELINED path's steps(...) (it yields after issuing each collective) and any other path's
+    run(...): the flag and the module agree, so no path's steps are dead code and none is run without them."""
+    module = PATHS[name]
+    assert module.PIPELINED == callable(getattr(module, "steps", None)), name
