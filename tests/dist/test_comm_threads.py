@@ -200,3 +200,20 @@ def test_the_worlds_mailboxes_are_emptied_once_every_member_has_read() -> None:
 
     run_threads(3, main)
     assert world.slots == {} and dict(world.reads) == {}
+
+
+def test_only_the_whole_world_gets_the_world_handle_and_a_given_handle_is_kept() -> None:
+    class Handled(ThreadComm):
+        def _world_handle(self):
+            return "WORLD"
+
+    comm = Handled(ThreadWorld(4), 2)
+    assert comm.group(tuple(range(4))).handle == "WORLD"  # a tuple of its own, equal to the world's ranks
+    assert comm.group((2, 0)).handle is None and comm.group((0, 1, 2)).handle is None
+    assert comm.group((2, 0), "axis").handle == "axis"
+
+
+def test_reduce_scatter_refuses_a_tensor_that_does_not_split_into_equal_chunks() -> None:
+    comm = NoBackend(ThreadWorld(2), 0)
+    with pytest.raises(AssertionError, match=r"^\(5, 2\)$"):  # its own precondition, before any backend call
+        comm.reduce_scatter_sum(torch.zeros(5), Group((0, 1)), "p")
