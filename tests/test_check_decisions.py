@@ -1302,6 +1302,34 @@ def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():
         assert len({tuple(g.reshape(-1).tolist()) for g in seen}) == len(seen) == 36, seed
 
 
+def test_a_routing_rule_of_two_terms_is_inferred_where_no_single_term_separates():
+    from muon_dist.harness.adapters.routing import infer_rule, parse_rule
+
+    routed, kept = {(1, 10), (64, 64)}, {(6, 8), (12, 6)}  # a thin matrix and a large one
+    rule = infer_rule(routed, kept)
+    assert rule == "min_side < 6 or max_side > 12", rule
+    predicate = parse_rule(rule)
+    assert all(predicate(s) for s in routed) and not any(predicate(s) for s in kept)
+    assert infer_rule({(1, 10)}, kept) == "min_side < 6"  # one term where one does
+    assert infer_rule(routed, kept | {(2, 100)}) is None  # and none where no pair separates them
+
+
+def test_an_update_whose_spread_departs_from_a_near_orthogonal_gradients_does_not_follow_it():
+    """A multiple of G has G's singular values: within SAME_SPREAD of G's spread, floored at 0.1 (an orthogonal G
+    has spread 0, and 0.1 of spread apart is not a multiple of it, though its cosine with G is 0.999)."""
+    from muon_dist.harness.adapters.routing import _views
+
+    gen = torch.Generator().manual_seed(0)
+    G, _ = torch.linalg.qr(torch.randn(12, 6, generator=gen, dtype=torch.float64))
+    stretched = torch.ones(6, dtype=torch.float64)
+    stretched[-1] = math.exp(-0.1)
+    p0 = torch.randn(12, 6, generator=gen, dtype=torch.float64)
+    claim = 0.998 * p0 - 0.02 * torch.randn(12, 6, generator=gen, dtype=torch.float64)
+    for u, follows in ((G * stretched, False), (G * 3.0, True)):
+        update = update_of(p0, 0.998 * p0 - 0.02 * u, claim, G, 0.02, 0.1, _views((12, 6), {}))
+        assert update.elementwise is follows and update.follows, update
+
+
 def test_when_a_run_cannot_go_on():
     from muon_dist.harness.adapters.verdict import stop
 
