@@ -1330,6 +1330,17 @@ def test_an_update_whose_spread_departs_from_a_near_orthogonal_gradients_does_no
         assert update.elementwise is follows and update.follows, update
 
 
+def test_the_cosine_of_a_matrix_with_its_polar_factor():
+    from muon_dist.harness.adapters.routing import _polar_cos
+
+    gen = torch.Generator().manual_seed(1)
+    Q, _ = torch.linalg.qr(torch.randn(8, 4, generator=gen, dtype=torch.float64))
+    assert _polar_cos(Q * 3.0) == pytest.approx(1.0, abs=1e-12)  # a multiple of its own polar factor
+    spread = Q * torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # singular values (1, 1, 1, 0)
+    assert _polar_cos(spread) == pytest.approx(3 / (2 * math.sqrt(3)), abs=1e-12)
+    assert _polar_cos(torch.zeros(8, 4)) == 1.0
+
+
 def test_when_a_run_cannot_go_on():
     from muon_dist.harness.adapters.verdict import stop
 
