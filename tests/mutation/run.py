@@ -32,7 +32,7 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORK = ROOT / ".mutation"
-# every target: muon_ref's core, then muon_dist's (docs/mutation.md: the whole run takes under an hour here)
+# every target: muon_ref's core, muon_dist's, then the check's decisions (docs/mutation.md: about an hour on 2 cores)
 DEFAULT_TARGETS = (
     "ref_functional",
     "ref_config",
