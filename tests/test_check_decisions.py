@@ -63,6 +63,26 @@ def results_of(
     ]
 
 
+def ranks_of(case: Case, run: Any, states: list[dict]) -> list:
+    """Each rank's result after one step of a one-param case: its boxes of the claim's params, no momentum from the
+    adapter, and `states[rank]` (path -> tensor) as the state recorded after the step."""
+    return [
+        (
+            len(states),
+            [
+                {
+                    "first_step": 0,
+                    "params": [[C.local_box(run.params[0][0], case, rank)]],
+                    "errors": [None],
+                    "momentum": [None],
+                    "recorded": {0: {"momentum": [None], "state": [state]}},
+                }
+                for rank, state in enumerate(states)
+            ],
+        )
+    ]
+
+
 def reference_of(case: Case, **overrides: Any):
     """muon_ref under preset torch with the check's hyperparameters (lr 0.02, wd 0.1, momentum 0.9, Nesterov)."""
     return reference_steps(case, "torch", {**HYPERPARAMETERS, **overrides})
@@ -985,19 +1005,10 @@ def test_the_momentum_is_found_only_where_every_rank_holding_a_box_has_it():
     reference = reference_of(case)
     run = reference["skip"]
     boxes = [C.local_box(run.momenta[0][0], case, r) for r in range(2)]
-    results = []
-    for rank, box in enumerate(boxes):
-        state = {"['m']": box, "['other']": box if rank == 0 else box * 7}
-        results.append(
-            {
-                "first_step": 0,
-                "params": [[C.local_box(run.params[0][0], case, rank)]],
-                "errors": [None],
-                "momentum": [None],
-                "recorded": {0: {"momentum": [None], "state": [state]}},
-            }
-        )
-    assert find(case, [(2, results)], reference, 0) == "['m']"
+    states = [
+        {"['m']": box, "['other']": box if rank == 0 else box * 7} for rank, box in enumerate(boxes)
+    ]
+    assert find(case, ranks_of(case, run, states), reference, 0) == "['m']"
 
 
 def test_replicas_whose_momentum_disagrees_are_named_with_the_ranks():
@@ -1132,39 +1143,21 @@ def test_the_momentum_is_found_past_a_rank_with_an_empty_box():
     case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
     reference = reference_of(case)
     run = reference["skip"]
-    results = []
-    for rank in range(2):
-        box = C.local_box(run.momenta[0][0], case, rank)
-        state = {"['m']": box} if box.numel() else {}
-        results.append(
-            {
-                "first_step": 0,
-                "params": [[C.local_box(run.params[0][0], case, rank)]],
-                "errors": [None],
-                "momentum": [None],
-                "recorded": {0: {"momentum": [None], "state": [state]}},
-            }
-        )
-    assert find(case, [(2, results)], reference, 0) == "['m']"
+    boxes = [C.local_box(run.momenta[0][0], case, rank) for rank in range(2)]
+    states = [{"['m']": box} if box.numel() else {} for box in boxes]
+    assert find(case, ranks_of(case, run, states), reference, 0) == "['m']"
 
 
 def test_a_second_moment_is_found_past_a_rank_with_an_empty_box():
     case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
     run = reference_of(case)["skip"]
     grad = oracle_gradients(case, 0)[0]
-    results = []
-    for rank in range(2):
-        g = C.local_box(grad, case, rank)
-        state = {"['exp_avg']": g * 0.1, "['exp_avg_sq']": g * g * 1e-3} if g.numel() else {}
-        results.append(
-            {
-                "first_step": 0,
-                "params": [[C.local_box(run.params[0][0], case, rank)]],
-                "recorded": {0: {"momentum": [None], "state": [state]}},
-            }
-        )
-    assert [C.local_box(grad, case, r).numel() for r in range(2)].count(0) == 1
-    assert second_moment(case, [(2, results)], 0) == "['exp_avg_sq']"
+    boxes = [C.local_box(grad, case, rank) for rank in range(2)]
+    states = [
+        {"['exp_avg']": g * 0.1, "['exp_avg_sq']": g * g * 1e-3} if g.numel() else {} for g in boxes
+    ]
+    assert [g.numel() for g in boxes].count(0) == 1
+    assert second_moment(case, ranks_of(case, run, states), 0) == "['exp_avg_sq']"
 
 
 def test_the_momentum_of_a_step_no_segment_recorded_is_unknown_for_every_param():
@@ -1335,8 +1328,12 @@ def test_the_cosine_of_a_matrix_with_its_polar_factor():
 
     gen = torch.Generator().manual_seed(1)
     Q, _ = torch.linalg.qr(torch.randn(8, 4, generator=gen, dtype=torch.float64))
-    assert _polar_cos(Q * 3.0) == pytest.approx(1.0, abs=1e-12)  # a multiple of its own polar factor
-    spread = Q * torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # singular values (1, 1, 1, 0)
+    assert _polar_cos(Q * 3.0) == pytest.approx(
+        1.0, abs=1e-12
+    )  # a multiple of its own polar factor
+    spread = Q * torch.tensor(
+        [1.0, 1.0, 1.0, 0.0], dtype=torch.float64
+    )  # singular values (1, 1, 1, 0)
     assert _polar_cos(spread) == pytest.approx(3 / (2 * math.sqrt(3)), abs=1e-12)
     assert _polar_cos(torch.zeros(8, 4)) == 1.0
 

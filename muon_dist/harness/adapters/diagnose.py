@@ -542,34 +542,35 @@ def _located(
 LAZY_STATE = "Missing key in checkpoint state_dict: optim.state"
 # get_optimizer_state_dict creates an empty optimizer's state with a step(closure=...) of zero gradients
 NO_CLOSURE = "step() got an unexpected keyword argument 'closure'"
+RESUME_FAILURES = (
+    (
+        LAZY_STATE,
+        "(state created lazily: a param that never stepped has no momentum in the checkpoint, and "
+        "torch.distributed.checkpoint's load expects one)",
+    ),
+    (
+        NO_CLOSURE,
+        "(its step() takes no closure, which torch.distributed.checkpoint's get_optimizer_state_dict passes to "
+        "create an empty optimizer's state)",
+    ),
+)
 
 
 def _failures(outcomes: list[Outcome]) -> list[Finding]:
     """Crashes (gloo's refusals and resumes of lazily created state apart) and hangs."""
     out = []
-    lazy = {id(o) for o in outcomes if o.status == "crash" and LAZY_STATE in (o.error or "")}
-    if lazy:
-        out.append(
-            Finding(
-                "resume fails",
-                "(state created lazily: a param that never stepped has no momentum in the checkpoint, and "
-                "torch.distributed.checkpoint's load expects one) on "
-                + by_family(outcomes, lambda o: id(o) in lazy),
+    resumes: set[int] = set()  # crashes that are a resume failing, named as such
+    for marker, why in RESUME_FAILURES:
+        ids = {id(o) for o in outcomes if o.status == "crash" and marker in (o.error or "")}
+        if ids:
+            out.append(
+                Finding("resume fails", f"{why} on {by_family(outcomes, lambda o: id(o) in ids)}")
             )
-        )
-    closure = {id(o) for o in outcomes if o.status == "crash" and NO_CLOSURE in (o.error or "")}
-    if closure:
-        out.append(
-            Finding(
-                "resume fails",
-                "(its step() takes no closure, which torch.distributed.checkpoint's get_optimizer_state_dict "
-                "passes to create an empty optimizer's state) on "
-                + by_family(outcomes, lambda o: id(o) in closure),
-            )
-        )
-    lazy |= closure
+        resumes |= ids
     refused = {
-        id(o): gloo_refusal(o.error) for o in outcomes if o.status == "crash" and id(o) not in lazy
+        id(o): gloo_refusal(o.error)
+        for o in outcomes
+        if o.status == "crash" and id(o) not in resumes
     }
     for collective in sorted({c for c in refused.values() if c}):
         out.append(
