@@ -41,27 +41,40 @@ def assert_every_shard_equals_the_whole(shape, placement, W, preset, dtype, seed
     for rank in range(W):
         mine = shard_box(shape, placement, rank, W)
         on = lambda t: t[mine.index].contiguous()  # noqa: E731
-        got = (run_stage(momentum, [on(grad), on(buf)], shape, mine)
-               + run_stage(apply, [on(param), on(update)], shape, mine))
+        got = run_stage(momentum, [on(grad), on(buf)], shape, mine) + run_stage(
+            apply, [on(param), on(update)], shape, mine
+        )
         for g, w in zip(got, whole):
             assert torch.equal(bits(g), bits(on(w))), (rank, mine)
-        if runs_as_is([on(param), on(update)], shape, mine):  # the update written into the shard itself
+        if runs_as_is(
+            [on(param), on(update)], shape, mine
+        ):  # the update written into the shard itself
             own = on(param)
             apply_update(own, on(update), mlayout, cfg, out=own)
             assert torch.equal(bits(own), bits(on(whole[-1]))), (rank, mine)
 
 
 @settings(max_examples=examples(2.0))
-@given(shape=st.tuples(st.integers(1, 70), st.integers(1, 70)), placement=st.sampled_from(["S0", "S1"]),
-       W=st.integers(1, 8), preset=st.sampled_from(sorted(PRESETS)),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 999))
-def test_momentum_and_update_on_every_shard_equal_the_whole_tensor_bitwise(shape, placement, W, preset, dtype, seed) -> None:
+@given(
+    shape=st.tuples(st.integers(1, 70), st.integers(1, 70)),
+    placement=st.sampled_from(["S0", "S1"]),
+    W=st.integers(1, 8),
+    preset=st.sampled_from(sorted(PRESETS)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 999),
+)
+def test_momentum_and_update_on_every_shard_equal_the_whole_tensor_bitwise(
+    shape, placement, W, preset, dtype, seed
+) -> None:
     assert_every_shard_equals_the_whole(shape, placement, W, preset, dtype, seed)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape, W", [((256, 64), 2), ((256, 64), 4), ((96, 64), 4), ((130, 64), 4), ((129, 65), 2), ((129, 63), 2)])
+@pytest.mark.parametrize(
+    "shape, W",
+    [((256, 64), 2), ((256, 64), 4), ((96, 64), 4), ((130, 64), 4), ((129, 65), 2), ((129, 63), 2)],
+)
 def test_shards_of_whole_blocks_run_unpadded_with_the_same_bits(shape, W, preset, dtype) -> None:
     """Boxes of a multiple of BLOCK elements outside the tail take run_stage's unpadded call; the last box of
     (129, 65) and of (129, 63) holds the global tail and takes the padded one (negative control: without the tail
@@ -75,17 +88,31 @@ def test_bf16_add_alpha_depends_on_the_position_in_the_call_on_this_cpu() -> Non
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(4096, generator=gen).to(torch.bfloat16) for _ in range(2))
     whole = a.add(b, alpha=0.95)
-    one_by_one = torch.cat([a[i:i + 1].add(b[i:i + 1], alpha=0.95) for i in range(4096)])
+    one_by_one = torch.cat([a[i : i + 1].add(b[i : i + 1], alpha=0.95) for i in range(4096)])
     differing = int((whole != one_by_one).sum())
     if differing == 0:
-        pytest.skip("the CPU build running the test gives bf16 add(alpha) position-independent bits")
+        pytest.skip(
+            "the CPU build running the test gives bf16 add(alpha) position-independent bits"
+        )
     assert differing > 0
 
 
-@pytest.mark.parametrize("shape, W", [((256, 64), 4), ((130, 64), 4), ((129, 65), 2), ((129, 63), 2), ((7, 32), 2),
-                                      ((5, 3), 1), ((5, 3), 3)])
+@pytest.mark.parametrize(
+    "shape, W",
+    [
+        ((256, 64), 4),
+        ((130, 64), 4),
+        ((129, 65), 2),
+        ((129, 63), 2),
+        ((7, 32), 2),
+        ((5, 3), 1),
+        ((5, 3), 3),
+    ],
+)
 @pytest.mark.parametrize("placement", ["S0", "S1"])
-def test_runs_as_is_says_whether_run_stage_calls_the_stage_once_on_the_shard_as_it_is(shape, W, placement) -> None:
+def test_runs_as_is_says_whether_run_stage_calls_the_stage_once_on_the_shard_as_it_is(
+    shape, W, placement
+) -> None:
     """runs_as_is is run_stage's rule: True exactly where run_stage makes one call of the stage, on the shard's own
     storage (no padded copy, no tail call); on a non-contiguous shard it is False unless the box is the whole
     tensor."""
@@ -102,3 +129,30 @@ def test_runs_as_is_says_whether_run_stage_calls_the_stage_once_on_the_shard_as_
             assert runs_as_is([shard], shape, mine) == as_is, (rank, mine, calls)
             if not shard.is_contiguous():
                 assert runs_as_is([shard], shape, mine) == (tuple(mine.shape) == shape)
+
+
+@pytest.mark.parametrize(
+    "global_shape, box, calls",
+    [
+        # 130 elements: the body ends at 128, two elements in the tail; the box holds 65, the tail's two among them
+        ((10, 13), Box((5, 0), (5, 13)), [128, 2]),
+        # 128 elements, no tail; a box of 48 is padded to one BLOCK of 64 all the same
+        ((8, 16), Box((0, 0), (3, 16)), [64]),
+        # a box of 64 in the body of a tensor without a tail runs as it is
+        ((8, 16), Box((0, 0), (4, 16)), [64]),
+    ],
+)
+def test_a_stage_runs_once_on_the_box_padded_to_whole_blocks_and_once_on_the_tensors_tail(
+    global_shape, box, calls
+) -> None:
+    """run_stage's calls, by the length of their inputs: the box padded to the next multiple of BLOCK (64), no
+    further; then, where the box holds elements of the whole tensor's tail (its last numel % 64), the tail alone."""
+    seen = []
+
+    def stage(x: torch.Tensor) -> tuple[torch.Tensor]:
+        seen.append(x.numel())
+        return (x * 2,)
+
+    x = torch.arange(box.numel, dtype=torch.float32).reshape(box.shape)
+    (out,) = run_stage(stage, [x], global_shape, box)
+    assert seen == calls and torch.equal(out, x * 2)
