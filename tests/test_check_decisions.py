@@ -246,6 +246,9 @@ def test_a_muon_update_is_orthogonalised_and_an_sgd_update_is_not_and_is_element
 
 
 def test_a_vectors_update_is_elementwise_where_it_is_a_multiple_of_the_gradient_or_its_sign_only():
+    """routing.update_of on a vector: elementwise exactly where the update's cosine with G (>= ELEMENTWISE_COS) or
+    with sign(G) (>= SIGN_COS) says it is a multiple of one; a vector has no spreads and no orthogonalisation
+    answer."""
     gen = torch.Generator().manual_seed(5)
     p0, grad, other = (torch.randn(64, generator=gen, dtype=torch.float64) for _ in range(3))
     muon = p0 * (1 - 0.002) - 0.02 * other  # the claim's update, unrelated to G here
@@ -706,6 +709,8 @@ def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_wh
 
 
 def test_the_momentum_read_is_not_listed_as_other_state_when_its_path_is_an_equal_string_from_another_rank():
+    """verdict._other_state compares state paths by value: the path the view read is never listed as other state,
+    whichever rank's str object it is; any other param-sized state is."""
     from muon_dist.harness.adapters.verdict import _other_state
 
     # each rank's results arrive in a pickle of their own: equal paths, distinct str objects
@@ -781,6 +786,7 @@ def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected,
 
 
 def test_a_buffer_normalised_by_its_norm_plus_eps_is_told_from_one_clamped_at_eps():
+    """stages._momentum_detail names M' / (||M'|| + eps) and M' / max(||M'||, eps) apart, each by its own bits."""
     from muon_dist.harness.adapters.stages import _momentum_detail
     from muon_ref.config import MuonConfig
 
@@ -804,6 +810,8 @@ def test_the_rounding_bound_is_half_a_unit_in_the_last_place():
 
 
 def test_of_several_matching_state_tensors_the_one_named_like_a_momentum_is_read_first_in_order():
+    """momentum.find: of several state tensors with the momentum's bits, the one whose path names a momentum, else
+    the first."""
     reference = reference_of(CASE)
     run = reference["skip"]
     m = run.momenta[0][0]
@@ -814,6 +822,8 @@ def test_of_several_matching_state_tensors_the_one_named_like_a_momentum_is_read
 
 
 def test_a_step_without_a_closure_is_named_as_the_resume_failure_it_causes():
+    """A crash of get_optimizer_state_dict's step(closure=...) is the finding 'resume fails' with its cause, not a
+    plain crash."""
     crash = _outcome(
         "checkpoint",
         "crash",
@@ -826,6 +836,8 @@ def test_a_step_without_a_closure_is_named_as_the_resume_failure_it_causes():
 
 
 def test_a_departure_named_exactly_gets_no_nearest_configuration_and_an_unnamed_one_does():
+    """diagnose: the nearest configuration is searched only for a departure that no named variant of its stage gives
+    bit for bit."""
     from tests.test_conformance_words import RoundedDecay
 
     named = [
@@ -840,6 +852,8 @@ def test_a_departure_named_exactly_gets_no_nearest_configuration_and_an_unnamed_
 
 
 def test_a_param_without_a_gradient_that_the_candidate_decays_anyway_is_located_there():
+    """stages._stepped_without_gradient: a param without a gradient changed by exactly the claim's decay is 'weight
+    decay' (exact); changed otherwise, 'application'; the step is 1-based."""
     from muon_dist.harness.adapters.stages import _stepped_without_gradient
     from muon_ref.config import MuonConfig
     from muon_ref.functional import decay
@@ -900,6 +914,8 @@ def test_proportion_routes_sgd_only_where_the_gradient_is_far_from_its_polar_fac
 
 
 def test_degenerate_families_conforming_do_not_make_a_departure_a_bug():
+    """A departure is a bug only where a non-degenerate family of its dtype conforms; row and tiny (DEGENERATE)
+    conforming are no such evidence."""
     departing = _outcome("tall", "differs", stage="Nesterov input", stage_detail="x")
     only_row = diagnose(
         [departing, _outcome("row", "bitwise"), _outcome("tiny", "close")],
@@ -922,6 +938,8 @@ def test_degenerate_families_conforming_do_not_make_a_departure_a_bug():
 
 
 def test_a_second_moment_routes_only_where_the_update_is_adams_first_one():
+    """routing.classify: a second moment routes a param to Adam only where its first update is sign-like (Adam's
+    first step) or unreadable."""
     case = Case("row", "single", 1, ((1, 10),), "float32", steps=1)
     p0, grad = initial_params(case)[0], oracle_gradients(case, 0)[0]
     moment = [[{"['v']": grad * grad * 0.05}]]
@@ -936,6 +954,8 @@ def test_a_second_moment_routes_only_where_the_update_is_adams_first_one():
 
 
 def test_a_candidate_compared_at_a_tolerance_that_drifts_beyond_it_is_said_to_drift():
+    """A tolerance-compared candidate beyond the tolerance with no single step beyond it is said to drift, never a
+    located bug."""
     drift = _outcome("tall", "differs", tolerance=1e-3)
     line = diagnose(
         [drift, _outcome("square", "close", tolerance=1e-3)],
@@ -947,6 +967,7 @@ def test_a_candidate_compared_at_a_tolerance_that_drifts_beyond_it_is_said_to_dr
 
 
 def test_routing_goes_by_shape_to_cases_where_the_update_cannot_be_read():
+    """Shapes read as routed (or kept) in some case hold for cases of the same shape whose update cannot be read."""
     from muon_dist.harness.conformance import Runner
 
     runner = Runner(Named(), 0.0)
@@ -970,10 +991,13 @@ def replace_dtype(case: Case) -> Case:
 
 
 def test_primes_are_primes():
+    """cases._prime, which draws the primes family's sides, is a primality test: the primes below 20."""
     assert [n for n in range(1, 20) if C._prime(n)] == [2, 3, 5, 7, 11, 13, 17, 19]
 
 
 def test_a_construction_hint_names_the_key_in_the_error_and_the_keywords_without_a_default():
+    """verdict.construction_hint: one line naming the param-group key the error names, else the constructor's
+    keywords without a default."""
     from muon_dist.harness.adapters import ImportPath
     from muon_dist.harness.adapters.verdict import construction_hint
 
@@ -1001,6 +1025,7 @@ class NeedsKeyword(torch.optim.Optimizer):
 
 
 def test_the_momentum_is_found_only_where_every_rank_holding_a_box_has_it():
+    """momentum.find: a path counts only where every rank with a non-empty box holds the momentum's bits there."""
     case = Case("even", "dtensor", 2, ((4, 5),), "float32", steps=1)
     reference = reference_of(case)
     run = reference["skip"]
@@ -1012,6 +1037,7 @@ def test_the_momentum_is_found_only_where_every_rank_holding_a_box_has_it():
 
 
 def test_replicas_whose_momentum_disagrees_are_named_with_the_ranks():
+    """oracle._disagreement names the param, step and ranks whose momentum differs from rank 0's."""
     from muon_dist.harness.adapters.oracle import _disagreement
 
     case = Case("even", "replicated", 2, ((4, 5),), "float32", steps=1)
@@ -1026,6 +1052,9 @@ def test_replicas_whose_momentum_disagrees_are_named_with_the_ranks():
 
 
 def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
+    """stages._param: within 1 ulp of P' is a rounding at the application; a few ulps explained by the least-squares
+    fit P_cand - P' = alpha P + beta O is the decay or scale with its fitted value; noise no fit explains is the
+    orthogonalised direction. Step 1-based, param index kept."""
     from muon_dist.harness.adapters.stages import _param
     from muon_ref.config import MuonConfig
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
@@ -1054,6 +1083,8 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
 
 
 def test_a_fitted_step_size_is_said_beside_the_claims_lr_times_its_shape_scale():
+    """stages._param on P' - 0.1 a O: shape scale, 'a step of about 1.1 a where the claim's lr * scale is a' (a = lr
+    * lr_scale * scale_factor)."""
     from muon_dist.harness.adapters.stages import _param
     from muon_ref.config import MuonConfig, lr_scale
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
@@ -1077,6 +1108,8 @@ def test_a_fitted_step_size_is_said_beside_the_claims_lr_times_its_shape_scale()
 
 
 def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not():
+    """stages._param: P_cand == P bit for bit (the claim steps it) is 'the param is left as it is', application,
+    exact; a half-step is a shape scale instead."""
     from muon_dist.harness.adapters.stages import _param
     from muon_ref.config import MuonConfig
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
@@ -1097,6 +1130,7 @@ def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not(
 
 
 def test_a_located_stage_says_its_step():
+    """A located outcome's stage detail starts with its 1-based step and the param's index."""
     from tests.test_conformance_words import _located
 
     outcome = _located({"lr_scale": "match_rms_adamw"}, (12, 6))
@@ -1106,6 +1140,7 @@ def test_a_located_stage_says_its_step():
 
 
 def test_the_decay_variants_include_the_other_form_whichever_the_claim_has():
+    """stages._decay_variants always offers the other weight_decay_form than the claim's."""
     from muon_dist.harness.adapters.stages import _decay_variants
     from muon_ref.config import MuonConfig
 
@@ -1115,6 +1150,7 @@ def test_the_decay_variants_include_the_other_form_whichever_the_claim_has():
 
 
 def test_replicas_that_disagree_are_named_by_rank_and_step():
+    """oracle._disagreement: 'param i after step s: ranks [...] differ from rank 0 (W=...)'."""
     from muon_dist.harness.adapters.oracle import _disagreement
 
     case = Case("even", "replicated", 3, ((4, 5),), "float32", steps=2)
@@ -1130,6 +1166,8 @@ def test_replicas_that_disagree_are_named_by_rank_and_step():
 
 
 def test_the_badly_scaled_family_reaches_below_every_presets_eps():
+    """The badly_scaled family's smallest gradient norm is below every preset's eps (so eps decides there), its
+    scales powers of two (exact)."""
     from muon_ref import PRESETS
 
     assert all(s > 0 and math.log2(s) == int(math.log2(s)) for s in C.BADLY_SCALED)
@@ -1140,6 +1178,7 @@ def test_the_badly_scaled_family_reaches_below_every_presets_eps():
 
 
 def test_the_momentum_is_found_past_a_rank_with_an_empty_box():
+    """momentum.find skips a rank whose box is empty instead of failing the match there."""
     case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
     reference = reference_of(case)
     run = reference["skip"]
@@ -1149,6 +1188,7 @@ def test_the_momentum_is_found_past_a_rank_with_an_empty_box():
 
 
 def test_a_second_moment_is_found_past_a_rank_with_an_empty_box():
+    """momentum.second_moment skips a rank whose box is empty: Adam's exp_avg_sq is found on the others."""
     case = Case("empty", "dtensor", 2, ((1, 4),), "float32", steps=1)
     run = reference_of(case)["skip"]
     grad = oracle_gradients(case, 0)[0]
@@ -1161,6 +1201,7 @@ def test_a_second_moment_is_found_past_a_rank_with_an_empty_box():
 
 
 def test_the_momentum_of_a_step_no_segment_recorded_is_unknown_for_every_param():
+    """stages._full_momentum: a step no segment recorded gives None for every param."""
     from muon_dist.harness.adapters.stages import _full_momentum
 
     case = Case("even", "dtensor", 2, ((4, 5), (6, 5)), "float32", steps=2)
@@ -1169,6 +1210,8 @@ def test_the_momentum_of_a_step_no_segment_recorded_is_unknown_for_every_param()
 
 
 def test_a_candidate_without_momentum_diffs_departs_at_its_first_step_past_the_tolerance():
+    """stages._first_departing_step: with a tolerance, the first step whose param or momentum difference exceeds it
+    (momentum diffs may be absent); without one, first_step - 1."""
     from types import SimpleNamespace
 
     from muon_dist.harness.adapters.stages import _first_departing_step
@@ -1189,6 +1232,8 @@ def test_a_candidate_without_momentum_diffs_departs_at_its_first_step_past_the_t
 
 
 def test_a_shrunk_crash_keeps_its_exception_type_whatever_its_message():
+    """verdict.failure_kind keys a crash by its exception type: the same type with another message is the same
+    failure, another type is not."""
     from muon_dist.harness.adapters.verdict import failure_kind
 
     def crash(error: str) -> Outcome:
@@ -1204,6 +1249,7 @@ def test_a_shrunk_crash_keeps_its_exception_type_whatever_its_message():
 
 
 def test_initial_params_differ_between_params_and_between_case_seeds():
+    """cases.initial_params are seeded per param and per case seed: no two params and no two seeds share them."""
     case = Case("tall", "single", 1, ((4, 3), (4, 3)))
     first, second = initial_params(case)
     assert not torch.equal(first, second)
@@ -1212,6 +1258,8 @@ def test_initial_params_differ_between_params_and_between_case_seeds():
 
 
 def test_the_shape_features_of_a_routing_rule():
+    """routing._feature: ndim, min/max side and aspect of the last two dims, flat min side and aspect of (shape[0],
+    prod(rest)), numel."""
     from muon_dist.harness.adapters.routing import FEATURES, _feature
 
     want = {
@@ -1224,6 +1272,7 @@ def test_the_shape_features_of_a_routing_rule():
 
 
 def test_a_candidate_that_differs_from_itself_is_measured_and_one_that_does_not_is_not():
+    """verdict.self_difference: max |dP| over every rank of two runs; 0 where they agree bit for bit."""
     from muon_dist.harness.adapters.verdict import self_difference
 
     def run(*params: torch.Tensor) -> list:
@@ -1235,6 +1284,8 @@ def test_a_candidate_that_differs_from_itself_is_measured_and_one_that_does_not_
 
 
 def test_other_state_beside_the_adapters_momentum_is_listed_whatever_its_name_sorts_as():
+    """verdict._other_state: with the adapter's momentum read, every other param-sized state is listed; where the
+    adapter exposed none, its key is listed too."""
     from muon_dist.harness.adapters.verdict import _other_state
 
     adapter = Adapter()
@@ -1254,6 +1305,8 @@ def test_other_state_beside_the_adapters_momentum_is_listed_whatever_its_name_so
 
 
 def test_a_candidate_that_differs_from_itself_is_compared_at_twice_its_largest_difference_per_dtype():
+    """conformance._tolerant: tolerance per dtype = TOLERANCE_FACTOR (2) x the run-to-run difference, the context's
+    the largest."""
     from types import SimpleNamespace
 
     from muon_dist.harness.conformance import _tolerant
@@ -1268,6 +1321,7 @@ def test_a_candidate_that_differs_from_itself_is_compared_at_twice_its_largest_d
 
 
 def test_a_difference_grows_where_its_last_step_is_larger_than_its_first():
+    """Outcome.grows: last step's max |dP| > the first differing step's; None where nothing differs."""
     case = Case("tall", "single", 1, ((12, 6),), steps=3)
     assert Outcome(case, "differs", param_diffs=[0.0, 1e-3, 2e-3]).grows is True
     assert Outcome(case, "differs", param_diffs=[0.0, 2e-3, 1e-3]).grows is False
@@ -1276,6 +1330,8 @@ def test_a_difference_grows_where_its_last_step_is_larger_than_its_first():
 
 
 def test_each_named_rounding_is_its_own_configuration():
+    """oracle.ROUNDINGS: eight distinct (momentum_local, update_local, other_layout) configurations, the claim's own
+    (WHOLE) first."""
     from muon_dist.harness.adapters.oracle import ELEMENTWISE
 
     assert ELEMENTWISE == {
@@ -1289,6 +1345,7 @@ def test_each_named_rounding_is_its_own_configuration():
 
 
 def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():
+    """cases.gradients: a distinct gradient per (step, param) for any case seed."""
     for seed in (0, 1, 12345):
         case = Case("tall", "single", 1, ((2, 2),) * 12, seed=seed, steps=3)
         seen = [g for step in range(3) for g in oracle_gradients(case, step)]
@@ -1296,6 +1353,8 @@ def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():
 
 
 def test_a_routing_rule_of_two_terms_is_inferred_where_no_single_term_separates():
+    """routing.infer_rule: the simplest rule of one term, else two joined by 'or', that routes exactly the routed
+    shapes; None where no pair does."""
     from muon_dist.harness.adapters.routing import infer_rule, parse_rule
 
     routed, kept = {(1, 10), (64, 64)}, {(6, 8), (12, 6)}  # a thin matrix and a large one
@@ -1324,6 +1383,8 @@ def test_an_update_whose_spread_departs_from_a_near_orthogonal_gradients_does_no
 
 
 def test_the_cosine_of_a_matrix_with_its_polar_factor():
+    """routing._polar_cos = sum(s) / (sqrt(k) |s|) over the singular values: 1 for a multiple of an orthogonal
+    matrix, 1 for zero."""
     from muon_dist.harness.adapters.routing import _polar_cos
 
     gen = torch.Generator().manual_seed(1)
@@ -1339,6 +1400,8 @@ def test_the_cosine_of_a_matrix_with_its_polar_factor():
 
 
 def test_when_a_run_cannot_go_on():
+    """verdict.stop: could not run (import), could not build (constructor refuses a plain matrix, with a hint),
+    refused (torch.distributed without being declared distributed); None otherwise."""
     from muon_dist.harness.adapters.verdict import stop
 
     distributed = Named()

@@ -90,6 +90,8 @@ def test_each_bounded_option_accepts_zero_and_refuses_a_negative_value_naming_it
 
 
 def test_a_tensor_lr_has_one_element_or_is_refused_naming_its_shape():
+    """MuonConfig: a Tensor lr of one element (any shape) is accepted; any other numel raises torch.optim's message
+    with its shape."""
     import torch
 
     for one in (torch.tensor(0.02), torch.tensor([0.02]), torch.tensor([[0.02]])):

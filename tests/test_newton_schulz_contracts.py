@@ -149,11 +149,14 @@ def test_normalise_is_its_reference_equation_with_the_safety_factor(eps_mode, sa
 
 @pytest.mark.parametrize("safety", [0.0, -1.0, float("inf"), float("nan")])
 def test_a_safety_factor_that_is_not_positive_and_finite_is_refused(safety):
+    """NSOptions: safety must be finite and > 0 (0, -1, inf and NaN refused by name)."""
     with pytest.raises(ValueError, match=r"^safety must be finite and > 0, got"):
         NSOptions(coefficients=((3.0, -3.0, 1.0),), eps=1e-7, safety=safety, precondition=None)
 
 
 def test_precondition_none_is_read_by_value_as_a_config_file_gives_it():
+    """resolve_ns_options reads precondition by value: a 'none' or 'aol' built at runtime resolves as the literals
+    do."""
     from muon_ref.newton_schulz import _resolved
 
     _resolved.cache_clear()  # a string equal to "none" but not the interned literal

@@ -203,6 +203,8 @@ def test_the_worlds_mailboxes_are_emptied_once_every_member_has_read() -> None:
 
 
 def test_only_the_whole_world_gets_the_world_handle_and_a_given_handle_is_kept() -> None:
+    """Comm.group: the world's handle for the world's ranks compared by value, none for other ranks, a given handle
+    kept."""
     class Handled(ThreadComm):
         def _world_handle(self):
             return "WORLD"
@@ -214,6 +216,7 @@ def test_only_the_whole_world_gets_the_world_handle_and_a_given_handle_is_kept()
 
 
 def test_reduce_scatter_refuses_a_tensor_that_does_not_split_into_equal_chunks() -> None:
+    """reduce_scatter_sum's precondition numel % group.size == 0, asserted before any backend call."""
     comm = NoBackend(ThreadWorld(2), 0)
     with pytest.raises(AssertionError, match=r"^\(5, 2\)$"):  # its own precondition, before any backend call
         comm.reduce_scatter_sum(torch.zeros(5), Group((0, 1)), "p")

@@ -224,6 +224,8 @@ def test_only_the_all_to_all_family_packs_expert_stacks_keep_batches_of_their_gr
 
 
 def test_an_expert_stack_is_one_sharded_along_its_expert_dim_only():
+    """plan.is_expert_stack: a 3-D stack (or num_experts) whose placements shard dim 0 or replicate, on any mesh;
+    sharded on another dim, not."""
     from muon_dist import ParamLayout
     from muon_dist.plan import is_expert_stack
 
@@ -233,6 +235,8 @@ def test_an_expert_stack_is_one_sharded_along_its_expert_dim_only():
 
 
 def test_the_expert_paths_refuse_a_batch_with_owners():
+    """local and subgroup_all_gather batches have no owners (every member steps its own boxes): check() refuses one
+    with owners."""
     from .batches import batch_of
 
     for path, layout in (("local", layout_ep((4, 3, 2), 2, 1, "torch.float32")),
