@@ -42,7 +42,7 @@ from muon_dist.harness.adapters.shipped import (
     ReplicatedReference,
 )
 
-FIELD_BUGS = range(1, 28)  # the classes of docs/field-bugs.md
+FIELD_BUGS = range(1, 33)  # the classes of docs/field-bugs.md
 NEW_FAMILIES = {
     None: ("micro_batches", "nesterov_off"),
     "dtensor": (
@@ -59,21 +59,75 @@ NEW_FAMILIES = {
 }
 
 
+NO_SETUPS = {
+    "controls": [],
+    "false_positives": 0,
+    "planted": [],
+    "caught": 0,
+    "right": 0,
+    "total": 0,
+}
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
     """One run of the CLI's planted suite (the controls and the planted bugs; several minutes on 2 loaded cores): exit
-    code, --json report, printed lines."""
+    code, --json report, printed lines. Its setup-level part (setup_checks.setup_suite) is left out here: each of
+    its setups is run by tests/dist/test_setup_audit.py, and its merge into the figures by
+    test_the_setup_suite_counts_in_the_planted_figures."""
+    import muon_dist.harness.setup_checks as setup_checks
+
     out, printed = tmp_path_factory.mktemp("planted") / "suite.json", io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = conformance.main(["--planted", "--json", str(out)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(setup_checks, "setup_suite", lambda log: dict(NO_SETUPS, wall_s=0.0))
+        with contextlib.redirect_stdout(printed):
+            code = conformance.main(["--planted", "--json", str(out)])
     return code, json.loads(out.read_text()), printed.getvalue()
 
 
-def test_every_field_bug_class_is_planted_or_named_unreachable_with_its_reason() -> None:
-    planted = [p.field_bug for p in PLANTED]
-    assert sorted(planted + list(UNREACHABLE)) == list(FIELD_BUGS) and len(set(planted)) == len(
-        planted
+@pytest.mark.parametrize("setup_right", [True, False], ids=["all-right", "one-wrong"])
+def test_the_setup_suite_counts_in_the_planted_figures(monkeypatch, setup_right: bool) -> None:
+    """The setup-level plants and controls add to the suite's figures: a setup plant named wrongly is a miss,
+    a setup control with a finding a false positive, and the exit code says so."""
+    import muon_dist.harness.adapters.controls as controls
+    import muon_dist.harness.adapters.planted as planted_module
+    import muon_dist.harness.setup_checks as setup_checks
+
+    setups = {
+        "controls": [{"control": "x", "right": setup_right}],
+        "false_positives": 0 if setup_right else 1,
+        "planted": [{"planted": "y", "caught": True, "right": setup_right}],
+        "caught": 1,
+        "right": 1 if setup_right else 0,
+        "total": 1,
+        "wall_s": 0.0,
+    }
+    monkeypatch.setattr(planted_module, "PLANTED", ())
+    monkeypatch.setattr(planted_module, "UNREACHABLE", {})
+    monkeypatch.setattr(controls, "CONTROLS", ())
+    monkeypatch.setattr(setup_checks, "setup_suite", lambda log: setups)
+    printed: list[str] = []
+    suite = conformance.planted_suite(10.0, 1, log=printed.append)
+    assert (suite["total"], suite["right"], suite["false_positives"]) == (
+        1,
+        1 if setup_right else 0,
+        0 if setup_right else 1,
     )
+    assert (
+        f"caught 1/1 planted bugs (1 of them setup bugs), diagnosis right for {suite['right']}"
+        in printed[-2]
+    )
+
+
+def test_every_field_bug_class_is_planted_or_named_unreachable_with_its_reason() -> None:
+    """Each class is planted as an optimizer (PLANTED), as a training setup (PLANTED_SETUPS: some classes are
+    both) or named unreachable with its reason, never two of planted-and-unreachable."""
+    from muon_dist.harness.adapters.planted_setups import PLANTED_SETUPS
+
+    planted = [p.field_bug for p in PLANTED]
+    in_setups = {p.field_bug for p in PLANTED_SETUPS.values()}
+    assert sorted(set(planted) | in_setups | set(UNREACHABLE)) == list(FIELD_BUGS)
+    assert len(set(planted)) == len(planted) and not (set(planted) | in_setups) & set(UNREACHABLE)
     assert all("gloo" in reason for reason in UNREACHABLE.values())
 
 
@@ -338,6 +392,9 @@ def test_a_planted_bug_absent_with_this_torch_must_conform_and_counts_as_a_contr
     monkeypatch.setattr(planted_module, "PLANTED", (absent, present))
     monkeypatch.setattr(controls, "CONTROLS", ())
     monkeypatch.setattr(conformance, "check", lambda *args, **kwargs: report)
+    import muon_dist.harness.setup_checks as setup_checks
+
+    monkeypatch.setattr(setup_checks, "setup_suite", lambda log: dict(NO_SETUPS, wall_s=0.0))
     printed: list[str] = []
     suite = conformance.planted_suite(10.0, 1, log=printed.append)
     (entry,) = suite["absent"]

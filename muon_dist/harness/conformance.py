@@ -8,6 +8,8 @@ r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance 
     python -m muon_dist.harness.conformance --all --device cuda                                 # on a GPU node
     python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
     python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
+    python -m muon_dist.harness.conformance --audit MODULE:SETUP   # a training setup's routing, per param
+    python -m muon_dist.harness.conformance --invariance MODULE:SETUP   # the same training on every layout
 
 Each case (muon_dist/harness/adapters/cases.py) runs the candidate on a pool of gloo ranks
 (muon_dist.harness.launch.RankPool: spawned ranks, each with its own PYTHONHASHSEED from --seed; one rank without a
@@ -738,6 +740,21 @@ def _parser() -> argparse.ArgumentParser:
         "planted): a small Muon per reachable class of field bug; prints caught K/N",
     )
     p.add_argument(
+        "--audit",
+        metavar="MODULE:SETUP",
+        help="audit a training setup (muon_dist.harness.audit.Setup) on a small real model: per param its "
+        "optimizer, the blocks Newton-Schulz saw, calls per step, path and findings (--world-sizes, default 4)",
+    )
+    p.add_argument(
+        "--invariance",
+        metavar="MODULE:SETUP",
+        help="train a setup under every world size, layout and gradient accumulation; each must give the "
+        "reference's params bit for bit (muon_dist.harness.invariance)",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=2, help="micro-batches for --audit and --invariance"
+    )
+    p.add_argument(
         "--world-sizes",
         type=int,
         nargs="+",
@@ -901,21 +918,25 @@ def _planted_suite(
         log(f"     {v['diagnosis']}")
     for number, reason in UNREACHABLE.items():
         log(f"#{number:<3} not reachable: {reason}")
+    from .setup_checks import setup_suite
+
+    setups = setup_suite(log)
     caught, right = (
-        sum(v["caught"] for v in verdicts),
-        sum(v["caught"] and v["right"] for v in verdicts),
+        sum(v["caught"] for v in verdicts) + setups["caught"],
+        sum(v["caught"] and v["right"] for v in verdicts) + setups["right"],
     )
-    false_positives = sum(not c["conforms"] for c in controls + absent)
+    false_positives = sum(not c["conforms"] for c in controls + absent) + setups["false_positives"]
+    total = len(verdicts) + setups["total"]
     wall = round(time.monotonic() - started, 1)
     log(
-        f"caught {caught}/{len(verdicts)} planted bugs, diagnosis right for {right}; "
-        f"{len(UNREACHABLE)} {'class' if len(UNREACHABLE) == 1 else 'classes'} not reachable ({wall} s)"
+        f"caught {caught}/{total} planted bugs ({setups['total']} of them setup bugs), diagnosis right for "
+        f"{right}; {len(UNREACHABLE)} {'class' if len(UNREACHABLE) == 1 else 'classes'} not reachable ({wall} s)"
     )
     also = f" ({len(absent)} of them a planted bug absent with this torch)" if absent else ""
+    n_controls = len(controls) + len(absent) + len(setups["controls"])
     log(
-        f"verdict accuracy: false positives {false_positives}/{len(controls) + len(absent)} correct "
-        f"controls{also}, misses {len(verdicts) - right}/{len(verdicts)} planted bugs (not caught or wrong "
-        "diagnosis)"
+        f"verdict accuracy: false positives {false_positives}/{n_controls} correct controls{also}, misses "
+        f"{total - right}/{total} planted bugs (not caught or wrong diagnosis)"
     )
     return {
         "device": device,
@@ -923,10 +944,11 @@ def _planted_suite(
         "false_positives": false_positives,
         "planted": verdicts,
         "absent": absent,
+        "setups": setups,
         "caught": caught,
         "right": right,
-        "misses": len(verdicts) - right,
-        "total": len(verdicts),
+        "misses": total - right,
+        "total": total,
         "wall_s": wall,
     }
 
@@ -988,6 +1010,32 @@ def _state_map(value: str | None) -> str | None | bool:
     return None if key.lower() in ("none", "") else key
 
 
+def _setup_mode(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """--audit / --invariance: a training setup rather than an optimizer."""
+    from .setup_checks import run_audit, run_invariance
+
+    if args.adapter or args.all or args.origins or args.planted or (args.audit and args.invariance):
+        print("error: --audit and --invariance each run alone", file=sys.stderr)
+        return 2
+    if args.micro_batches < 1:
+        print(f"error: --micro-batches must be >= 1, got {args.micro_batches}", file=sys.stderr)
+        return 2
+    explicit = argv is not None and "--world-sizes" in argv or "--world-sizes" in sys.argv
+    try:
+        if args.audit:
+            sizes = args.world_sizes if explicit else [4]
+            return run_audit(args.audit, sizes, args.micro_batches)
+        sizes = args.world_sizes if explicit else [1, 2, 4]
+        steps = args.steps if argv is not None and "--steps" in argv else 2
+        return run_invariance(args.invariance, sizes, args.micro_batches, steps)
+    except (ImportError, AttributeError) as e:
+        print(f"error: could not import the setup: {e}", file=sys.stderr)
+        return 3
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def _write_json(path: str, payload: Any) -> None:
     """Written to a temporary file and renamed: a reader (or an interrupt) never sees half a report."""
     tmp = f"{path}.tmp"
@@ -1005,6 +1053,8 @@ def main(argv: list[str] | None = None) -> int:
     if unavailable:
         print(f"error: --device {unavailable}", file=sys.stderr)
         return 2
+    if args.audit or args.invariance:
+        return _setup_mode(args, argv)
     if args.planted:
         if args.adapter or args.all or args.origins:
             print("error: --planted runs the planted suite alone", file=sys.stderr)

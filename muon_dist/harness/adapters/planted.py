@@ -11,7 +11,9 @@ planted bugs built on it are caught). A planted bug is one of them with one meth
     RoundRobinMuon   replicated, DDP style: KellerJordan's batches of W params, one owner per param, all-gathered
     ZeroMuon         unreduced, ZeRO-1/2 style: gradients reduce-scattered over W flat partitions
 Where a field bug is a race or depends on hardware, the planted defect is its deterministic limit, said so in its
-docstring. Unreachable here, each with its reason: bugs 10, 15, 19, 20, 21, 22 and 27 (UNREACHABLE).
+docstring. Unreachable here, each with its reason: bugs 10, 19, 20, 21, 22 and 27 (UNREACHABLE). The classes about
+the setup around the optimizer (a routing, a path, a layout) are planted as training setups instead
+(adapters/planted_setups.py: PLANTED_SETUPS, caught by the setup audit and the invariance families).
 """
 
 from __future__ import annotations
@@ -843,10 +845,6 @@ PLANTED: tuple[Planted, ...] = (
 UNREACHABLE: dict[int, str] = {
     10: "PrimeIntellect/prime-rl #3490: a first-step all-to-all deadlock across nodes (EP8/CP4) until NCCL "
     "connections were warmed up. The check runs gloo ranks on one machine: no NCCL, no second node.",
-    15: "ByteDance VeOmni #1011, microsoft/dion #97: a fast path silently disengaged (a 2-D HSDP mesh fell back "
-    "to per-param full_tensor; a guard always true). Either path gives the same bits, and the check compares "
-    "bits on gloo ranks: it cannot tell which path ran (python -m muon_dist.harness.verify counts them for "
-    "DistributedMuon).",
     19: "microsoft/dion #108, #107: CUDA-graph capture (params without a gradient at capture never update again; "
     "captured NCCL collectives hang at teardown). The check runs eager steps on gloo ranks on CPU: no CUDA "
     "graphs, no NCCL.",
