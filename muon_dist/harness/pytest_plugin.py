@@ -1,0 +1,96 @@
+"""A pytest plugin: keep "our Muon conforms to muon_ref under preset P" as a test in a project's own suite.
+
+Registered by the package (entry point `pytest11`: installed with muon-ref, pytest loads it). It adds the
+`muon_check` fixture and the `--muon-device` option:
+
+    def test_our_muon_conforms(muon_check):
+        muon_check.assert_conforms(OurMuon, claim="keller", families=("tall", "square"), world_sizes=(1,))
+
+    @pytest.mark.gpu
+    def test_our_muon_conforms_on_cuda(muon_check):   # device "cuda" under the gpu marker
+        muon_check.assert_conforms(OurMuon, claim="keller", world_sizes=(1,))
+
+`muon_check.check(...)`, `.audit_setup(...)` and `.setup_invariance(...)` return the reports of
+muon_dist.harness.api; `.assert_conforms(...)`, `.assert_audit_clean(...)` and `.assert_invariant(...)` fail the
+test with the report's summary. The device is `--muon-device` (cpu or cuda) when given, else "cuda" for a test
+marked `gpu` and "cpu" otherwise; a test on "cuda" without a CUDA device fails, naming the option (never skips).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: Any) -> None:
+    parser.addoption(
+        "--muon-device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="device of the muon_check fixture's checks (default: cuda for tests marked gpu, else cpu)",
+    )
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (the muon_check fixture then runs on cuda)"
+    )
+
+
+class MuonCheck:
+    """The fixture's value: the API's checks on the test's device, and their assertions."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def check(self, candidate: Any, claim: Any = None, **kwargs: Any) -> Any:
+        from muon_dist.harness.api import check
+
+        kwargs.setdefault("device", self.device)
+        return check(candidate, claim, **kwargs)
+
+    def assert_conforms(self, candidate: Any, claim: Any = None, **kwargs: Any) -> Any:
+        report = self.check(candidate, claim, **kwargs)
+        if not report.conforms:
+            pytest.fail(report.summary(), pytrace=False)
+        return report
+
+    def audit_setup(self, setup: Any, **kwargs: Any) -> Any:
+        from muon_dist.harness.api import audit_setup
+
+        return audit_setup(setup, **kwargs)
+
+    def assert_audit_clean(self, setup: Any, **kwargs: Any) -> Any:
+        report = self.audit_setup(setup, **kwargs)
+        if not report.clean:
+            pytest.fail(report.summary(), pytrace=False)
+        return report
+
+    def setup_invariance(self, setup: Any, **kwargs: Any) -> Any:
+        from muon_dist.harness.api import setup_invariance
+
+        return setup_invariance(setup, **kwargs)
+
+    def assert_invariant(self, setup: Any, **kwargs: Any) -> Any:
+        report = self.setup_invariance(setup, **kwargs)
+        if not report.clean:
+            pytest.fail(report.summary(), pytrace=False)
+        return report
+
+
+@pytest.fixture
+def muon_check(request: Any) -> MuonCheck:
+    device = request.config.getoption("--muon-device", default=None)
+    if device is None:
+        device = "cuda" if request.node.get_closest_marker("gpu") else "cpu"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail(
+                "muon_check: device cuda, but torch.cuda.is_available() is False (run with --muon-device "
+                "cpu, or on a GPU node)",
+                pytrace=False,
+            )
+    return MuonCheck(device)
