@@ -57,3 +57,10 @@ def run_conformance(args: list[str]) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(args)
     return code, out.getvalue(), err.getvalue()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The muon_check fixture where muon-ref runs from a checkout without being installed (PYTHONPATH=. on a GPU
+    node): an installed muon-ref registers it by its pytest11 entry point instead."""
+    if not config.pluginmanager.has_plugin("muon_check"):
+        config.pluginmanager.import_plugin("muon_dist.harness.pytest_plugin")

@@ -31,6 +31,7 @@ and group it went to, the blocks Newton-Schulz saw and its calls per optimizer s
                       for a sharded path, once per rank for a replicated one)
     fallback          every rank orthogonalises a sharded matrix whole where the setup claims one owner
     unrouted          a trainable param in no optimizer
+    crash             the step raised (its error and where; the routing is still read from construction)
     unattributed      a Newton-Schulz call whose input is no view of any gradient (listed with its shape)
 """
 
@@ -61,7 +62,9 @@ class Setup:
 
     sharding: how the model is laid out on W ranks before `build` (None: every rank its own full model, a
         single-device setup run W times; "fsdp2": fully_shard per layer and at the root on a 1-D mesh; "hsdp":
-        the same on a (W/2 replicate, 2 shard) mesh; "ddp": DistributedDataParallel); `shard` may do otherwise.
+        the same on a (W/2 replicate, 2 shard) mesh; "ddp": DistributedDataParallel); `shard` may do otherwise,
+        and a setup that lays the model out itself (an engine's ZeRO stages) names its own layouts in
+        `shardings` and reads `self.sharding` in `build`. Any sharding but None gives each rank its own gradient.
     path: the Muon path it claims ("sharded": one rank orthogonalises each matrix per replica group;
         "replicated": every rank does; None: not claimed).
     layouts: True claims the model's declared layouts (model.MUON_LAYOUTS: fused projections split, per-head
@@ -100,6 +103,27 @@ class Setup:
 
     def shard(self, model: nn.Module, world_size: int) -> nn.Module:
         return shard_as(model, self.sharding, world_size)
+
+    def route(self, name: str, p: Tensor, optimizers: list[Any]) -> tuple | None:
+        """(optimizer index, its class name, group index, the group's tags, whether it is a Muon group) of the
+        group that holds p, or None. Setups whose optimizers hold flat copies (ZeRO) say it otherwise."""
+        for o, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                if any(q is p for q in group["params"]):
+                    return (o, type(opt).__name__, g, _group_tag(group), _muon_group(opt, group))
+        return None
+
+    def held(self, p: Tensor) -> Tensor:
+        """The part of p this rank holds (its DTensor shard, or p)."""
+        return _local(p)
+
+    def full(self, model: nn.Module) -> dict[str, Tensor]:
+        """Every param whole (a collective where they are sharded), detached copies."""
+        inner = getattr(model, "module", model)
+        out = {}
+        for name, p in inner.named_parameters():
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        return out
 
     def train_step(self, model: nn.Module, optimizers: list[Any], probes: list[dict]) -> None:
         """Every micro-batch's backward, then every optimizer's step and zero_grad."""
@@ -195,25 +219,14 @@ def audit_rank(setup: Setup, world_size: int, micro_batches: int, seed: int) -> 
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    setup.micro_batches = micro_batches
     model = setup.shard(AuditModel(seed), world_size)
     built = setup.build(model)
     optimizers = list(built) if isinstance(built, (list, tuple)) else [built]
     inner = getattr(model, "module", model)
     named = dict(inner.named_parameters())
-    routes = {}
-    for name, p in named.items():
-        routes[name] = None
-        for o, opt in enumerate(optimizers):
-            for g, group in enumerate(opt.param_groups):
-                if any(q is p for q in group["params"]):
-                    routes[name] = (
-                        o,
-                        type(opt).__name__,
-                        g,
-                        _group_tag(group),
-                        _muon_group(opt, group),
-                    )
-    before = {n: _local(p).detach().clone() for n, p in named.items()}
+    routes = {name: setup.route(name, p, optimizers) for name, p in named.items()}
+    before = {n: setup.held(p).detach().clone() for n, p in named.items()}
     _, parts = probe_gradients(1, world_size, micro_batches, seed)
     own = setup.sharding or setup.unreduced
     probes = [parts[(rank, i)] for i in range(micro_batches)] if own else None
@@ -222,18 +235,39 @@ def audit_rank(setup: Setup, world_size: int, micro_batches: int, seed: int) -> 
             {n: sum(parts[(r, i)][n] for r in range(world_size)) / world_size for n in named}
             for i in range(micro_batches)
         ]
+    error = None
     with Trace() as trace:
-        setup.train_step(model, optimizers, probes)
+        try:
+            setup.train_step(model, optimizers, probes)
+        except Exception as e:  # noqa: BLE001 - a step that raises is a finding, reported with its routing
+            error = _error_line(e)
     return {
         "rank": rank,
         "routes": routes,
         "placements": {n: _placement(p) for n, p in named.items()},
-        "local_shapes": {n: tuple(_local(p).shape) for n, p in named.items()},
-        "changed": {n: not torch.equal(before[n], _local(p).detach()) for n, p in named.items()},
+        "local_shapes": {n: tuple(setup.held(p).shape) for n, p in named.items()},
+        "changed": {
+            n: not torch.equal(before[n], setup.held(p).detach()) for n, p in named.items()
+        },
         "calls": [(c.inputs, str(c.dtype), c.grams, c.distributed) for c in trace.calls],
         "dtensor_grams": trace.dtensor_grams,
         "collectives": len(trace.collectives),
+        "error": error,
     }
+
+
+def _error_line(e: BaseException) -> str:
+    """The exception's type and first line, and the innermost frame outside torch that raised it."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+    where = (
+        f" ({frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno})"
+        if frames
+        else ""
+    )
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}{where}"
 
 
 # --------------------------------------------------------------------------------------- the attribution
@@ -446,6 +480,10 @@ def report(
         )
     findings = [(r.name, kind, text) for r in rows for kind, text in r.findings]
     findings += [("-", "unattributed", t) for t in unattributed]
+    crashed = sorted({(res["error"], res["rank"]) for res in results if res.get("error")})
+    if crashed:
+        ranks = ", ".join(str(r) for _, r in crashed)
+        findings.insert(0, ("-", "crash", f"the step raised on rank {ranks}: {crashed[0][0]}"))
     dt = sorted({s for res in results for s in res["dtensor_grams"]})
     return {
         "setup": setup.name,
@@ -581,9 +619,10 @@ def audit(
     """The audit of one setup on world_size gloo ranks (a RankPool; pool: one to reuse)."""
     from .launch import RankPool
 
-    if setup.sharding not in SHARDINGS:
+    valid = SHARDINGS + tuple(s for s in setup.shardings if s not in SHARDINGS)
+    if setup.sharding not in valid:
         raise ValueError(
-            f"setup {setup.name!r}: sharding must be one of {SHARDINGS}, got {setup.sharding!r}"
+            f"setup {setup.name!r}: sharding must be one of {valid}, got {setup.sharding!r}"
         )
     if setup.path not in PATHS:
         raise ValueError(f"setup {setup.name!r}: path must be one of {PATHS}, got {setup.path!r}")

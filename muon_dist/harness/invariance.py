@@ -82,11 +82,10 @@ def train_rank(
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     setup = copy.copy(setup)
-    setup.sharding = config.sharding
+    setup.sharding, setup.micro_batches = config.sharding, config.micro_batches
     model = setup.shard(AuditModel(seed), config.world_size)
     built = setup.build(model)
     optimizers = list(built) if isinstance(built, (list, tuple)) else [built]
-    inner = getattr(model, "module", model)
     W, k = config.world_size, config.micro_batches
     own = config.sharding or setup.unreduced
     history = []
@@ -100,10 +99,7 @@ def train_rank(
                 for i in range(k)
             ]
         setup.train_step(model, optimizers, probes)
-        full = {}
-        for name, p in inner.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            full[name] = t.detach().clone()
+        full = setup.full(model)
         history.append(full if rank == 0 else {})
     return history
 

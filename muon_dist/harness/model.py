@@ -22,8 +22,9 @@ A two-layer decoder with the layouts that setups route wrongly in the field (doc
 
 `MUON_LAYOUTS` is the model's declared Newton-Schulz layout of each matrix (muon_ref layout keys): the claim a
 setup that honours fused projections makes. The real forward (`model(tokens)`) runs attention, the gated
-attention, a top-1 MoE and the tied head; `model(probe=G)` instead returns sum over params of <p, G[name]> through
-each layer's own forward (so FSDP2's hooks unshard and reduce each unit, layer or root, as in training), whose gradient is G
+attention, a top-1 MoE and the tied head; `model(probe=G)` instead returns sum over params of <p, G[name]>, each
+term computed in the forward of the module that holds the param (so FSDP2 unshards each unit, and ZeRO-3 fetches
+each module's params, as in training), whose gradient is G
 exactly: the audit and the invariance families feed known gradients through the setup's real backward.
 """
 
@@ -45,17 +46,36 @@ MUON_LAYOUTS: dict[str, dict[str, Any]] = {
 
 
 class _Probed(nn.Module):
-    """A module whose forward can return the probe term of its own (direct) params."""
+    """A module whose forward can return the probe term: its own (direct) params' term plus each child's, through
+    the child's own forward (an engine that fetches a module's params in that module's forward, ZeRO-3, sees
+    every param read in its module)."""
 
     prefix = ""
 
-    def probe_term(self, probe: dict[str, Tensor], recurse: bool = True) -> Tensor:
+    def probe_term(self, probe: dict[str, Tensor]) -> Tensor:
         total = torch.zeros((), dtype=torch.float32)
-        for name, p in self.named_parameters(recurse=recurse):
+        for name, p in self.named_parameters(recurse=False):
             g = probe.get(self.prefix + name)
             if g is not None:
                 total = total + (p * g.to(p.dtype)).sum().float()
+        for child in self.children():
+            for module in child if isinstance(child, nn.ModuleList) else (child,):
+                total = total + module(probe=probe)
         return total
+
+
+class Linear(nn.Linear, _Probed):
+    """nn.Linear whose forward also takes the probe."""
+
+    def forward(self, x: Tensor | None = None, probe: dict[str, Tensor] | None = None) -> Tensor:
+        return self.probe_term(probe) if probe is not None else super().forward(x)
+
+
+class Embedding(nn.Embedding, _Probed):
+    """nn.Embedding whose forward also takes the probe."""
+
+    def forward(self, x: Tensor | None = None, probe: dict[str, Tensor] | None = None) -> Tensor:
+        return self.probe_term(probe) if probe is not None else super().forward(x)
 
 
 class Attention(_Probed):
@@ -63,11 +83,11 @@ class Attention(_Probed):
         super().__init__()
         self.gated = gated
         if gated:
-            self.wgqkv = nn.Linear(D, 4 * D, bias=False)
-            self.wo = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+            self.wgqkv = Linear(D, 4 * D, bias=False)
+            self.wo = Linear(HEADS * HEAD_DIM, D, bias=False)
         else:
-            self.wqkv = nn.Linear(D, 3 * D, bias=True)
-            self.wo = nn.Linear(D, D, bias=False)
+            self.wqkv = Linear(D, 3 * D, bias=True)
+            self.wo = Linear(D, D, bias=False)
 
     def forward(self, x: Tensor | None = None, probe: dict[str, Tensor] | None = None) -> Tensor:
         if probe is not None:
@@ -88,8 +108,8 @@ class Attention(_Probed):
 class MLP(_Probed):
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(D, FFN, bias=True)
-        self.down = nn.Linear(FFN, D, bias=False)
+        self.up = Linear(D, FFN, bias=True)
+        self.down = Linear(FFN, D, bias=False)
 
     def forward(self, x: Tensor | None = None, probe: dict[str, Tensor] | None = None) -> Tensor:
         if probe is not None:
@@ -115,7 +135,7 @@ class MoE(_Probed):
 
     def __init__(self) -> None:
         super().__init__()
-        self.router = nn.Linear(D, LARGE_EXPERTS, bias=False)
+        self.router = Linear(D, LARGE_EXPERTS, bias=False)
         self.small = Experts(SMALL_EXPERTS, FFN, D)
         self.large = Experts(LARGE_EXPERTS, D, FFN)
 
@@ -161,7 +181,7 @@ class AuditModel(_Probed):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
+        self.embed = Embedding(VOCAB, D)
         self.layers = nn.ModuleList([Layer(gated=False, moe=False), Layer(gated=True, moe=True)])
         self.norm = RMSNorm()
         for name, module in self.named_modules():
@@ -175,20 +195,12 @@ class AuditModel(_Probed):
     def forward(
         self, tokens: Tensor | None = None, probe: dict[str, Tensor] | None = None
     ) -> Tensor:
-        if probe is not None:
-            total = self.probe_term(probe, recurse=False) + self.embed_term(probe)
-            for layer in self.layers:  # each layer's own forward: an FSDP2 unit unshards there
-                total = total + layer(probe=probe)
-            return total + self.norm(probe=probe)
+        if probe is not None:  # each module's own forward: an FSDP2 unit unshards there
+            return self.probe_term(probe)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x) @ self.embed.weight.T  # the tied head
-
-    def embed_term(self, probe: dict[str, Tensor]) -> Tensor:
-        g = probe.get("embed.weight")
-        w = self.embed.weight
-        return (w * g.to(w.dtype)).sum().float() if g is not None else torch.zeros(())
 
 
 def shapes() -> dict[str, tuple[int, ...]]:

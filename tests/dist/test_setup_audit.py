@@ -160,3 +160,23 @@ def test_the_invariance_families_hold_for_distributed_muon_and_name_what_breaks(
     straddle = invariance(PLANTED_SETUPS["StraddlingUnreduced"].setup(), (1, 2), 1, 1)
     (row,) = straddle["rows"]
     assert row["status"] == "differs" and row["step"] == 1 and straddle["broken"] == ["world size"]
+
+
+class _RaisingStep(setups.MuonWithAdamWSingle):
+    """A setup whose step raises after its optimizer is built."""
+
+    name = "raises in its step"
+
+    def train_step(self, model, optimizers, probes) -> None:
+        raise RuntimeError("planted failure\nsecond line")
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_raises_is_a_crash_finding_and_the_routing_is_still_read() -> None:
+    """The audit reports the error's first line and where it was raised, beside the construction-time routing
+    (every matrix in a Muon group, never orthogonalised since the step did not run)."""
+    rep = audit(_RaisingStep(), 1, 1)
+    kinds = [f["kind"] for f in rep["findings"]]
+    assert kinds[0] == "crash" and "RuntimeError: planted failure (" in rep["findings"][0]["text"]
+    assert "test_setup_audit.py:" in rep["findings"][0]["text"]
+    assert kinds.count("never orthogonalised") == 9, kinds  # the 9 matrices claimed for Muon

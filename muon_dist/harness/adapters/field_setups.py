@@ -1,0 +1,250 @@
+"""Field systems as training setups (audit.py, invariance.py): each system's own code builds the optimizer from
+the model and a configuration, under its shipped defaults unless a row of docs/field-systems.md states a key and why.
+
+    DeepSpeedSetup   deepspeed.initialize(model, config) with {"optimizer": {"type": "Muon"}}: the engine tags
+                     each param (deepspeed/__init__.py `set_optimizer_flags`: a matrix by its layer shape, not
+                     "embed" or "lm_head" in its name, goes to Muon) and steps MuonWithAuxAdam, under ZeRO stage
+                     0 (the default), 1, 2 or 3 (`sharding` "zero0".."zero3"); `gradient_accumulation_steps` from the
+                     audit's micro-batches. Variants: DeepSpeedSetupNoClip ("gradient_clipping": 0.0),
+                     DeepSpeedSetupStandardNS (also "ns_method": "standard").
+
+Run in the field venv (`make field`): DeepSpeed is not a dependency of this package. The CPU accelerator's
+shared-memory all-reduce (a C++ op DeepSpeed would JIT-compile) is marked incompatible, so its collectives go
+through torch.distributed (gloo), and its compiled kernels run eagerly (torch.compiler "force_eager"), as in
+systems.py's DeepSpeedMuon.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..audit import Setup
+
+ZERO_STAGES = ("zero0", "zero1", "zero2", "zero3")
+
+
+def _deepspeed_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator on the check's gloo ranks: the environment a one-node launcher sets, eager
+    kernels, and its shared-memory all-reduce (a C++ op it would JIT-compile) off, so collectives go through
+    torch.distributed."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for key, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
+        os.environ.setdefault(key, str(value))
+    torch.compiler.set_stance("force_eager")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class DeepSpeedSetup(Setup):
+    """DeepSpeed 0.19.8 as a user configures it: the config is `{"train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": k, "optimizer": {"type": "Muon"}}` plus ZeRO's stage (and, at stage 3, the
+    `"reduce_scatter": false` that stage3.py:361 requires with Muon). Its defaults: lr and momentum of
+    MuonWithAuxAdam, `ns_method` "gram", `gradient_clipping` 1.0 (a global-norm clip before the optimizer).
+
+    Claim: DeepSpeed's rule (every matrix whose name has no "embed" or "lm_head", each whole, an expert stack
+    per expert); path not claimed. The engine reduces each rank's gradient (each rank gets its own), and divides
+    the loss by the accumulation steps itself (the probe is multiplied back by k). Routes are read from the
+    engine's tags (`use_muon`): under ZeRO its optimizer holds flat copies of the params."""
+
+    name = "DeepSpeed Muon (shipped config)"
+    sharding, path = "zero0", None
+    layouts = False
+    adamw_patterns = ("*embed*", "*lm_head*")
+    shardings = ZERO_STAGES
+    extra: dict[str, Any] = {}
+    optimizer_params: dict[str, Any] = {}
+
+    def shard(self, model: nn.Module, world_size: int) -> nn.Module:
+        return model
+
+    def config(self) -> dict[str, Any]:
+        stage = int(str(self.sharding).removeprefix("zero"))
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": self.micro_batches,
+            "optimizer": {"type": "Muon", "params": dict(self.optimizer_params)},
+            **self.extra,
+        }
+        if stage:
+            config["zero_optimization"] = {"stage": stage}
+        if stage == 3:
+            config["zero_optimization"]["reduce_scatter"] = False
+        return config
+
+    def build(self, model: nn.Module) -> list[Any]:
+        _deepspeed_on_cpu()
+        import deepspeed
+
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=self.config(),
+            dist_init_required=False,
+        )
+        return [self.engine.optimizer]
+
+    def route(self, name: str, p: Tensor, optimizers: list[Any]) -> tuple | None:
+        if not hasattr(p, "use_muon"):
+            return None
+        muon = bool(p.use_muon)
+        return (0, "MuonWithAuxAdam", 0 if muon else 1, f"use_muon={muon}", muon)
+
+    def held(self, p: Tensor) -> Tensor:
+        return getattr(p, "ds_tensor", p)
+
+    def full(self, model: nn.Module) -> dict[str, Tensor]:
+        params = dict(model.named_parameters())
+        if any(hasattr(p, "ds_tensor") for p in params.values()):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(params.values())):
+                return {n: p.detach().clone() for n, p in params.items()}
+        return {n: p.detach().clone() for n, p in params.items()}
+
+    def train_step(self, model: nn.Module, optimizers: list[Any], probes: list[dict]) -> None:
+        k = len(probes)
+        for probe in probes:
+            loss = self.engine(probe={n: g * k for n, g in probe.items()})
+            self.engine.backward(loss)
+            self.engine.step()
+
+
+class DeepSpeedSetupNoClip(DeepSpeedSetup):
+    """The shipped config with `"gradient_clipping": 0.0`: a global-norm clip sums squares in an order that
+    depends on the layout, so its coefficient (and every update after it) may differ in the last bits between
+    ZeRO stages and world sizes; without it the invariance contract is bitwise."""
+
+    name = "DeepSpeed Muon (gradient_clipping 0)"
+    extra = {"gradient_clipping": 0.0}
+
+
+class DeepSpeedSetupStandardNS(DeepSpeedSetupNoClip):
+    """Also `"ns_method": "standard"` (Keller's Newton-Schulz) in place of the default Gram Newton-Schulz."""
+
+    name = "DeepSpeed Muon (gradient_clipping 0, ns_method standard)"
+    optimizer_params = {"ns_method": "standard"}
+
+
+def _create_muon_optimizer(model: nn.Module, args: Any) -> Any:
+    """LlamaFactory's own builder. LlamaFactory 0.9.5 pins transformers <= 5.6.0 at import; the field venv has
+    5.9.0 (VeOmni's), and LlamaFactory's own switch DISABLE_VERSION_CHECK=1 lets it import (a stated setting)."""
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
+    from llamafactory.train.trainer_utils import _create_muon_optimizer as create
+
+    return create(model, args)
+
+
+def _llamafactory_args() -> Any:
+    """transformers.TrainingArguments' field defaults (lr 5e-5, weight decay 0, Adam betas and eps), as a
+    LlamaFactory run that names none of them gets: read from the dataclass's fields (an instance would set up
+    its accelerator's devices, which the check's ranks already are)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    return SimpleNamespace(
+        **{
+            f.name: f.default
+            for f in dataclasses.fields(TrainingArguments)
+            if f.default is not dataclasses.MISSING
+        }
+    )
+
+
+def _llamafactory_route(p: Tensor, optimizers: list[Any]) -> tuple | None:
+    """LlamaFactory's Muon keeps its routing in its state (`state[p]["use_muon"]`), every param in one group."""
+    for o, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            if any(q is p for q in group["params"]):
+                muon = bool(opt.state[p].get("use_muon", False))
+                return (o, type(opt).__name__, g, f"state use_muon={muon}", muon)
+    return None
+
+
+class LlamaFactorySetup(Setup):
+    """LlamaFactory 0.9.5 (PyPI) with `use_muon: true`: its own builder `_create_muon_optimizer(model,
+    training_args)` (llamafactory/train/trainer_utils.py:498-524) under transformers' Trainer on several GPUs,
+    DistributedDataParallel, at TrainingArguments' defaults. Its rule (line 508): a param goes to Muon iff
+    `param.ndim == 2` and "embed" and "lm_head" are not in its name; the claim restates that rule (a 3-D expert
+    stack goes to its AdamW by that rule: claimed, not a fallback), each matrix whole."""
+
+    name = "LlamaFactory _create_muon_optimizer + DDP"
+    sharding, path = "ddp", "replicated"
+    layouts = False
+    shardings = ("ddp",)
+
+    def claimed(self) -> dict[str, dict[str, Any] | None]:
+        from ..model import shapes
+
+        return {
+            n: {} if len(s) == 2 and "embed" not in n and "lm_head" not in n else None
+            for n, s in shapes().items()
+        }
+
+    def build(self, model: nn.Module) -> Any:
+        return _create_muon_optimizer(getattr(model, "module", model), _llamafactory_args())
+
+    def route(self, name: str, p: Tensor, optimizers: list[Any]) -> tuple | None:
+        return _llamafactory_route(p, optimizers)
+
+
+class LlamaFactoryZero3Setup(LlamaFactorySetup):
+    """The same builder under DeepSpeed ZeRO-3, as transformers' Trainer runs it (hiyouga/LlamaFactory#8041): the
+    model's params partitioned first (`deepspeed.zero.Init(module=model)`, what `from_pretrained` does under a
+    ZeRO-3 config), then `_create_muon_optimizer(model, args)` (the Trainer's `create_optimizer`), then
+    `deepspeed.initialize(model, optimizer=it, config)` with ZeRO stage 3 and `zero_allow_untested_optimizer`
+    (the Trainer's integration sets it for a client optimizer). Claim: LlamaFactory's rule on the layer shapes."""
+
+    name = "LlamaFactory _create_muon_optimizer + DeepSpeed ZeRO-3"
+    sharding, path = "zero3", None
+    shardings = ("zero3",)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": self.micro_batches,
+            "zero_optimization": {"stage": 3},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
+        }
+
+    def shard(self, model: nn.Module, world_size: int) -> nn.Module:
+        _deepspeed_on_cpu()
+        import deepspeed
+
+        deepspeed.zero.Init(module=model, config_dict_or_path=self.config())
+        return model
+
+    def build(self, model: nn.Module) -> list[Any]:
+        import deepspeed
+
+        self.client = _create_muon_optimizer(model, _llamafactory_args())
+        # ZeRO-3 replaces the client optimizer's params by flat partitions: its routing is read here
+        self.at_construction = {
+            id(p): bool(self.client.state[p].get("use_muon", False))
+            for g in self.client.param_groups
+            for p in g["params"]
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=self.client, config=self.config(), dist_init_required=False
+        )
+        return [self.client]
+
+    def route(self, name: str, p: Tensor, optimizers: list[Any]) -> tuple | None:
+        if id(p) not in self.at_construction:
+            return None
+        muon = self.at_construction[id(p)]
+        return (0, type(self.client).__name__, 0, f"state use_muon={muon}, at construction", muon)
+
+    held = DeepSpeedSetup.held
+    full = DeepSpeedSetup.full
+    train_step = DeepSpeedSetup.train_step
