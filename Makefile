@@ -71,12 +71,19 @@ mutation: $(VENV)/.installed-mutation
 
 # The field systems' own Muon code under the check (docs/field-systems.md): a separate venv (their pins would replace
 # our torch or transformers), no CUDA wheels (checked by a dry run first), then tests/test_system_adapters.py and the
-# table. Checkouts by path: make field XTUNER=../xtuner LLAMAFACTORY=../LlamaFactory EMERGING=../Emerging-Optimizers
+# table, then the rows not in it and the setups' audits and invariance (each reported; a departing row does not stop
+# the rest). Checkouts by path: make field XTUNER=../xtuner LLAMAFACTORY=../LlamaFactory EMERGING=../Emerging-Optimizers
 FIELD_VENV ?= .venv-field
 FIELD_PY := $(FIELD_VENV)/bin/python
 FIELD_EXTRA := $(FIELD_VENV)/extra/megatron-core-0.19.2
 FIELD_DEPS := transformers==5.9.0 einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm absl-py \
 	typing_extensions triton==3.9.0 pytest pytest-timeout hypothesis numpy scipy expecttest
+# what llamafactory.train.trainer_utils imports (its builder, for the setup audit), at the versions its 0.9.5 pins
+FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==0.24.0 multiprocess==0.70.19 \
+	pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 pyarrow==26.0.1 dill==0.4.1 \
+	xxhash==4.1.0 omegaconf==2.4.0 requests==2.34.2 urllib3==2.8.0
+# the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
+FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip LlamaFactorySetup LlamaFactoryZero3Setup
 XTUNER ?=
 LLAMAFACTORY ?=
 EMERGING ?=
@@ -91,14 +98,23 @@ field:
 	! $(FIELD_PY) -m pip install --dry-run $(FIELD_DEPS) 2>&1 | grep -i -E "would install.*(nvidia-|cuda-)"
 	$(FIELD_PY) -m pip install -q $(FIELD_DEPS)
 	$(FIELD_PY) -m pip install -q --no-deps llamafactory==0.9.5 veomni==0.1.12
+	$(FIELD_PY) -m pip install -q --no-deps $(FIELD_LLAMAFACTORY_DEPS)
 	DS_BUILD_OPS=0 $(FIELD_PY) -m pip install -q --no-deps --no-build-isolation deepspeed==0.19.8
 	$(FIELD_PY) -m pip install -q --no-deps --ignore-requires-python --target $(FIELD_EXTRA) \
 		--python-version 3.12 --only-binary=:all: megatron-core==0.19.2 emerging-optimizers==0.3.0
 	$(FIELD_PY) -m pip install -q --no-deps -e .
 	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.systems
 	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py
-	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
 		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a))
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:VeomniMuonGram \
+		--world-sizes 1 2
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:DeepSpeedMuonGram \
+		--world-sizes 1 2 --families even straddle mixed
+	-$(foreach s,$(FIELD_SETUPS),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit \
+		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
+	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
+		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

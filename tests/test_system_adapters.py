@@ -49,6 +49,8 @@ INSTALL = {
     "veomni": "pip install --no-deps veomni==0.1.12 && pip install transformers==5.9.0",
     "deepspeed": "DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed==0.19.8 "
     "&& pip install einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm",
+    "llamafactory.train.trainer_utils": "pip install --no-deps llamafactory==0.9.5 and the Makefile's "
+    "FIELD_LLAMAFACTORY_DEPS",
 }
 CHECKOUTS = {
     LLAMAFACTORY_CHECKOUT_ENV: "a checkout of hiyouga/LlamaFactory",
@@ -231,3 +233,77 @@ def _package_absl() -> None:
         pytest.skip(
             "absl-py is not installed (Emerging-Optimizers imports it): pip install absl-py"
         )
+
+
+# ------------------------------------------------------------------- field systems as training setups
+
+
+def _setup_audit(
+    cls: type, world_size: int, micro_batches: int, sharding: str | None = None
+) -> dict:
+    from muon_dist.harness.audit import audit
+
+    setup = cls()
+    if sharding is not None:
+        setup.sharding = sharding
+    return audit(setup, world_size, micro_batches, timeout=240.0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3"])
+def test_deepspeed_under_its_shipped_config_routes_and_orthogonalises_as_it_claims(
+    stage: str,
+) -> None:
+    """deepspeed.initialize with {"optimizer": {"type": "Muon"}} and the stage only: every matrix but the
+    embedding to Muon, each whole (experts per expert), Newton-Schulz once per optimizer step with 2
+    micro-batches (the #8443 fix is in 0.19.8), no finding."""
+    _package("deepspeed")
+    from muon_dist.harness.adapters.field_setups import DeepSpeedSetup
+
+    rep = _setup_audit(DeepSpeedSetup, 2, 2, stage)
+    assert rep["findings"] == [], rep["findings"]
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert rows["layers.0.attn.wqkv.weight"]["seen"] == "1 x (24, 8) (claimed)"
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_is_invariant_without_clipping_and_its_default_clip_changes_muon_steps_with_the_stage() -> (
+    None
+):
+    """Bitwise across ZeRO 0-3, W = 1 and 2 and 2 micro-batches with gradient_clipping 0; with the default 1.0,
+    ZeRO 1-3 clip the orthogonalised update (stage_1_and_2.py: the norm is taken after Muon) where stage 0 clips
+    the raw gradient (engine.py `_take_model_step`), so the layouts differ from the first step."""
+    _package("deepspeed")
+    from muon_dist.harness.adapters.field_setups import DeepSpeedSetup, DeepSpeedSetupNoClip
+    from muon_dist.harness.invariance import invariance
+
+    clean = invariance(DeepSpeedSetupNoClip(), (1, 2), 2, 2, timeout=240.0)
+    assert clean["broken"] == [], clean
+    shipped = invariance(DeepSpeedSetup(), (1, 2), 1, 1, timeout=240.0)
+    assert shipped["broken"] == ["layout (zero1)", "layout (zero2)", "layout (zero3)"], shipped
+    assert all(r["step"] == 1 for r in shipped["rows"] if r["status"] == "differs")
+
+
+@pytest.mark.timeout(600)
+def test_llamafactory_builder_routes_as_its_rule_under_ddp_and_sends_every_matrix_to_adamw_under_zero3() -> (
+    None
+):
+    """Its own `_create_muon_optimizer`: under DDP every 2-D matrix but the embedding to Muon, whole, on every
+    rank; under DeepSpeed ZeRO-3 (params partitioned before it runs, as transformers' Trainer does) every matrix
+    looks 1-D, all go to its AdamW branch (hiyouga/LlamaFactory#8041), and its first step raises."""
+    import os
+
+    os.environ.setdefault(
+        "DISABLE_VERSION_CHECK", "1"
+    )  # as field_setups does (its docstring says why)
+    _package("llamafactory.train.trainer_utils")
+    _package("deepspeed")
+    from muon_dist.harness.adapters.field_setups import LlamaFactorySetup, LlamaFactoryZero3Setup
+
+    assert _setup_audit(LlamaFactorySetup, 2, 1)["findings"] == []
+    rep = _setup_audit(LlamaFactoryZero3Setup, 2, 1)
+    kinds = [f["kind"] for f in rep["findings"]]
+    assert kinds.count("silent fallback") == 7 and kinds[0] == "crash", rep["findings"]
+    assert (
+        "KeyError: 'use_muon' (llamafactory/third_party/muon/muon.py:" in rep["findings"][0]["text"]
+    )

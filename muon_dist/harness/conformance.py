@@ -755,6 +755,11 @@ def _parser() -> argparse.ArgumentParser:
         "--micro-batches", type=int, default=2, help="micro-batches for --audit and --invariance"
     )
     p.add_argument(
+        "--sharding",
+        help="for --audit: one of the setup's layouts (its `shardings`: fsdp2, hsdp, ddp, an engine's zero0..zero3); "
+        "default: the setup's own",
+    )
+    p.add_argument(
         "--world-sizes",
         type=int,
         nargs="+",
@@ -1024,7 +1029,7 @@ def _setup_mode(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         if args.audit:
             sizes = args.world_sizes if explicit else [4]
-            return run_audit(args.audit, sizes, args.micro_batches)
+            return run_audit(args.audit, sizes, args.micro_batches, sharding=args.sharding)
         sizes = args.world_sizes if explicit else [1, 2, 4]
         steps = args.steps if argv is not None and "--steps" in argv else 2
         return run_invariance(args.invariance, sizes, args.micro_batches, steps)

@@ -46,9 +46,19 @@ def as_setup(setup: Any) -> Setup:
     )
 
 
-def run_audit(spec: str, world_sizes: list[int], micro_batches: int, log=print) -> int:
-    """--audit: one audit per world size; exit 0 without findings, 1 with."""
+def run_audit(
+    spec: str, world_sizes: list[int], micro_batches: int, log=print, sharding: str | None = None
+) -> int:
+    """--audit: one audit per world size (under `sharding`, one of the setup's layouts, where given); exit 0
+    without findings, 1 with."""
     setup = load_setup(spec)
+    if sharding is not None:
+        valid = tuple(setup.shardings) or (setup.sharding,)
+        if sharding not in valid:
+            raise ValueError(
+                f"--sharding {sharding!r} is not a layout of {setup.name}; valid: {', '.join(map(str, valid))}"
+            )
+        setup.sharding = sharding
     found = 0
     for w in world_sizes:
         rep = audit(setup, w, micro_batches)
