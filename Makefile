@@ -113,6 +113,8 @@ field:
 		--world-sizes 1 2 --families even straddle mixed
 	-$(foreach s,$(FIELD_SETUPS),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit \
 		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
+		--sharding hsdp --world-sizes 4 --micro-batches 1
 	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
 		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
 

@@ -307,3 +307,19 @@ def test_llamafactory_builder_routes_as_its_rule_under_ddp_and_sends_every_matri
     assert (
         "KeyError: 'use_muon' (llamafactory/third_party/muon/muon.py:" in rep["findings"][0]["text"]
     )
+
+
+@pytest.mark.timeout(600)
+def test_veomni_builder_on_an_hsdp_mesh_could_not_run_on_gloo() -> None:
+    """VeOmni's `build_optimizer(optimizer_type="muon")` on a 2 x 2 HSDP mesh: its routing is its rule, and its
+    owner all-to-all pairs params of different shapes in one list-form `dist.all_to_all`, which gloo refuses
+    (NCCL takes it): named as could not run on gloo, with VeOmni's line."""
+    _package("veomni")
+    from muon_dist.harness.adapters.field_setups import VeomniSetup
+
+    rep = _setup_audit(VeomniSetup, 4, 1, "hsdp")
+    (first, *rest) = rep["findings"]
+    assert first["kind"] == "could not run on gloo" and "veomni/optim/muon.py:" in first["text"], (
+        first
+    )
+    assert rest == [], rest

@@ -22,7 +22,7 @@ micro-batch's). The report lists per param: its claim (Muon with its blocks, or 
 and group it went to, the blocks Newton-Schulz saw and its calls per optimizer step (over all ranks), the path
 (one owner per matrix, every rank, tensor parallel) and the findings:
 
-    silent fallback   claimed Muon, in a non-Muon optimizer, never orthogonalised
+    silent fallback   claimed Muon, in a non-Muon optimizer or group, never orthogonalised
     never orthogonalised   claimed Muon, in a Muon group, no Newton-Schulz call
     orthogonalised elsewhere   claimed for another optimizer, orthogonalised
     wrong blocks      Newton-Schulz saw other blocks than the claim's (one fused matrix, a local shard, ...)
@@ -31,7 +31,9 @@ and group it went to, the blocks Newton-Schulz saw and its calls per optimizer s
                       for a sharded path, once per rank for a replicated one)
     fallback          every rank orthogonalises a sharded matrix whole where the setup claims one owner
     unrouted          a trainable param in no optimizer
-    crash             the step raised (its error and where; the routing is still read from construction)
+    crash             the step raised (its error and where; the routing is still read from construction, and
+                      what the step did not reach draws no finding); "could not run on gloo" where the error is
+                      gloo's refusal of a collective NCCL takes (unequal tensor shapes in a list-form all_to_all)
     unattributed      a Newton-Schulz call whose input is no view of any gradient (listed with its shape)
 """
 
@@ -260,7 +262,11 @@ def _error_line(e: BaseException) -> str:
     """The exception's type and first line, and the innermost frame outside torch that raised it."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if "/torch/" not in f.filename and not f.filename.endswith("harness/trace.py")
+    ]
     where = (
         f" ({frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno})"
         if frames
@@ -482,8 +488,15 @@ def report(
     findings += [("-", "unattributed", t) for t in unattributed]
     crashed = sorted({(res["error"], res["rank"]) for res in results if res.get("error")})
     if crashed:
+        from .adapters.diagnose import gloo_refusal
+
         ranks = ", ".join(str(r) for _, r in crashed)
-        findings.insert(0, ("-", "crash", f"the step raised on rank {ranks}: {crashed[0][0]}"))
+        refused = gloo_refusal(crashed[0][0])
+        kind = "could not run on gloo" if refused else "crash"
+        what = f" (gloo refuses this {refused}; NCCL takes it)" if refused else ""
+        # what the step did not reach says nothing: only the construction-time routing stays
+        findings = [f for f in findings if f[1] not in ("never orthogonalised", "calls per step")]
+        findings.insert(0, ("-", kind, f"the step raised on rank {ranks}: {crashed[0][0]}{what}"))
     dt = sorted({s for res in results for s in res["dtensor_grams"]})
     return {
         "setup": setup.name,
@@ -551,7 +564,7 @@ def _row(
             row.findings.append(
                 (
                     "silent fallback",
-                    f"a matrix claimed for Muon went to {row.optimizer}"
+                    f"a matrix claimed for Muon is stepped by the other optimizer ({row.optimizer})"
                     + ("" if changed else "; not updated"),
                 )
             )

@@ -248,3 +248,46 @@ class LlamaFactoryZero3Setup(LlamaFactorySetup):
     held = DeepSpeedSetup.held
     full = DeepSpeedSetup.full
     train_step = DeepSpeedSetup.train_step
+
+
+class VeomniSetup(Setup):
+    """VeOmni 0.1.12 (PyPI) with `optimizer_type: muon`: its own builder `build_optimizer(model,
+    optimizer_type="muon")` (veomni/optim/optimizer.py:459, `_build_muon_with_adamw` 590) at its defaults (lr
+    1e-3, weight decay 1e-2 for AdamW, Muon's lr inherited under `match_rms_adamw`, `ns_implementation`
+    "gram_quack", which falls back to its pure-PyTorch Gram Newton-Schulz without CUDA SM90), on FSDP2 (1-D mesh)
+    or HSDP (2-D mesh), as its trainer shards a model. Claim: its rule (`split_muon_adamw_params`, muon.py:409: a
+    2-D or 3-D param to Muon unless it belongs to an nn.Embedding or its name holds embed_tokens, embedding,
+    lm_head, output_layer or conv1d), each matrix whole, an expert stack per expert, and its stated path: one
+    owner per matrix through its all-to-all (`_ortho_fsdp_group_all2all`), on a 2-D mesh too since ByteDance-Seed/
+    VeOmni PR 1011."""
+
+    name = "VeOmni build_optimizer(optimizer_type='muon')"
+    sharding, path = "fsdp2", "sharded"
+    layouts = False
+    shardings = ("fsdp2", "hsdp")
+    adamw_patterns = (
+        "*embed*",
+        "*embed_tokens*",
+        "*embedding*",
+        "*lm_head*",
+        "*output_layer*",
+        "*conv1d*",
+    )
+
+    def build(self, model: nn.Module) -> list[Any]:
+        import torch.distributed as dist
+        from veomni.distributed.parallel_state import init_parallel_state
+        from veomni.optim.optimizer import build_optimizer
+
+        W = dist.get_world_size() if dist.is_initialized() else 1
+        shard = 2 if self.sharding == "hsdp" else W
+        # VeOmni's trainer declares its data-parallel layout before it builds the optimizer
+        init_parallel_state(
+            dp_size=W,
+            dp_replicate_size=W // shard,
+            dp_shard_size=shard,
+            dp_mode="fsdp2",
+            device_type="cpu",
+        )
+        multi = build_optimizer(getattr(model, "module", model), optimizer_type="muon")
+        return list(multi.optimizers_dict.values())
