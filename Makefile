@@ -90,7 +90,8 @@ EMERGING ?=
 FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFACTORY) \
 	MUON_EMERGING_CHECKOUT=$(EMERGING) MUON_MEGATRON_PATH=$(abspath $(FIELD_EXTRA))
 FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon DeepSpeedMuonZero1 \
-	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon
+	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon \
+	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed
 
 field:
 	test -x $(FIELD_PY) || $(PYTHON) -m venv $(FIELD_VENV)

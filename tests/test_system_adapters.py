@@ -228,6 +228,26 @@ def test_megatron_tensor_parallel_muon_steps_bitwise_on_even_tp_shards() -> None
     assert _statuses(_run(MegatronTensorParallelMuon(), ("even",), (2,))) == ["bitwise"]
 
 
+def test_megatron_blockwise_mode_departs_on_row_blocks_and_distributed_on_wide_matrices() -> None:
+    """tp_mode "blockwise" orthogonalises each rank's row block (bitwise at W = 1, departs at W = 2); "distributed"
+    iterates on the transpose of a matrix sharded along its smaller dim, which under Megatron's default
+    fp32_matmul_prec "medium" departs even at W = 1 on a wide (2, 5) matrix; its non-TP path (a plain
+    param, no partition_dim) stays bitwise."""
+    _checkout(MEGATRON_PATH_ENV, "megatron/core/optimizer")
+    _package_absl()
+    from muon_dist.harness.adapters.systems import (
+        MegatronTensorParallelMuonBlockwise,
+        MegatronTensorParallelMuonDistributed,
+    )
+
+    assert _statuses(_run(MegatronTensorParallelMuonBlockwise(), ("even",), (1, 2))) == [
+        "bitwise",
+        "differs",
+    ]
+    outcomes = _run(MegatronTensorParallelMuonDistributed(), ("even", "tall"), (1,))
+    assert {o["family"]: o["status"] for o in outcomes} == {"even": "differs", "tall": "bitwise"}
+
+
 def _package_absl() -> None:
     if importlib.util.find_spec("absl") is None:
         pytest.skip(

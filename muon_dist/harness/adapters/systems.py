@@ -519,6 +519,7 @@ class MegatronTensorParallelMuon(Adapter):
     families are those with rows % W == 0, or one device."""
 
     name, preset, distributed = "megatron-core TensorParallelMuon", "emerging", "dtensor"
+    tp_mode = "duplicated"
     families = MATRIX_FAMILIES | {"micro_batches", "nesterov_off", "even", "accumulation"}
     dtypes = ("float32",)
     state_key = "momentum_buffer"
@@ -558,7 +559,10 @@ class MegatronTensorParallelMuon(Adapter):
                 shard = p
             shards.append(shard)
         inner = module.TensorParallelMuon(
-            shards, pg_collection=collection(tp=group) if group is not None else None, **hp
+            shards,
+            pg_collection=collection(tp=group) if group is not None else None,
+            tp_mode=self.tp_mode,
+            **hp,
         )
         return _TensorParallelStep(inner, params, shards)
 
@@ -566,6 +570,24 @@ class MegatronTensorParallelMuon(Adapter):
         shard = next((w for q, w in zip(opt.params, opt.shards) if q is p), p)
         buf = opt.inner.state.get(shard, {}).get("momentum_buffer")
         return None if buf is None else buf.reshape(shard.shape)
+
+
+class MegatronTensorParallelMuonBlockwise(MegatronTensorParallelMuon):
+    """MegatronTensorParallelMuon with `tp_mode="blockwise"` (its default before NVIDIA/Megatron-LM PR 6380):
+    emerging_optimizers.py:290 drops the param's partition_dim, so each rank orthogonalises its own row block as
+    if it were the matrix. The claim stays the whole-matrix one: the departures measure the mode."""
+
+    name = "megatron-core TensorParallelMuon (tp_mode blockwise)"
+    tp_mode = "blockwise"
+
+
+class MegatronTensorParallelMuonDistributed(MegatronTensorParallelMuon):
+    """MegatronTensorParallelMuon with `tp_mode="distributed"`: Emerging's `newton_schulz_tp` iterates on the
+    row blocks and all-reduces each step's small Gram matrix (muon_utils.py), so the whole matrix is
+    orthogonalised with sums in another order than one device's."""
+
+    name = "megatron-core TensorParallelMuon (tp_mode distributed)"
+    tp_mode = "distributed"
 
 
 __all__ = [
@@ -584,6 +606,8 @@ __all__ = [
     "LlamaFactoryV0Muon",
     "LlamaFactoryV1Muon",
     "MegatronTensorParallelMuon",
+    "MegatronTensorParallelMuonBlockwise",
+    "MegatronTensorParallelMuonDistributed",
     "VeomniMuon",
     "VeomniMuonGram",
     "XtunerMuon",
@@ -607,6 +631,8 @@ SYSTEMS = (
     XtunerMuon,
     EmergingMuon,
     MegatronTensorParallelMuon,
+    MegatronTensorParallelMuonBlockwise,
+    MegatronTensorParallelMuonDistributed,
 )
 
 
