@@ -73,6 +73,7 @@ mutation: $(VENV)/.installed-mutation
 # our torch or transformers), no CUDA wheels (checked by a dry run first), then tests/test_system_adapters.py and the
 # table, then the rows not in it and the setups' audits and invariance (each reported; a departing row does not stop
 # the rest). Checkouts by path: make field XTUNER=../xtuner LLAMAFACTORY=../LlamaFactory EMERGING=../Emerging-Optimizers
+# AREAL=../areal-pr1270 (a folder holding areal/engine/fsdp_utils/muon.py of inclusionAI/AReaL PR 1270 at 7d18cca0)
 FIELD_VENV ?= .venv-field
 FIELD_PY := $(FIELD_VENV)/bin/python
 FIELD_EXTRA := $(FIELD_VENV)/extra/megatron-core-0.19.2
@@ -85,13 +86,14 @@ FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==
 # the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
 FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip LlamaFactorySetup LlamaFactoryZero3Setup
 XTUNER ?=
+AREAL ?=
 LLAMAFACTORY ?=
 EMERGING ?=
-FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFACTORY) \
+FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFACTORY) MUON_AREAL_CHECKOUT=$(AREAL) \
 	MUON_EMERGING_CHECKOUT=$(EMERGING) MUON_MEGATRON_PATH=$(abspath $(FIELD_EXTRA))
 FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon DeepSpeedMuonZero1 \
 	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon \
-	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed
+	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed ArealMuon
 
 field:
 	test -x $(FIELD_PY) || $(PYTHON) -m venv $(FIELD_VENV)

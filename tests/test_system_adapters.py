@@ -53,6 +53,7 @@ INSTALL = {
     "FIELD_LLAMAFACTORY_DEPS",
 }
 CHECKOUTS = {
+    "MUON_AREAL_CHECKOUT": "a folder holding areal/engine/fsdp_utils/muon.py of inclusionAI/AReaL PR 1270 at 7d18cca0",
     LLAMAFACTORY_CHECKOUT_ENV: "a checkout of hiyouga/LlamaFactory",
     XTUNER_CHECKOUT_ENV: "a checkout of InternLM/xtuner",
     EMERGING_CHECKOUT_ENV: "a checkout of NVIDIA-NeMo/Emerging-Optimizers (needs absl-py)",
@@ -343,3 +344,16 @@ def test_veomni_builder_on_an_hsdp_mesh_could_not_run_on_gloo() -> None:
         first
     )
     assert rest == [], rest
+
+
+def test_areal_pr_muon_is_bitwise_on_even_shards_and_its_gather_crashes_on_uneven_ones() -> None:
+    """AReaL PR 1270's Muon: bitwise like keller + match_rms_adamw (sqrt) on even shards in bf16; gloo stops its
+    gather into buffers of the destination's box on uneven shards (class 13)."""
+    from muon_dist.harness.adapters.systems import AREAL_CHECKOUT_ENV, ArealMuon
+
+    _checkout(AREAL_CHECKOUT_ENV, "areal/engine/fsdp_utils")
+    report = conformance.check(
+        ArealMuon(), (2,), 2, 240.0, 0.0, ("even", "uneven"), ("bfloat16",), log=lambda *_: None
+    )
+    statuses = {o["family"]: o["status"] for o in report["outcomes"]}
+    assert statuses == {"even": "bitwise", "uneven": "crash"}, report["outcomes"]

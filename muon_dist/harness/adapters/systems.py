@@ -572,6 +572,39 @@ class MegatronTensorParallelMuon(Adapter):
         return None if buf is None else buf.reshape(shard.shape)
 
 
+AREAL_CHECKOUT_ENV = "MUON_AREAL_CHECKOUT"
+
+
+class ArealMuon(FromCheckout):
+    """AReaL's Muon, not released: `areal/engine/fsdp_utils/muon.py` at the head of inclusionAI/AReaL PR 1270
+    (commit 7d18cca03c706fb967efa0593d578b2174cdfe51), from a folder holding that file at that path
+    ($MUON_AREAL_CHECKOUT). torch only; one group `{"params": ..., "use_muon": True, lr, momentum,
+    weight_decay, nesterov}` with its defaults `rms_scale=True`, `ns_steps=5`:
+    - EMA momentum `buf.lerp_(g, 1 - beta)` on the local shard, Nesterov `g.lerp_(buf, beta)` (in place on the grad);
+    - NS (`zeropower_via_newtonschulz5`): bf16, transposed when rows > cols, `X / (norm + 1e-7)`, Keller's form
+      `b*A + c*A@A`, `a*X + B@X` (its loop is `torch.compile`d; run eagerly here, as the repo's other compiled
+      candidates are);
+    - `grad *= 0.2 * math.sqrt(max(grad.shape[1], grad.shape[0]))` in the grad's dtype, `p.mul_(1 - lr*wd)`,
+      `p.add_(update, alpha=-lr)`: preset `keller` with lr_scale "match_rms_adamw" and scale_sqrt "sqrt".
+    Layout (`Fsdp1dWork`): a DTensor on a 1-D mesh is gathered (`dist.gather` into buffers of the destination's
+    own local shape) to rank `index % W`, orthogonalised there and scattered back in `chunk(W)` pieces; a 2-D mesh
+    raises NotImplementedError (its TP + FSDP path is a stub at that commit)."""
+
+    name, preset, distributed = "AReaL Muon (PR 1270 head)", "keller", "dtensor"
+    overrides = {"lr_scale": "match_rms_adamw", "scale_sqrt": "sqrt"}
+    families = SINGLE_FAMILIES | DIST_FAMILIES
+    checkout_env = AREAL_CHECKOUT_ENV
+    path = "areal/engine/fsdp_utils/muon.py"
+
+    def version(self) -> str:
+        return "inclusionAI/AReaL PR 1270 at 7d18cca0 (" + self.path + ")"
+
+    def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
+        torch.compiler.set_stance("force_eager")
+        module = load_file_as("areal_pr1270_muon", os.path.join(self.root(self.path), self.path))
+        return module.Muon([{"params": params, "use_muon": True, **hp}])
+
+
 class MegatronTensorParallelMuonBlockwise(MegatronTensorParallelMuon):
     """MegatronTensorParallelMuon with `tp_mode="blockwise"` (its default before NVIDIA/Megatron-LM PR 6380):
     emerging_optimizers.py:290 drops the param's partition_dim, so each rank orthogonalises its own row block as
@@ -591,6 +624,8 @@ class MegatronTensorParallelMuonDistributed(MegatronTensorParallelMuon):
 
 
 __all__ = [
+    "AREAL_CHECKOUT_ENV",
+    "ArealMuon",
     "EMERGING_CHECKOUT_ENV",
     "LLAMAFACTORY_CHECKOUT_ENV",
     "MEGATRON_PATH_ENV",
@@ -633,6 +668,7 @@ SYSTEMS = (
     MegatronTensorParallelMuon,
     MegatronTensorParallelMuonBlockwise,
     MegatronTensorParallelMuonDistributed,
+    ArealMuon,
 )
 
 
