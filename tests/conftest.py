@@ -60,7 +60,7 @@ def run_conformance(args: list[str]) -> tuple[int, str, str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The muon_check fixture where muon-ref runs from a checkout without being installed (PYTHONPATH=. on a GPU
-    node): an installed muon-ref registers it by its pytest11 entry point instead."""
-    if not config.pluginmanager.has_plugin("muon_check"):
+    """The muon_check fixture (muon_dist/harness/pytest_plugin.py), as a project's top-level conftest.py names it
+    with `pytest_plugins` (this conftest is not the rootdir's, where that name is not read)."""
+    if not config.pluginmanager.has_plugin("muon_dist.harness.pytest_plugin"):
         config.pluginmanager.import_plugin("muon_dist.harness.pytest_plugin")

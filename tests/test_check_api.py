@@ -1,7 +1,7 @@
 """The check in users' own CI: the Python API (muon_dist/harness/api.py), the pytest plugin's `muon_check` fixture
 (muon_dist/harness/pytest_plugin.py) and the command line's --audit and --invariance modes: bad input is a one-line
 error naming the parameter; a candidate that departs from its claim fails the assertion with its diagnosis; the
-plugin is loaded by an installed muon-ref and never skips a CUDA test on a machine without CUDA."""
+plugin, named in a project's conftest, never skips a CUDA test on a machine without CUDA."""
 
 from __future__ import annotations
 
@@ -127,6 +127,15 @@ def test_the_setup_modes_exit_by_their_findings() -> None:
     assert code == 1 and "verdict: breaks: gradient accumulation" in out, out
 
 
+REWRITE_TEST = textwrap.dedent(
+    """
+
+    def test_the_package_is_not_rewritten():
+        import importlib.util
+        spec = importlib.util.find_spec("muon_dist.plan")
+        assert type(spec.loader).__name__ != "AssertionRewritingHook"
+    """
+)
 PLUGIN_TESTS = textwrap.dedent(
     """
     import pytest
@@ -142,12 +151,14 @@ PLUGIN_TESTS = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
-def test_the_plugin_is_loaded_by_the_installed_package_and_fails_cuda_without_a_gpu(
+def test_the_plugin_named_in_a_projects_conftest_gives_the_fixture_and_fails_cuda_without_a_gpu(
     tmp_path,
 ) -> None:
-    """Outside this repository's conftest: the fixture comes from the entry point; on a machine without CUDA a gpu
-    test that asks for the device fails naming --muon-device, never skips."""
-    (tmp_path / "test_plugin_use.py").write_text(PLUGIN_TESTS)
+    """A project outside this repository names the plugin in its conftest.py: the fixture is there; on a machine
+    without CUDA a gpu test that asks for the device fails naming --muon-device, never skips; and muon_dist's own
+    asserts are not rewritten by pytest (the plugin is no entry point of the distribution)."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["muon_dist.harness.pytest_plugin"]\n')
+    (tmp_path / "test_plugin_use.py").write_text(PLUGIN_TESTS + REWRITE_TEST)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
@@ -161,5 +172,6 @@ def test_the_plugin_is_loaded_by_the_installed_package_and_fails_cuda_without_a_
     if torch.cuda.is_available():
         assert run.returncode == 0, out
     else:
-        assert run.returncode == 1 and "1 passed, 1 error" in out and "warning" not in out, out
+        assert run.returncode == 1 and "2 passed, 1 error" in out, out
+        assert "PytestUnknownMarkWarning" not in out, out  # the plugin registers the gpu marker
         assert "muon_check: device cuda, but torch.cuda.is_available() is False" in out, out

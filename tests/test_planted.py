@@ -141,7 +141,7 @@ def test_the_cli_catches_every_planted_bug_and_prints_the_figure(
     absent = report["absent"]  # planted bugs whose cause this torch lacks (Planted.trigger)
     n = len(PLANTED) - len(absent)
     assert code == 0 and report["caught"] == report["right"] == report["total"] == n, printed
-    assert f"caught {n}/{n} planted bugs, diagnosis right for {n}" in printed
+    assert f"caught {n}/{n} planted bugs (0 of them setup bugs), diagnosis right for {n}" in printed
     assert "#10  not reachable: PrimeIntellect/prime-rl #3490" in printed
     assert (
         f"verdict accuracy: false positives 0/{4 + len(absent)} correct controls" in printed
@@ -341,7 +341,7 @@ def test_newton_schulz_on_slabs_of_experts_departs_where_a_box_cuts_an_expert_on
 
 
 def test_every_unreachable_class_says_why_and_where_a_gpu_test_exists_it_is_named() -> None:
-    assert set(UNREACHABLE) == {10, 15, 19, 20, 21, 22, 27}
+    assert set(UNREACHABLE) == {10, 19, 20, 21, 22, 27}  # 15: reached by the setup audit
     for number in (20, 21):
         assert "tests/gpu/test_field_bugs_gpu.py" in UNREACHABLE[number]
 

@@ -15,7 +15,7 @@ the same `conformance.check` runs them.
 
 A training setup (audit.Setup) is checked with `audit_setup` (the routing audit) and `setup_invariance` (the
 invariance families); their reports have the same `assert_...` methods. pytest users get all three as the
-`muon_check` fixture (muon_dist.harness.pytest_plugin, registered as a pytest plugin by the package).
+`muon_check` fixture (muon_dist.harness.pytest_plugin, named in a conftest's `pytest_plugins`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """A pytest plugin: keep "our Muon conforms to muon_ref under preset P" as a test in a project's own suite.
 
-Registered by the package (entry point `pytest11`: installed with muon-ref, pytest loads it). It adds the
-`muon_check` fixture and the `--muon-device` option:
+Named in a project's top-level conftest.py, `pytest_plugins = ["muon_dist.harness.pytest_plugin"]` (or `pytest -p
+muon_dist.harness.pytest_plugin`). It is not registered as a pytest11 entry point on purpose: pytest rewrites the
+asserts of every module of a distribution that provides one, which would change muon_ref's and muon_dist's own
+assertions (their messages, and their modules' loaders) in every test run of a project that installs muon-ref. It
+adds the `muon_check` fixture and the `--muon-device` option:
 
     def test_our_muon_conforms(muon_check):
         muon_check.assert_conforms(OurMuon, claim="keller", families=("tall", "square"), world_sizes=(1,))

@@ -1,7 +1,9 @@
 """An example of a project keeping "our Muon conforms to muon_ref under preset keller" as a test in its own suite
 (docs/conformance.md, "In your own tests"). Copy it into your tests and put your optimizer where muon.SingleDeviceMuon
-(KellerJordan's Muon, PyPI muon-optimizer) is. With muon-ref installed, pytest loads the `muon_check` fixture by
-itself; `pytest -m gpu` runs the gpu test on the node's GPU (device "cuda").
+(KellerJordan's Muon, PyPI muon-optimizer) is, and name the plugin in your top-level conftest.py:
+    pytest_plugins = ["muon_dist.harness.pytest_plugin"]      # the muon_check fixture, --muon-device
+(this repository's tests/conftest.py registers it the same way). `pytest -m gpu` runs the gpu test on the node's
+GPU (device "cuda").
 """
 
 import pytest
