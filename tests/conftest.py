@@ -62,5 +62,10 @@ def run_conformance(args: list[str]) -> tuple[int, str, str]:
 def pytest_configure(config: pytest.Config) -> None:
     """The muon_check fixture (muon_dist/harness/pytest_plugin.py), as a project's top-level conftest.py names it
     with `pytest_plugins` (this conftest is not the rootdir's, where that name is not read)."""
-    if not config.pluginmanager.has_plugin("muon_dist.harness.pytest_plugin"):
-        config.pluginmanager.import_plugin("muon_dist.harness.pytest_plugin")
+    import importlib
+
+    plugin = importlib.import_module("muon_dist.harness.pytest_plugin")
+    if not config.pluginmanager.is_registered(
+        plugin
+    ):  # named already (-p, or an older install's entry point)
+        config.pluginmanager.register(plugin, "muon_dist.harness.pytest_plugin")

@@ -19,28 +19,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ..audit import Setup
+from .systems import deepspeed_on_cpu
 
 ZERO_STAGES = ("zero0", "zero1", "zero2", "zero3")
-
-
-def _deepspeed_on_cpu() -> None:
-    """DeepSpeed's CPU accelerator on the check's gloo ranks: the environment a one-node launcher sets, eager
-    kernels, and its shared-memory all-reduce (a C++ op it would JIT-compile) off, so collectives go through
-    torch.distributed."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    for key, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
-        os.environ.setdefault(key, str(value))
-    torch.compiler.set_stance("force_eager")
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 class DeepSpeedSetup(Setup):
@@ -80,7 +64,7 @@ class DeepSpeedSetup(Setup):
         return config
 
     def build(self, model: nn.Module) -> list[Any]:
-        _deepspeed_on_cpu()
+        deepspeed_on_cpu()
         import deepspeed
 
         self.engine, *_ = deepspeed.initialize(
@@ -218,7 +202,7 @@ class LlamaFactoryZero3Setup(LlamaFactorySetup):
         }
 
     def shard(self, model: nn.Module, world_size: int) -> nn.Module:
-        _deepspeed_on_cpu()
+        deepspeed_on_cpu()
         import deepspeed
 
         deepspeed.zero.Init(module=model, config_dict_or_path=self.config())

@@ -365,6 +365,23 @@ class _GradientDot(torch.nn.Module):
         return torch.stack(terms).sum() if terms else sum(p.sum() * 0 for p in self.weights)
 
 
+def deepspeed_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator on the check's gloo ranks: what torchrun or the deepspeed launcher sets on one
+    node (DeepSpeedEngine asserts LOCAL_RANK), eager kernels (its `@compiler.compile()` functions), and its
+    shared-memory all-reduce off (a C++ op deepspeed.initialize would JIT-build: a compiler and a build per fresh
+    cache), so its collectives go through torch.distributed (gloo)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for key, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
+        os.environ.setdefault(key, str(value))
+    torch.compiler.set_stance("force_eager")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedMuon(Adapter):
     """DeepSpeed 0.19.8's Muon (`deepspeed/runtime/zero/muon/`), built by `deepspeed.initialize` from a config
     (`"optimizer": {"type": "Muon", "params": {lr, momentum, weight_decay, ns_method}}`,
@@ -405,20 +422,9 @@ class DeepSpeedMuon(Adapter):
         return f"{super().describe()} [ZeRO stage {self.zero_stage}, ns_method {self.ns_method!r}]"
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
-        import torch.distributed as dist
-
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        # what torchrun or the deepspeed launcher sets on one node (DeepSpeedEngine asserts LOCAL_RANK)
-        for key, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
-            os.environ.setdefault(key, str(value))
-        torch.compiler.set_stance("force_eager")
+        deepspeed_on_cpu()
         import deepspeed
-        import deepspeed.ops
 
-        # the CPU accelerator's shared-memory all-reduce is a C++ op that deepspeed.initialize JIT-builds (a
-        # compiler and a build per fresh cache): off, so its collectives go through torch.distributed (gloo)
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
         for w in copies:
             w.use_muon = w.ndim >= 2
