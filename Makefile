@@ -84,7 +84,7 @@ FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==
 	pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 pyarrow==26.0.1 dill==0.4.1 \
 	xxhash==4.1.0 omegaconf==2.4.0 requests==2.34.2 urllib3==2.8.0
 # the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
-FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip LlamaFactorySetup LlamaFactoryZero3Setup
+FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16 LlamaFactorySetup LlamaFactoryZero3Setup
 XTUNER ?=
 AREAL ?=
 LLAMAFACTORY ?=
@@ -118,7 +118,7 @@ field:
 		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
 		--sharding hsdp --world-sizes 4 --micro-batches 1
-	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
+	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
 		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
 
 clean:

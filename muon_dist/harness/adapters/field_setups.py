@@ -6,7 +6,9 @@ the model and a configuration, under its shipped defaults unless a row of docs/f
                      "embed" or "lm_head" in its name, goes to Muon) and steps MuonWithAuxAdam, under ZeRO stage
                      0 (the default), 1, 2 or 3 (`sharding` "zero0".."zero3"); `gradient_accumulation_steps` from the
                      audit's micro-batches. Variants: DeepSpeedSetupNoClip ("gradient_clipping": 0.0),
-                     DeepSpeedSetupStandardNS (also "ns_method": "standard").
+                     DeepSpeedSetupStandardNS (also "ns_method": "standard"), DeepSpeedSetupBf16 (no clip, bf16).
+    LlamaFactorySetup, LlamaFactoryZero3Setup   its `_create_muon_optimizer` under DDP and under DeepSpeed ZeRO-3
+    VeomniSetup      its `build_optimizer(model, optimizer_type="muon")` on FSDP2 or HSDP
 
 Run in the field venv (`make field`): DeepSpeed is not a dependency of this package. The CPU accelerator's
 shared-memory all-reduce (a C++ op DeepSpeed would JIT-compile) is marked incompatible, so its collectives go
@@ -275,3 +277,13 @@ class VeomniSetup(Setup):
         )
         multi = build_optimizer(getattr(model, "module", model), optimizer_type="muon")
         return list(multi.optimizers_dict.values())
+
+
+class DeepSpeedSetupBf16(DeepSpeedSetupNoClip):
+    """The clip-free config with `"bf16": {"enabled": true}`: the module's params in bf16, fp32 master weights in
+    the engine's optimizer (BF16_Optimizer at stage 0, the ZeRO optimizers' fp32 partitions at 1-3). The probe's
+    gradients (integers / 64, at most 8 significant bits) and their sums over ranks and micro-batches are exact in
+    bf16, so the invariance contract stays bitwise."""
+
+    name = "DeepSpeed Muon (bf16, gradient_clipping 0)"
+    extra = {"gradient_clipping": 0.0, "bf16": {"enabled": True}}
