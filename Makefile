@@ -118,7 +118,7 @@ field:
 		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
 		--sharding hsdp --world-sizes 4 --micro-batches 1
-	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
+	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupStandardNS DeepSpeedSetupBf16,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
 		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
 
 clean:
