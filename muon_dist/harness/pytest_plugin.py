@@ -54,10 +54,7 @@ class MuonCheck:
         return check(candidate, claim, **kwargs)
 
     def assert_conforms(self, candidate: Any, claim: Any = None, **kwargs: Any) -> Any:
-        report = self.check(candidate, claim, **kwargs)
-        if not report.conforms:
-            pytest.fail(report.summary(), pytrace=False)
-        return report
+        return _passing(self.check(candidate, claim, **kwargs), "conforms")
 
     def audit_setup(self, setup: Any, **kwargs: Any) -> Any:
         from muon_dist.harness.api import audit_setup
@@ -65,10 +62,7 @@ class MuonCheck:
         return audit_setup(setup, **kwargs)
 
     def assert_audit_clean(self, setup: Any, **kwargs: Any) -> Any:
-        report = self.audit_setup(setup, **kwargs)
-        if not report.clean:
-            pytest.fail(report.summary(), pytrace=False)
-        return report
+        return _passing(self.audit_setup(setup, **kwargs), "clean")
 
     def setup_invariance(self, setup: Any, **kwargs: Any) -> Any:
         from muon_dist.harness.api import setup_invariance
@@ -76,10 +70,14 @@ class MuonCheck:
         return setup_invariance(setup, **kwargs)
 
     def assert_invariant(self, setup: Any, **kwargs: Any) -> Any:
-        report = self.setup_invariance(setup, **kwargs)
-        if not report.clean:
-            pytest.fail(report.summary(), pytrace=False)
-        return report
+        return _passing(self.setup_invariance(setup, **kwargs), "clean")
+
+
+def _passing(report: Any, verdict: str) -> Any:
+    """The report, or the test failed with its summary where `report.<verdict>` is false."""
+    if not getattr(report, verdict):
+        pytest.fail(report.summary(), pytrace=False)
+    return report
 
 
 @pytest.fixture

@@ -82,6 +82,8 @@ def _tensor_parallel_ns(distributed: bool) -> tuple[int, bool]:
 
 @pytest.mark.timeout(120)
 def test_the_trace_marks_a_call_distributed_only_when_its_gram_crosses_ranks() -> None:
+    """One call either way; distributed iff a collective reads the call's Gram before its next Gram product (the
+    all-reduced Gram of column shards), not when it only carries the result (the all-gather afterwards)."""
     pool = RankPool(2, idle_s=10.0)
     try:
         assert pool.run(_tensor_parallel_ns, True) == [(1, True)] * 2

@@ -170,11 +170,15 @@ class SplitFromLocalShard(_PlantedSetup):
     def groups(self, model: nn.Module) -> tuple[list, list]:
         muon, other = muon_groups(model, _without_splits(self.claimed()))
         for g in muon:
-            p = g["params"][0]
-            rows = p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0]
-            if p.ndim == 2 and rows in (3 * D, 4 * D):
-                g["split_sizes"] = (D,) * (rows // D)
+            sizes = self.split_of(g["params"][0])
+            if sizes is not None:
+                g["split_sizes"] = sizes
         return muon, other
+
+    def split_of(self, p: Tensor) -> tuple[int, ...] | None:
+        """The split_sizes this setup gives a fused projection, or None (the param stays whole)."""
+        rows = p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0]
+        return (D,) * (rows // D) if p.ndim == 2 and rows in (3 * D, 4 * D) else None
 
     def optimizer(self, muon: list, other: list, model: nn.Module) -> list[Any]:
         from muon_dist import DistributedMuon
@@ -289,13 +293,10 @@ class GatedSplitAsQKV(SplitFromLocalShard):
     name = "planted: gated attention split as q, k, v"
     path = "sharded"
 
-    def groups(self, model: nn.Module) -> tuple[list, list]:
-        muon, other = muon_groups(model, _without_splits(self.claimed()))
-        for g in muon:
-            p = g["params"][0]
-            if p.ndim == 2 and p.shape[0] in (3 * D, 4 * D):
-                g["split_sizes"] = (p.shape[0] - 2 * D, D, D)
-        return muon, other
+    def split_of(self, p: Tensor) -> tuple[int, ...] | None:
+        if p.ndim == 2 and p.shape[0] in (3 * D, 4 * D):
+            return (p.shape[0] - 2 * D, D, D)
+        return None
 
 
 class PackedQKVByName(SplitFromLocalShard):
