@@ -33,7 +33,8 @@ and group it went to, the blocks Newton-Schulz saw and its calls per optimizer s
     unrouted          a trainable param in no optimizer
     crash             the step raised (its error and where; the routing is still read from construction, and
                       what the step did not reach draws no finding); "could not run on gloo" where the error is
-                      gloo's refusal of a collective NCCL takes (unequal tensor shapes in a list-form all_to_all)
+                      gloo's refusal of a collective NCCL takes (unequal tensor shapes in a list-form all_to_all);
+                      or the setup's own code refused to build it (no rows then: nothing was routed)
     unattributed      a Newton-Schulz call whose input is no view of any gradient (listed with its shape)
 """
 
@@ -222,8 +223,21 @@ def audit_rank(setup: Setup, world_size: int, micro_batches: int, seed: int) -> 
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     setup.micro_batches = micro_batches
-    model = setup.shard(AuditModel(seed), world_size)
-    built = setup.build(model)
+    refused = None
+    try:
+        model = setup.shard(AuditModel(seed), world_size)
+        built = setup.build(model)
+    except Exception as e:  # noqa: BLE001 - a setup its own code refuses to build is a finding, not a traceback
+        refused = _error_line(e)
+    if (
+        world_size > 1 and dist.is_initialized()
+    ):  # every rank stops if one could not build (no step to hang in)
+        flag = torch.tensor([1 if refused else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) and refused is None:
+            return {"rank": rank, "construction_error": None}
+    if refused is not None:
+        return {"rank": rank, "construction_error": refused}
     optimizers = list(built) if isinstance(built, (list, tuple)) else [built]
     inner = getattr(model, "module", model)
     named = dict(inner.named_parameters())
@@ -446,10 +460,38 @@ def _seen_words(counts: dict[tuple[str, str], dict[tuple, int]]) -> str:
     return "; ".join(words) or "-"
 
 
+def _header(setup: Setup, world_size: int, micro_batches: int) -> dict[str, Any]:
+    return {
+        "setup": setup.name,
+        "world_size": world_size,
+        "micro_batches": micro_batches,
+        "sharding": setup.sharding,
+        "path_claimed": setup.path,
+    }
+
+
 def report(
     setup: Setup, results: list[dict[str, Any]], world_size: int, micro_batches: int, seed: int = 0
 ) -> dict[str, Any]:
-    """The audit's rows and findings from every rank's result."""
+    """The audit's rows and findings from every rank's result (a setup that could not be built on some rank: no
+    rows, one "crash" finding naming the construction's error)."""
+    refused = sorted(
+        {
+            (res["construction_error"], res["rank"])
+            for res in results
+            if res.get("construction_error")
+        }
+    )
+    if any("construction_error" in res for res in results):
+        ranks = ", ".join(str(r) for _, r in refused)
+        text = f"the setup's construction raised on rank {ranks}: {refused[0][0]}"
+        return {
+            **_header(setup, world_size, micro_batches),
+            "rows": [],
+            "findings": [{"param": "-", "kind": "crash", "text": text}],
+            "dtensor_grams": [],
+            "collectives_per_rank": [],
+        }
     claims = setup.claimed()
     shard = shard_size(setup.sharding, world_size)
     views = catalogue(claims, world_size, micro_batches, shard, seed)
@@ -499,11 +541,7 @@ def report(
         findings.insert(0, ("-", kind, f"the step raised on rank {ranks}: {crashed[0][0]}{what}"))
     dt = sorted({s for res in results for s in res["dtensor_grams"]})
     return {
-        "setup": setup.name,
-        "world_size": world_size,
-        "micro_batches": micro_batches,
-        "sharding": setup.sharding,
-        "path_claimed": setup.path,
+        **_header(setup, world_size, micro_batches),
         "rows": [r.__dict__ for r in rows],
         "findings": [{"param": p, "kind": k, "text": t} for p, k, t in findings],
         "dtensor_grams": [list(s) for s in dt],

@@ -35,7 +35,9 @@ def test_the_trace_counts_one_call_per_matrix_with_its_iterations(preset: str) -
     with Trace() as t:
         opt.step()
     assert [tuple(c.inputs[0].shape) for c in t.calls] == [(4, 6), (5, 7), (5, 7), (5, 7)]
-    assert len({c.grams for c in t.calls}) == 1 and t.calls[0].grams >= 5, t.calls  # one per iteration
+    assert len({c.grams for c in t.calls}) == 1 and t.calls[0].grams >= 5, (
+        t.calls
+    )  # one per iteration
     assert not any(c.distributed for c in t.calls)
     cos = torch.nn.functional.cosine_similarity(
         t.calls[0].inputs[0].flatten(), params[0].grad.T.double().flatten(), dim=0
@@ -110,7 +112,10 @@ def test_a_matrix_that_is_no_view_of_any_gradient_is_unattributed() -> None:
     G, _ = probe_gradients(1, 2, 1, 0)
     view, cos = attribute(G["layers.0.attn.wqkv.weight"][8:16].bfloat16(), views)
     assert (view.name, view.label, view.block, view.source) == (
-        "layers.0.attn.wqkv.weight", "claimed", 1, "G"
+        "layers.0.attn.wqkv.weight",
+        "claimed",
+        1,
+        "G",
     ) and cos > 0.999
 
 
@@ -184,3 +189,30 @@ def test_a_step_that_raises_is_a_crash_finding_and_the_routing_is_still_read() -
     assert "test_setup_audit.py:" in rep["findings"][0]["text"]
     rows = {r["name"]: r for r in rep["rows"]}
     assert rows["layers.0.mlp.up.weight"]["optimizer"] == "MuonWithAdamW group 2 (algorithm='muon')"
+
+
+class _RefusedOnOneRank(setups.DistributedMuonFSDP):
+    """A setup whose own builder refuses on rank 1 only (as an engine refuses a configuration)."""
+
+    name = "refused on rank 1"
+
+    def build(self, model):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise ValueError("planted refusal\nsecond line")
+        return super().build(model)
+
+
+@pytest.mark.timeout(120)
+def test_a_setup_its_own_code_refuses_to_build_is_one_crash_finding_with_no_rows() -> None:
+    """A construction error on any rank is reported, not raised: no rows (nothing was routed), one crash finding
+    naming the ranks, the error's first line and where it was raised; the other rank does not hang (the step,
+    whose collectives it would wait in, is not run)."""
+    rep = audit(_RefusedOnOneRank(), 2, 1)
+    assert rep["rows"] == [] and [f["kind"] for f in rep["findings"]] == ["crash"], rep
+    text = rep["findings"][0]["text"]
+    assert text.startswith(
+        "the setup's construction raised on rank 1: ValueError: planted refusal ("
+    )
+    assert "test_setup_audit.py:" in text
