@@ -205,6 +205,27 @@ def test_deepspeed_muon_built_by_deepspeed_initialize_steps_bitwise_like_keller(
 
 
 @pytest.mark.timeout(300)
+def test_deepspeed_resumes_bitwise_through_its_engine_and_loses_the_muon_momentum_it_keeps_in_memory() -> (
+    None
+):
+    """The checkpoint family through DeepSpeed's own save and load (`engine.save_checkpoint` /
+    `engine.load_checkpoint`): ZeRO-3 resumes bitwise at the same W (the steps after the resume depend on the
+    restored momentum); with `save_muon_momentum_buffer_in_memory` (its documented example's key) the loaded
+    momentum lands in optimizer.state while the step reads its in-memory buffer (stage3.py), still zeros, so the
+    first step after the resume departs; at another W, ZeRO refuses with its stated message."""
+    _package("deepspeed")
+    from muon_dist.harness.adapters.systems import DeepSpeedMuonZero3InMemory
+
+    assert _statuses(_run(DeepSpeedMuonZero3(), ("checkpoint",), (1,))) == ["bitwise"]
+    (lost,) = _run(DeepSpeedMuonZero3InMemory(), ("checkpoint",), (1,))
+    assert lost["status"] == "differs", lost
+    assert lost["first_step"] == (lost["steps"] + 1) // 2 + 1, lost  # the first step after the save
+    refused = _run(DeepSpeedMuonZero1(), ("checkpoint",), (1, 2))
+    assert _statuses(refused) == ["crash", "crash"], refused
+    assert all("Automatic adjustment of ZeRO's optimizer state" in o["error"] for o in refused)
+
+
+@pytest.mark.timeout(300)
 def test_xtuner_muon_is_bitwise_with_its_tensor_lr_and_its_reduce_scatter_is_refused_by_gloo() -> (
     None
 ):
@@ -303,6 +324,30 @@ def test_deepspeed_is_invariant_without_clipping_and_its_default_clip_changes_mu
     shipped = invariance(DeepSpeedSetup(), (1, 2), 1, 1, timeout=240.0)
     assert shipped["broken"] == ["layout (zero1)", "layout (zero2)", "layout (zero3)"], shipped
     assert all(r["step"] == 1 for r in shipped["rows"] if r["status"] == "differs")
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_documented_muon_example_is_refused_at_zero3_as_written_and_runs_with_reduce_scatter_off() -> (
+    None
+):
+    """DeepSpeed's own configuration example for Muon (ZeRO-3, no `reduce_scatter` key): its construction raises
+    "Muon and reduce scatter cannot be used together" (stage3.py) on every rank, reported as one crash finding
+    with no rows; with `"reduce_scatter": false` added it routes and orthogonalises as claimed and is bitwise
+    across W = 1, 2 and 2 micro-batches."""
+    _package("deepspeed")
+    from muon_dist.harness.adapters.field_setups import (
+        DeepSpeedSetupDocExample,
+        DeepSpeedSetupDocExampleNoReduceScatter,
+    )
+    from muon_dist.harness.invariance import invariance
+
+    refused = _setup_audit(DeepSpeedSetupDocExample, 2, 1)
+    assert refused["rows"] == [] and [f["kind"] for f in refused["findings"]] == ["crash"], refused
+    assert "Muon and reduce scatter cannot be used together" in refused["findings"][0]["text"]
+    assert "rank 0, 1" in refused["findings"][0]["text"]
+    assert _setup_audit(DeepSpeedSetupDocExampleNoReduceScatter, 2, 2)["findings"] == []
+    rep = invariance(DeepSpeedSetupDocExampleNoReduceScatter(), (1, 2), 2, 2, timeout=240.0)
+    assert rep["broken"] == [] and len(rep["rows"]) == 3, rep
 
 
 @pytest.mark.timeout(600)

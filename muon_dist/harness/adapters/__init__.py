@@ -75,6 +75,37 @@ class Adapter:
         shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
         return local.reshape(shape)
 
+    def save_checkpoint(
+        self, opt: torch.optim.Optimizer, module: torch.nn.Module, path: str
+    ) -> None:
+        """The checkpoint families' save, as the candidate's users save: by default torch.distributed.checkpoint of
+        the params and of the optimizer state as torch.distributed.checkpoint.state_dict gives it (keys are
+        parameter names, DTensor state stays sharded). A candidate that saves through its own engine overrides
+        this and `load_checkpoint`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save(
+            {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)},
+            checkpoint_id=path,
+        )
+
+    def load_checkpoint(
+        self, opt: torch.optim.Optimizer, module: torch.nn.Module, path: str
+    ) -> None:
+        """The resume: a fresh candidate on zero params loads `path` into `module`'s params and its state (by
+        default the candidate's own state dict is the template, set_optimizer_state_dict installs it)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
+        dcp.load(state, checkpoint_id=path)
+        module.load_state_dict(state["model"])
+        set_optimizer_state_dict(module, opt, state["optim"])
+
     def describe(self) -> str:
         claim = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
         return f"{self.name} {self.version()} (claims preset {self.preset!r}{', ' + claim if claim else ''})"

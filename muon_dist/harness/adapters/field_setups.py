@@ -6,7 +6,9 @@ the model and a configuration, under its shipped defaults unless a row of docs/f
                      "embed" or "lm_head" in its name, goes to Muon) and steps MuonWithAuxAdam, under ZeRO stage
                      0 (the default), 1, 2 or 3 (`sharding` "zero0".."zero3"); `gradient_accumulation_steps` from the
                      audit's micro-batches. Variants: DeepSpeedSetupNoClip ("gradient_clipping": 0.0),
-                     DeepSpeedSetupStandardNS (also "ns_method": "standard"), DeepSpeedSetupBf16 (no clip, bf16).
+                     DeepSpeedSetupStandardNS (also "ns_method": "standard"), DeepSpeedSetupBf16 (no clip, bf16),
+                     DeepSpeedSetupDocExample (its documentation's Muon example, as written, ZeRO-3) and
+                     DeepSpeedSetupDocExampleNoReduceScatter (with the key stage 3 requires).
     LlamaFactorySetup, LlamaFactoryZero3Setup   its `_create_muon_optimizer` under DDP and under DeepSpeed ZeRO-3
     VeomniSetup      its `build_optimizer(model, optimizer_type="muon")` on FSDP2 or HSDP
 
@@ -47,6 +49,8 @@ class DeepSpeedSetup(Setup):
     shardings = ZERO_STAGES
     extra: dict[str, Any] = {}
     optimizer_params: dict[str, Any] = {}
+    zero_extra: dict[str, Any] = {}  # more keys of "zero_optimization"
+    reduce_scatter_off = True  # at stage 3, the `"reduce_scatter": false` stage3.py:361 requires
 
     def shard(self, model: nn.Module, world_size: int) -> nn.Module:
         return model
@@ -60,8 +64,8 @@ class DeepSpeedSetup(Setup):
             **self.extra,
         }
         if stage:
-            config["zero_optimization"] = {"stage": stage}
-        if stage == 3:
+            config["zero_optimization"] = {"stage": stage, **self.zero_extra}
+        if stage == 3 and self.reduce_scatter_off:
             config["zero_optimization"]["reduce_scatter"] = False
         return config
 
@@ -110,6 +114,36 @@ class DeepSpeedSetupNoClip(DeepSpeedSetup):
 
     name = "DeepSpeed Muon (gradient_clipping 0)"
     extra = {"gradient_clipping": 0.0}
+
+
+class DeepSpeedSetupDocExample(DeepSpeedSetup):
+    """The Muon example of DeepSpeed's configuration reference (https://www.deepspeed.ai/docs/config-json/,
+    "Example of optimizer with Muon"; the page's source at deepspeedai/DeepSpeed edaa7221267243c7), as written:
+    `{"optimizer": {"type": "Muon", "params": {"lr": 0.001, "momentum": 0.9, "weight_decay": 0.0, "muon_lr":
+    0.001, "ns_method": "gram"}}, "zero_optimization": {"stage": 3, "save_muon_momentum_buffer_in_memory":
+    true}}`, with the audit's batch keys. It names no `reduce_scatter`, whose default is true (zero/config.py),
+    and stage 3 refuses Muon with it (stage3.py:361)."""
+
+    name = "DeepSpeed Muon (config-json example, as written)"
+    sharding = "zero3"
+    shardings = ("zero3",)
+    optimizer_params = {
+        "lr": 0.001,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "muon_lr": 0.001,
+        "ns_method": "gram",
+    }
+    zero_extra = {"save_muon_momentum_buffer_in_memory": True}
+    reduce_scatter_off = False
+
+
+class DeepSpeedSetupDocExampleNoReduceScatter(DeepSpeedSetupDocExample):
+    """The config-json example with the one key stage 3 requires for Muon, `"reduce_scatter": false`; everything
+    else as written (so `gradient_clipping` keeps its default 1.0 and `ns_method` is "gram")."""
+
+    name = "DeepSpeed Muon (config-json example, reduce_scatter false)"
+    reduce_scatter_off = True
 
 
 class DeepSpeedSetupStandardNS(DeepSpeedSetupNoClip):

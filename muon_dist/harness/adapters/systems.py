@@ -399,8 +399,8 @@ class DeepSpeedMuon(Adapter):
     (runtime/constants.py:203, engine.py `_take_model_step`), before its optimizer sees them.
     Under ZeRO-3 the config also sets `"reduce_scatter": false` (stage3.py:361 refuses Muon with it). LOCAL_RANK,
     RANK and WORLD_SIZE are set as a one-node launcher sets them (DeepSpeedEngine asserts LOCAL_RANK). The engine
-    holds copies of the check's params (`_DeepSpeedStep`). The checkpoint families are left out: DeepSpeed saves
-    through its engine, not torch.distributed.checkpoint. Its kernels are `@compiler.compile()` (torch.compile);
+    holds copies of the check's params (`_DeepSpeedStep`). The checkpoint families save and load through the
+    engine, as DeepSpeed's users do (`engine.save_checkpoint` / `engine.load_checkpoint`). Its kernels are `@compiler.compile()` (torch.compile);
     they run eagerly in the adapter (`torch.compiler.set_stance("force_eager")`), as the repo's other compiled
     candidates do. float32 params only:
     with bf16 the engine keeps fp32 master weights, another contract. One stated patch: DeepSpeed's CPU shared-memory
@@ -410,9 +410,21 @@ class DeepSpeedMuon(Adapter):
     name, preset, distributed = "deepspeed Muon", "keller", "unreduced"
     overrides = {"scale_sqrt": "sqrt"}
     hyperparameters = frozenset({"lr", "weight_decay", "momentum"})
-    families = frozenset({"badly_scaled", "even", "remainder", "mixed", "straddle", "accumulation"})
+    families = frozenset(
+        {
+            "badly_scaled",
+            "even",
+            "remainder",
+            "mixed",
+            "straddle",
+            "accumulation",
+            "checkpoint",
+            "checkpoint_unstepped",
+        }
+    )
     dtypes = ("float32",)
     zero_stage = 0
+    zero_extra: dict[str, Any] = {}  # more keys of "zero_optimization"
     ns_method = "standard"
 
     def version(self) -> str:
@@ -433,7 +445,7 @@ class DeepSpeedMuon(Adapter):
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
             "optimizer": {"type": "Muon", "params": {**hp, "ns_method": self.ns_method}},
-            "zero_optimization": {"stage": self.zero_stage},
+            "zero_optimization": {"stage": self.zero_stage, **self.zero_extra},
         }
         if self.zero_stage == 3:
             # stage3.py refuses Muon with its default reduce_scatter: "Muon and reduce scatter cannot be used
@@ -454,6 +466,25 @@ class DeepSpeedMuon(Adapter):
     def momentum(self, opt: torch.optim.Optimizer, p: Tensor) -> Tensor | None:
         return None  # under ZeRO it lives in flat partitions: not compared
 
+    def save_checkpoint(
+        self, opt: torch.optim.Optimizer, module: torch.nn.Module, path: str
+    ) -> None:
+        """As DeepSpeed's users save: `engine.save_checkpoint(path, tag)` (model states, and the optimizer
+        states of each rank's ZeRO partition)."""
+        opt.engine.save_checkpoint(path, tag="case")
+
+    def load_checkpoint(
+        self, opt: torch.optim.Optimizer, module: torch.nn.Module, path: str
+    ) -> None:
+        """`engine.load_checkpoint(path, tag)` into the fresh engine (its optimizer states included), then the
+        engine's params copied into the check's."""
+        import deepspeed
+
+        opt.engine.load_checkpoint(path, tag="case")
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(opt.copies):
+            for p, w in zip(opt.params, opt.copies):
+                p.copy_(w.detach())
+
 
 class DeepSpeedMuonZero1(DeepSpeedMuon):
     """DeepSpeedMuon under ZeRO stage 1 (optimizer states partitioned; `stage_1_and_2.py` gathers each Muon
@@ -472,6 +503,15 @@ class DeepSpeedMuonZero3(DeepSpeedMuon):
     """DeepSpeedMuon under ZeRO stage 3 (params partitioned; `stage3.py` runs Muon in its sub-group loop)."""
 
     zero_stage = 3
+
+
+class DeepSpeedMuonZero3InMemory(DeepSpeedMuonZero3):
+    """DeepSpeedMuonZero3 with `"save_muon_momentum_buffer_in_memory": true` under `zero_optimization`, the key
+    DeepSpeed's Muon configuration example sets (meant for NVMe offload: the Muon momentum stays in memory,
+    stage3.py `_create_momentum_buffer`, instead of in the swapped optimizer state)."""
+
+    name = "deepspeed Muon (ZeRO-3, save_muon_momentum_buffer_in_memory)"
+    zero_extra = {"save_muon_momentum_buffer_in_memory": True}
 
 
 class DeepSpeedMuonGram(DeepSpeedMuonZero2):
@@ -642,6 +682,7 @@ __all__ = [
     "DeepSpeedMuonZero1",
     "DeepSpeedMuonZero2",
     "DeepSpeedMuonZero3",
+    "DeepSpeedMuonZero3InMemory",
     "EmergingMuon",
     "FromCheckout",
     "LlamaFactoryV0Muon",
@@ -668,6 +709,7 @@ SYSTEMS = (
     DeepSpeedMuonZero1,
     DeepSpeedMuonZero2,
     DeepSpeedMuonZero3,
+    DeepSpeedMuonZero3InMemory,
     DeepSpeedMuonGram,
     XtunerMuon,
     EmergingMuon,

@@ -229,42 +229,25 @@ def candidate_steps(
 
 
 def candidate_save(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) -> dict[str, Any]:
-    """The checkpoint family before the save: save_step(case) steps, then the params and the optimizer state through
-    torch.distributed.checkpoint at `path`, the optimizer's as torch.distributed.checkpoint.state_dict gives it
-    (get_optimizer_state_dict: keys are parameter names, DTensor state stays sharded)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+    """The checkpoint family before the save: save_step(case) steps, then `adapter.save_checkpoint` at `path`
+    (torch.distributed.checkpoint unless the candidate saves through its own engine)."""
     _harness_group()
     _seed_random(0)
     module = _params(case)
     opt = build(adapter, list(module.params), {**hp, **dict(case.options)})
     result = _steps(adapter, case, opt, list(module.params), range(save_step(case)))
-    dcp.save(
-        {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)},
-        checkpoint_id=path,
-    )
+    adapter.save_checkpoint(opt, module, path)
     return result
 
 
 def candidate_resume(adapter: Adapter, case: Case, hp: dict[str, Any], path: str) -> dict[str, Any]:
     """The checkpoint family after the save, on case.resume_world_size ranks: a fresh candidate on zero params,
-    loaded from `path` (its own state dict as the template, set_optimizer_state_dict to install it), then the
-    remaining steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
+    loaded from `path` by `adapter.load_checkpoint`, then the remaining steps."""
     _harness_group()
     _seed_random(1)
     module = _params(case, zeros=True)
     opt = build(adapter, list(module.params), {**hp, **dict(case.options)})
-    state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
-    dcp.load(state, checkpoint_id=path)
-    module.load_state_dict(state["model"])
-    set_optimizer_state_dict(module, opt, state["optim"])
+    adapter.load_checkpoint(opt, module, path)
     loaded = [local(p.detach()).cpu().clone() for p in module.params]
     snapshot = (
         {"loaded_state": state_snapshot(opt, list(module.params))}
