@@ -16,7 +16,9 @@ pointer, the last two sizes and strides swapped). A call is told from its own la
 
 Taint is kept per byte range of a storage (a view covers its base's bytes between its first and last element;
 writing a range replaces the taint of the ranges inside it) and cleared when the mode is entered. Only plain tensors are
-read: a DTensor op is seen once, with its global shape, as `dtensor` (its local ops run below the mode).
+read: a DTensor op is seen once, with its global shape, as `dtensor` (its local ops run below the mode); its output's
+local tensor takes its inputs' taint as a plain op's would (else memory the allocator hands from a freed call's
+buffer to a DTensor would keep that call's taint, and the next call read from it would be merged into it).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class Trace(TorchDispatchMode):
 
     @staticmethod
     def _span(t: Any) -> tuple[int, int, int] | None:
-        """(storage, first byte, end byte) of the memory a plain tensor covers."""
+        """(storage, first byte, end byte) of the memory a plain tensor covers (a DTensor's: its local tensor's,
+        whose own ops run below the mode)."""
+        t = getattr(t, "_local_tensor", t)
         if type(t) is not torch.Tensor or t.numel() == 0:
             return None
         extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))

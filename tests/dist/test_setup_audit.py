@@ -94,6 +94,40 @@ def test_the_trace_marks_a_call_distributed_only_when_its_gram_crosses_ranks() -
         pool.close()
 
 
+def _call_then_dtensor_overwrite() -> int:
+    """One Newton-Schulz call; its result's memory rewritten by a DTensor op (copy_ of fresh data, as an
+    optimizer's next DTensor momentum may land in a freed call buffer); a second call on that memory. The number
+    of calls the trace counts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with Trace() as t:
+        X = torch.randn(4, 6) / 8
+        for _ in range(2):  # the first call: its result is tainted by it
+            A = X @ X.T
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+        D = DTensor.from_local(X, mesh, [Replicate()], run_check=False)
+        D.copy_(DTensor.from_local(torch.randn(4, 6), mesh, [Replicate()], run_check=False))
+        Y = D.to_local()  # X's memory, now fresh data
+        Y @ Y.T
+    return len(t.calls)
+
+
+@pytest.mark.timeout(120)
+def test_a_dtensor_op_clears_the_taint_of_the_memory_it_writes() -> None:
+    """A DTensor op's output (here an in-place copy_ of fresh data) takes its inputs' taint on its local tensor,
+    so a call read from memory that held an earlier call's result is a new call, not one more iteration of the
+    earlier one (which merged calls of consecutive params in a DTensor optimizer's step)."""
+    pool = RankPool(1, idle_s=10.0)
+    try:
+        assert pool.run(_call_then_dtensor_overwrite) == [2]
+    finally:
+        pool.close()
+
+
 def test_the_probe_gradients_sum_to_the_step_gradient_bit_for_bit() -> None:
     """mean over ranks of the sum over micro-batches of G_{r,i} / k is G exactly (the reduction order of any
     layout cannot change it), and the parts differ from G (a partial gradient is told apart)."""
