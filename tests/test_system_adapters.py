@@ -376,6 +376,25 @@ def test_llamafactory_builder_routes_as_its_rule_under_ddp_and_sends_every_matri
 
 
 @pytest.mark.timeout(600)
+def test_llamafactory_v1_documented_muon_example_routes_as_its_rule_and_is_invariant_on_fsdp2() -> (
+    None
+):
+    """Its v1 plugin `create_muon_optimizer` with examples/v1/train_full/train_full_muon.yaml (read from the
+    checkout) on FSDP2: every 2-D matrix but the embedding to Muon, each orthogonalised whole on every rank once
+    per step (its stated full_tensor path), no finding; bitwise across W = 1, 2 and 2 micro-batches."""
+    _checkout(LLAMAFACTORY_CHECKOUT_ENV, "examples/v1/train_full/train_full_muon.yaml")
+    from muon_dist.harness.adapters.field_setups import LlamaFactoryV1Setup
+    from muon_dist.harness.invariance import invariance
+
+    rep = _setup_audit(LlamaFactoryV1Setup, 2, 2)
+    assert rep["findings"] == [], rep["findings"]
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert rows["layers.0.attn.wo.weight"]["path"] == "every rank (full_tensor)"
+    assert rows["layers.1.mlp.large.weight"]["claim"] == "other"
+    assert invariance(LlamaFactoryV1Setup(), (1, 2), 2, 2, timeout=240.0)["broken"] == []
+
+
+@pytest.mark.timeout(600)
 def test_veomni_builder_on_an_hsdp_mesh_could_not_run_on_gloo() -> None:
     """VeOmni's `build_optimizer(optimizer_type="muon")` on a 2 x 2 HSDP mesh: its routing is its rule, and its
     owner all-to-all pairs params of different shapes in one list-form `dist.all_to_all`, which gloo refuses

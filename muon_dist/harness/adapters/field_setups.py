@@ -10,6 +10,7 @@ the model and a configuration, under its shipped defaults unless a row of docs/f
                      DeepSpeedSetupDocExample (its documentation's Muon example, as written, ZeRO-3) and
                      DeepSpeedSetupDocExampleNoReduceScatter (with the key stage 3 requires).
     LlamaFactorySetup, LlamaFactoryZero3Setup   its `_create_muon_optimizer` under DDP and under DeepSpeed ZeRO-3
+    LlamaFactoryV1Setup   its v1 trainer's `create_muon_optimizer` with its documented example config, FSDP2
     VeomniSetup      its `build_optimizer(model, optimizer_type="muon")` on FSDP2 or HSDP
 
 Run in the field venv (`make field`): DeepSpeed is not a dependency of this package. The CPU accelerator's
@@ -26,7 +27,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..audit import Setup
-from .systems import deepspeed_on_cpu
+from .systems import (
+    LLAMAFACTORY_CHECKOUT_ENV,
+    checkout_path,
+    deepspeed_on_cpu,
+    import_without_package_inits,
+)
 
 ZERO_STAGES = ("zero0", "zero1", "zero2", "zero3")
 
@@ -268,6 +274,50 @@ class LlamaFactoryZero3Setup(LlamaFactorySetup):
     held = DeepSpeedSetup.held
     full = DeepSpeedSetup.full
     train_step = DeepSpeedSetup.train_step
+
+
+class LlamaFactoryV1Setup(Setup):
+    """LlamaFactory's v1 trainer with its documented Muon example, examples/v1/train_full/train_full_muon.yaml of
+    the checkout ($MUON_LLAMAFACTORY_CHECKOUT, read from the checkout, not restated): `optim_config` {name: muon,
+    wd 0.1, momentum 0.95, nesterov true, ns_steps 5, adamw betas and eps}, `learning_rate` 1e-5 put into
+    `optim_config["lr"]` as the trainer does (config/training_args.py), `dist_config: fsdp2`. Built by its own
+    plugin `create_muon_optimizer(model, optim_config)` (plugins/trainer_plugins/optimizers/optimizer.py, imported
+    with its parent packages bare). Claim: its rule (a 2-D param whose name holds none of embed, lm_head, wte,
+    wpe, lora goes to Muon; a 3-D stack to its AdamW by that rule), each matrix whole, and its stated path:
+    every rank gathers the full gradient (`full_tensor`) and orthogonalises it ("replicated")."""
+
+    name = "LlamaFactory v1 create_muon_optimizer (train_full_muon.yaml)"
+    sharding, path = "fsdp2", "replicated"
+    layouts = False
+    shardings = ("fsdp2",)
+    example = "examples/v1/train_full/train_full_muon.yaml"
+
+    def claimed(self) -> dict[str, dict[str, Any] | None]:
+        from ..model import shapes
+
+        skip = ("embed", "lm_head", "wte", "wpe", "lora")
+        return {
+            n: {} if len(s) == 2 and not any(k in n for k in skip) else None
+            for n, s in shapes().items()
+        }
+
+    def build(self, model: nn.Module) -> Any:
+        import yaml
+
+        root = checkout_path(LLAMAFACTORY_CHECKOUT_ENV, None, self.example)
+        with open(os.path.join(root, self.example)) as f:
+            example = yaml.safe_load(f)
+        src = os.path.join(root, "src")
+        arg_utils = import_without_package_inits(src, "llamafactory.v1.config.arg_utils")
+        plugin = import_without_package_inits(
+            src, "llamafactory.v1.plugins.trainer_plugins.optimizers.optimizer"
+        )
+        config = arg_utils.get_plugin_config(dict(example["optim_config"]))
+        config["lr"] = example["learning_rate"]
+        return plugin.create_muon_optimizer(getattr(model, "module", model), config)
+
+    def route(self, name: str, p: Tensor, optimizers: list[Any]) -> tuple | None:
+        return _llamafactory_route(p, optimizers)
 
 
 class VeomniSetup(Setup):
