@@ -74,6 +74,8 @@ mutation: $(VENV)/.installed-mutation
 # table, then the rows not in it and the setups' audits and invariance (each reported; a departing row does not stop
 # the rest). Checkouts by path: make field XTUNER=../xtuner LLAMAFACTORY=../LlamaFactory EMERGING=../Emerging-Optimizers
 # AREAL=../areal-pr1270 (a folder holding areal/engine/fsdp_utils/muon.py of inclusionAI/AReaL PR 1270 at 7d18cca0)
+# TORCHTITAN=../torchtitan (pytorch/torchtitan at PR 4060's merge, bb90ff9c) LEROBOT=../lerobot (a folder holding
+# src/lerobot/optim/muon.py of huggingface/lerobot at 85b2fd6c) CANZONA=../FSDP-Canzona (liangyuwang/FSDP-Canzona)
 FIELD_VENV ?= .venv-field
 FIELD_PY := $(FIELD_VENV)/bin/python
 FIELD_EXTRA := $(FIELD_VENV)/extra/megatron-core-0.19.2
@@ -84,16 +86,26 @@ FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==
 	pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 pyarrow==26.0.1 dill==0.4.1 \
 	xxhash==4.1.0 omegaconf==2.4.0 requests==2.34.2 urllib3==2.8.0
 # the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
-FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16 LlamaFactorySetup LlamaFactoryZero3Setup
+FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16 DeepSpeedSetupDocExample \
+	DeepSpeedSetupDocExampleNoReduceScatter LlamaFactorySetup LlamaFactoryZero3Setup LlamaFactoryV1Setup
+FIELD_INVARIANCE := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupStandardNS DeepSpeedSetupBf16 \
+	DeepSpeedSetupDocExampleNoReduceScatter LlamaFactoryV1Setup
 XTUNER ?=
 AREAL ?=
 LLAMAFACTORY ?=
 EMERGING ?=
+TORCHTITAN ?=
+LEROBOT ?=
+CANZONA ?=
 FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFACTORY) MUON_AREAL_CHECKOUT=$(AREAL) \
-	MUON_EMERGING_CHECKOUT=$(EMERGING) MUON_MEGATRON_PATH=$(abspath $(FIELD_EXTRA))
+	MUON_EMERGING_CHECKOUT=$(EMERGING) MUON_MEGATRON_PATH=$(abspath $(FIELD_EXTRA)) \
+	MUON_TORCHTITAN_CHECKOUT=$(TORCHTITAN) MUON_LEROBOT_CHECKOUT=$(LEROBOT) MUON_CANZONA_CHECKOUT=$(CANZONA)
 FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon DeepSpeedMuonZero1 \
 	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon \
 	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed ArealMuon
+# the rows whose adapters live in modules of their own (module:class under muon_dist.harness.adapters)
+FIELD_MODULE_ADAPTERS := torchtitan:TorchtitanDistributedMuon lerobot:LerobotDistributedMuon canzona:CanzonaMuon \
+	megatron_layerwise:MegatronLayerWiseMuon
 
 field:
 	test -x $(FIELD_PY) || $(PYTHON) -m venv $(FIELD_VENV)
@@ -107,9 +119,14 @@ field:
 		--python-version 3.12 --only-binary=:all: megatron-core==0.19.2 emerging-optimizers==0.3.0
 	$(FIELD_PY) -m pip install -q --no-deps -e .
 	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.systems
-	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py
+	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py tests/test_system_torchtitan.py \
+		tests/test_system_lerobot.py tests/test_system_canzona.py tests/test_system_megatron_layerwise.py
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
-		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a))
+		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a)) \
+		$(foreach a,$(FIELD_MODULE_ADAPTERS),--adapter muon_dist.harness.adapters.$(a))
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:DeepSpeedMuonZero3 \
+		--adapter muon_dist.harness.adapters.systems:DeepSpeedMuonZero3InMemory --world-sizes 2 \
+		--families checkpoint checkpoint_unstepped
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:VeomniMuonGram \
 		--world-sizes 1 2
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:DeepSpeedMuonGram \
@@ -118,7 +135,9 @@ field:
 		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
 		--sharding hsdp --world-sizes 4 --micro-batches 1
-	-$(foreach s,DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupStandardNS DeepSpeedSetupBf16,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
+		--world-sizes 1 --micro-batches 2
+	-$(foreach s,$(FIELD_INVARIANCE),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
 		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
 
 clean:
