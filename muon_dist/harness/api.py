@@ -192,10 +192,12 @@ class SetupReport:
 
     @property
     def clean(self) -> bool:
-        return not self.raw["findings"] if self.kind == "audit" else not self.raw["broken"]
+        if self.kind == "audit":
+            return not self.raw["findings"]
+        return not self.raw["broken"] and not self.raw.get("could_not_run")
 
     def assert_clean(self) -> None:
-        """No finding (audit), or every configuration equal to its reference (invariance)."""
+        """No finding (audit), or every configuration run and equal to its reference (invariance)."""
         if not self.clean:
             raise AssertionError(self.summary())
 

@@ -130,7 +130,7 @@ def invariance(
     timeout: float = 120.0,
 ) -> dict[str, Any]:
     """Every configuration against the reference; the report (and its verdict: invariant or which breaks)."""
-    from .launch import RankPool
+    from .launch import RankFailure, RankPool
 
     reference, tested = configurations(setup, world_sizes, micro_batches)
     pools: dict[int, Any] = {}
@@ -155,7 +155,14 @@ def invariance(
                 "against": against.words(),
                 "status": "bitwise" if not tolerance else "within",
             }
-            diff = _difference(run(config), run(against), tolerance)
+            try:
+                diff = _difference(run(config), run(against), tolerance)
+            except (
+                RankFailure
+            ) as e:  # a configuration that raised or hung: named, never a traceback
+                row.update(status="could not run", error=_failure_line(e))
+                rows.append(row)
+                continue
             if diff:
                 step, names, worst = diff
                 row.update(status="differs", step=step, params=names, relative=worst)
@@ -164,6 +171,11 @@ def invariance(
         for pool in pools.values():
             pool.close()
     broken = sorted({r["invariance"] for r in rows if r["status"] == "differs"})
+    unrun = sum(r["status"] == "could not run" for r in rows)
+    if broken:
+        verdict = "breaks: " + ", ".join(broken) + (f"; {unrun} could not run" if unrun else "")
+    else:
+        verdict = f"could not run {unrun} of {len(rows)}" if unrun else "invariant"
     return {
         "setup": setup.name,
         "reference": reference.words(),
@@ -171,8 +183,24 @@ def invariance(
         "tolerance": tolerance,
         "rows": rows,
         "broken": broken,
-        "verdict": "invariant" if not broken else "breaks: " + ", ".join(broken),
+        "could_not_run": unrun,
+        "verdict": verdict,
     }
+
+
+def _failure_line(e: Any) -> str:
+    """The first failing rank's error (its traceback's last line) and, where gloo refused a collective NCCL takes,
+    that collective; or the ranks that hung."""
+    from .adapters.diagnose import gloo_refusal
+
+    if not e.messages:
+        return f"hung (ranks {sorted(e.hung)})"
+    rank, text = sorted(e.messages.items())[0]
+    last = [line for line in text.strip().splitlines() if line.strip()][-1].strip()
+    refused = gloo_refusal(text)
+    return f"rank {rank}: {last}" + (
+        f" (could not run on gloo: {refused}; NCCL takes it)" if refused else ""
+    )
 
 
 def print_invariance(rep: dict[str, Any], log=print) -> None:
@@ -185,5 +213,7 @@ def print_invariance(rep: dict[str, Any], log=print) -> None:
         if r["status"] == "differs":
             shown = ", ".join(r["params"][:4]) + (" ..." if len(r["params"]) > 4 else "")
             extra = f": from step {r['step']}, max relative {r['relative']:.2e}, in {shown}"
+        elif r["status"] == "could not run":
+            extra = f": {r['error']}"
         log(f"  {r['invariance']:<22} {r['config']} against {r['against']}: {r['status']}{extra}")
     log(f"verdict: {rep['verdict']}")

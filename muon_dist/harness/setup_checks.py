@@ -70,10 +70,11 @@ def run_audit(
 def run_invariance(
     spec: str, world_sizes: list[int], micro_batches: int, steps: int, log=print
 ) -> int:
-    """--invariance: exit 0 when every configuration equals its reference, 1 otherwise."""
+    """--invariance: exit 0 when every configuration equals its reference, 1 when one differs, 3 when one could
+    not run (and none differs)."""
     rep = invariance(load_setup(spec), tuple(world_sizes), micro_batches, steps)
     print_invariance(rep, log)
-    return 0 if not rep["broken"] else 1
+    return 1 if rep["broken"] else 3 if rep["could_not_run"] else 0
 
 
 def setup_suite(log: Callable[..., Any] = print) -> dict[str, Any]:

@@ -250,3 +250,31 @@ def test_a_setup_its_own_code_refuses_to_build_is_one_crash_finding_with_no_rows
         "the setup's construction raised on rank 1: ValueError: planted refusal ("
     )
     assert "test_setup_audit.py:" in text
+
+
+class _StepRaisesAtTwoRanks(setups.DistributedMuonFSDP):
+    """A setup whose step raises on every rank once the world has two ranks (a refusal at some layouts only)."""
+
+    name = "raises at W = 2"
+
+    def train_step(self, model, optimizers, probes) -> None:
+        import torch.distributed as dist
+
+        if dist.get_world_size() == 2:
+            raise RuntimeError("planted refusal at W = 2")
+        super().train_step(model, optimizers, probes)
+
+
+@pytest.mark.timeout(180)
+def test_a_configuration_that_raises_is_a_could_not_run_row_not_a_traceback() -> None:
+    """The invariance families run every configuration: one that raises is a row "could not run" with the
+    failing rank's error, the others are still compared, and the verdict (and the API's `clean`) says so."""
+    from muon_dist.harness.api import SetupReport
+
+    rep = invariance(_StepRaisesAtTwoRanks(), (1, 2), 2, 1)
+    by_config = {r["config"]: r for r in rep["rows"]}
+    failed = [r for r in rep["rows"] if r["status"] == "could not run"]
+    assert failed and all("planted refusal at W = 2" in r["error"] for r in failed), rep
+    assert by_config["W = 1 (fsdp2, 2 micro-batches)"]["status"] == "bitwise", rep
+    assert rep["broken"] == [] and rep["verdict"] == f"could not run {len(failed)} of {len(rep['rows'])}"
+    assert not SetupReport("invariance", rep).clean
