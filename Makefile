@@ -85,6 +85,9 @@ FIELD_DEPS := transformers==5.9.0 einops hjson msgpack ninja psutil py-cpuinfo p
 FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==0.24.0 multiprocess==0.70.19 \
 	pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 pyarrow==26.0.1 dill==0.4.1 \
 	xxhash==4.1.0 omegaconf==2.4.0 requests==2.34.2 urllib3==2.8.0
+# what xtuner/v1/config/optim.py imports (its MuonConfig builder, for its setup), at the versions checked
+FIELD_XTUNER_DEPS := addict==2.4.0 attrs==26.1.0 cyclopts==5.5.2 docstring-parser==0.18.0 docutils==0.23 \
+	loguru==0.7.3 mmengine==0.10.7 platformdirs==4.14.8 rich-rst==2.2.0 termcolor==3.3.0 yapf==0.43.0
 # the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
 FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16 DeepSpeedSetupDocExample \
 	DeepSpeedSetupDocExampleNoReduceScatter LlamaFactorySetup LlamaFactoryZero3Setup LlamaFactoryV1Setup
@@ -105,7 +108,7 @@ FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon
 	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed ArealMuon
 # the rows whose adapters live in modules of their own (module:class under muon_dist.harness.adapters)
 FIELD_MODULE_ADAPTERS := torchtitan:TorchtitanDistributedMuon lerobot:LerobotDistributedMuon canzona:CanzonaMuon \
-	megatron_layerwise:MegatronLayerWiseMuon
+	megatron_layerwise:MegatronLayerWiseMuon xtuner_paths:XtunerPadAll2All xtuner_paths:XtunerFusedAgrsNccl
 
 field:
 	test -x $(FIELD_PY) || $(PYTHON) -m venv $(FIELD_VENV)
@@ -114,13 +117,15 @@ field:
 	$(FIELD_PY) -m pip install -q $(FIELD_DEPS)
 	$(FIELD_PY) -m pip install -q --no-deps llamafactory==0.9.5 veomni==0.1.12
 	$(FIELD_PY) -m pip install -q --no-deps $(FIELD_LLAMAFACTORY_DEPS)
+	$(FIELD_PY) -m pip install -q --no-deps $(FIELD_XTUNER_DEPS)
 	DS_BUILD_OPS=0 $(FIELD_PY) -m pip install -q --no-deps --no-build-isolation deepspeed==0.19.8
 	$(FIELD_PY) -m pip install -q --no-deps --ignore-requires-python --target $(FIELD_EXTRA) \
 		--python-version 3.12 --only-binary=:all: megatron-core==0.19.2 emerging-optimizers==0.3.0
 	$(FIELD_PY) -m pip install -q --no-deps -e .
 	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.systems
 	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py tests/test_system_torchtitan.py \
-		tests/test_system_lerobot.py tests/test_system_canzona.py tests/test_system_megatron_layerwise.py
+		tests/test_system_lerobot.py tests/test_system_canzona.py tests/test_system_megatron_layerwise.py \
+		tests/test_system_xtuner_paths.py
 	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
 		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a)) \
 		$(foreach a,$(FIELD_MODULE_ADAPTERS),--adapter muon_dist.harness.adapters.$(a))
@@ -139,6 +144,11 @@ field:
 		--world-sizes 1 --micro-batches 2
 	-$(foreach s,$(FIELD_INVARIANCE),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
 		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
+	-$(foreach s,XtunerSetup XtunerSetupNccl XtunerSetupPadAll2All,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
+		--audit muon_dist.harness.adapters.xtuner_paths:$(s) --world-sizes 2 --micro-batches 2;)
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --invariance \
+		muon_dist.harness.adapters.xtuner_paths:XtunerSetupNccl --world-sizes 1 2
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.xtuner_paths
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
