@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 verify: $(STAMP)
-	$(PY) -m muon_dist.harness.conformance --origins --steps 5
-	$(PY) -m muon_dist.harness.verify
-	$(PY) -m muon_dist.harness.conformance --planted
+	$(PY) -m muon_check --origins --steps 5
+	$(PY) -m muon_check.verify
+	$(PY) -m muon_check --planted
 
 test: lint
 	$(PY) -m pytest -q
@@ -88,7 +88,7 @@ FIELD_LLAMAFACTORY_DEPS := peft==0.18.1 accelerate==1.11.0 datasets==4.0.0 trl==
 # what xtuner/v1/config/optim.py imports (its MuonConfig builder, for its setup), at the versions checked
 FIELD_XTUNER_DEPS := addict==2.4.0 attrs==26.1.0 cyclopts==5.5.2 docstring-parser==0.18.0 docutils==0.23 \
 	loguru==0.7.3 mmengine==0.10.7 platformdirs==4.14.8 rich-rst==2.2.0 termcolor==3.3.0 yapf==0.43.0
-# the field systems as training setups (muon_dist/harness/adapters/field_setups.py): audit and invariance
+# the field systems as training setups (muon_check/adapters/field_setups.py): audit and invariance
 FIELD_SETUPS := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupBf16 DeepSpeedSetupDocExample \
 	DeepSpeedSetupDocExampleNoReduceScatter LlamaFactorySetup LlamaFactoryZero3Setup LlamaFactoryV1Setup
 FIELD_INVARIANCE := DeepSpeedSetup DeepSpeedSetupNoClip DeepSpeedSetupStandardNS DeepSpeedSetupBf16 \
@@ -106,7 +106,7 @@ FIELD_ENV := MUON_XTUNER_CHECKOUT=$(XTUNER) MUON_LLAMAFACTORY_CHECKOUT=$(LLAMAFA
 FIELD_ADAPTERS := LlamaFactoryV0Muon LlamaFactoryV1Muon VeomniMuon DeepSpeedMuon DeepSpeedMuonZero1 \
 	DeepSpeedMuonZero2 DeepSpeedMuonZero3 XtunerMuon EmergingMuon MegatronTensorParallelMuon \
 	MegatronTensorParallelMuonBlockwise MegatronTensorParallelMuonDistributed ArealMuon
-# the rows whose adapters live in modules of their own (module:class under muon_dist.harness.adapters)
+# the rows whose adapters live in modules of their own (module:class under muon_check.adapters)
 FIELD_MODULE_ADAPTERS := torchtitan:TorchtitanDistributedMuon lerobot:LerobotDistributedMuon canzona:CanzonaMuon \
 	megatron_layerwise:MegatronLayerWiseMuon xtuner_paths:XtunerPadAll2All xtuner_paths:XtunerFusedAgrsNccl
 
@@ -122,33 +122,33 @@ field:
 	$(FIELD_PY) -m pip install -q --no-deps --ignore-requires-python --target $(FIELD_EXTRA) \
 		--python-version 3.12 --only-binary=:all: megatron-core==0.19.2 emerging-optimizers==0.3.0
 	$(FIELD_PY) -m pip install -q --no-deps -e .
-	$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.systems
+	$(FIELD_ENV) $(FIELD_PY) -m muon_check.adapters.systems
 	$(FIELD_ENV) $(FIELD_PY) -m pytest -q -rs tests/test_system_adapters.py tests/test_system_torchtitan.py \
 		tests/test_system_lerobot.py tests/test_system_canzona.py tests/test_system_megatron_layerwise.py \
 		tests/test_system_xtuner_paths.py
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --markdown --json field-systems.json \
-		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_dist.harness.adapters.systems:$(a)) \
-		$(foreach a,$(FIELD_MODULE_ADAPTERS),--adapter muon_dist.harness.adapters.$(a))
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:DeepSpeedMuonZero3 \
-		--adapter muon_dist.harness.adapters.systems:DeepSpeedMuonZero3InMemory --world-sizes 2 \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --markdown --json field-systems.json \
+		$(foreach a,$(FIELD_ADAPTERS),--adapter muon_check.adapters.systems:$(a)) \
+		$(foreach a,$(FIELD_MODULE_ADAPTERS),--adapter muon_check.adapters.$(a))
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --adapter muon_check.adapters.systems:DeepSpeedMuonZero3 \
+		--adapter muon_check.adapters.systems:DeepSpeedMuonZero3InMemory --world-sizes 2 \
 		--families checkpoint checkpoint_unstepped
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:VeomniMuonGram \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --adapter muon_check.adapters.systems:VeomniMuonGram \
 		--world-sizes 1 2
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.systems:DeepSpeedMuonGram \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --adapter muon_check.adapters.systems:DeepSpeedMuonGram \
 		--world-sizes 1 2 --families even straddle mixed
-	-$(foreach s,$(FIELD_SETUPS),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit \
-		muon_dist.harness.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
+	-$(foreach s,$(FIELD_SETUPS),$(FIELD_ENV) $(FIELD_PY) -m muon_check --audit \
+		muon_check.adapters.field_setups:$(s) --world-sizes 2 --micro-batches 2;)
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --audit muon_check.adapters.field_setups:VeomniSetup \
 		--sharding hsdp --world-sizes 4 --micro-batches 1
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --audit muon_dist.harness.adapters.field_setups:VeomniSetup \
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --audit muon_check.adapters.field_setups:VeomniSetup \
 		--world-sizes 1 --micro-batches 2
-	-$(foreach s,$(FIELD_INVARIANCE),$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
-		--invariance muon_dist.harness.adapters.field_setups:$(s) --world-sizes 1 2 4;)
-	-$(foreach s,XtunerSetup XtunerSetupNccl XtunerSetupPadAll2All,$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance \
-		--audit muon_dist.harness.adapters.xtuner_paths:$(s) --world-sizes 2 --micro-batches 2;)
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.conformance --invariance \
-		muon_dist.harness.adapters.xtuner_paths:XtunerSetupNccl --world-sizes 1 2
-	-$(FIELD_ENV) $(FIELD_PY) -m muon_dist.harness.adapters.xtuner_paths
+	-$(foreach s,$(FIELD_INVARIANCE),$(FIELD_ENV) $(FIELD_PY) -m muon_check \
+		--invariance muon_check.adapters.field_setups:$(s) --world-sizes 1 2 4;)
+	-$(foreach s,XtunerSetup XtunerSetupNccl XtunerSetupPadAll2All,$(FIELD_ENV) $(FIELD_PY) -m muon_check \
+		--audit muon_check.adapters.xtuner_paths:$(s) --world-sizes 2 --micro-batches 2;)
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check --invariance \
+		muon_check.adapters.xtuner_paths:XtunerSetupNccl --world-sizes 1 2
+	-$(FIELD_ENV) $(FIELD_PY) -m muon_check.adapters.xtuner_paths
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

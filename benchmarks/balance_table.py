@@ -1,11 +1,11 @@
 """The planner's load balance on the large shape tables: max over ranks of assigned NS FLOPs / mean, for
 round-robin by count, per-shape batches (xtuner / Dion, what DistributedMuon's planner does today), LPT, and
-the bound no assignment of whole matrices beats (muon_dist.harness.rules.imbalance_by_rule; its docstring has the rules)."""
+the bound no assignment of whole matrices beats (muon_check.rules.imbalance_by_rule; its docstring has the rules)."""
 
 from __future__ import annotations
 
-from muon_dist.harness.rules import imbalance_by_rule
-from muon_dist.harness.shapes import dense_7b, moe_30b_a3b
+from muon_check.rules import imbalance_by_rule
+from muon_check.shapes import dense_7b, moe_30b_a3b
 
 TABLES = {"dense_7b": dense_7b, "moe_30b_a3b": moe_30b_a3b}
 RULES = ("round_robin", "per_shape", "lpt", "bound")

@@ -63,10 +63,10 @@ import torch
 from torch import Tensor
 
 import muon_ref
+from muon_check.fixtures import bits
+from muon_check.rules import param_flops
+from muon_check.shapes import ParamSpec, transformer
 from muon_dist.balance import ns_flops
-from muon_dist.harness.fixtures import bits
-from muon_dist.harness.rules import param_flops
-from muon_dist.harness.shapes import ParamSpec, transformer
 from muon_ref import get_schedule, newton_schulz
 from muon_ref.config import MuonConfig
 from muon_ref.functional import matrix_layout

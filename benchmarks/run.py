@@ -6,7 +6,7 @@
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
-1. Step time and bytes per rank, W ranks on gloo (muon_dist.harness.launch.RankPool), fp32 params sharded Shard(0)
+1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
    same pool, steps interleaved (the order rotates every step) so that the machine's load hits all alike:
      distributed        DistributedMuon as it comes: global dispatch (LPT owners, ragged all-to-alls in 4
@@ -25,7 +25,7 @@
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
    warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
    benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest, non-finite-flag and failure-check all-gathers are
-   listed apart as control bytes. Bound: muon_dist.harness.verify's lower bound per rank. Every method's params after
+   listed apart as control bytes. Bound: muon_check.verify's lower bound per rank. Every method's params after
    all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
 2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
 3. Peak extra memory per rank during a step of each method: the median of 3 more steps (after one more,
@@ -47,11 +47,13 @@ from typing import Protocol
 import torch
 
 import muon_ref
+from muon_check.fixtures import box_of, distribute, same_bits, seeded
+from muon_check.shapes import ParamSpec, tiny_moe, transformer
 from muon_dist.geometry import chunk_bounds
-from muon_dist.harness.fixtures import box_of, distribute, same_bits, seeded
-from muon_dist.harness.shapes import ParamSpec, tiny_moe, transformer
-from muon_dist.harness.verify import direction_bytes
+from muon_dist.kernels import direction_bytes
 from muon_dist.paths import PATHS
+from muon_ref.optim import group_config
+from muon_ref.presets import preset_defaults
 
 from . import balance_table, memory, peers
 
@@ -266,7 +268,7 @@ def equals_reference(results: list[dict], method: str, want: list[torch.Tensor])
 NAN = float("nan")
 PEER_COLUMNS = (("step_ms", "step"), ("peak_bytes", "peak memory"))
 
-# bf16 updates (the "torch" preset's ns_dtype); a direction element's bytes: verify.direction_bytes (bf16 for a
+# bf16 updates (the "torch" preset's ns_dtype); a direction element's bytes: muon_dist.kernels.direction_bytes (bf16 for a
 # preset whose kernel casts the fp32 direction to bf16 first, as "torch" does)
 UPDATE_BYTES = 2
 
@@ -280,7 +282,7 @@ def holders(spec: ParamSpec, world_size: int) -> int:
 
 
 def bound_per_rank(b: Bench) -> float:
-    """muon_dist.harness.verify's lower bound: sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W, with p
+    """muon_check.verify's lower bound: sum over matrices of (p - 1) / p * S * (b_direction + b_update) / W, with p
     the ranks holding a piece of the matrix and S its element count (proofs/paths.md#a2a)."""
     total = 0.0
     for spec in muon_specs(b.table):
@@ -292,7 +294,10 @@ def bound_per_rank(b: Bench) -> float:
             / p
             * fan_out
             * fan_in
-            * (direction_bytes(b.preset, torch.float32) + UPDATE_BYTES)
+            * (
+                direction_bytes(group_config(preset_defaults(b.preset, {})), torch.float32)
+                + UPDATE_BYTES
+            )
             / b.world_size
         )
     return total
@@ -399,7 +404,7 @@ def header(title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from muon_dist.harness.launch import RankPool
+    from muon_check.launch import RankPool
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -229,7 +229,7 @@ def print_tables(world_size: int, rows: dict[str, dict[str, float]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from muon_dist.harness.launch import RankPool
+    from muon_check.launch import RankPool
 
     from .run import header
 

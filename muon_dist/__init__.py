@@ -4,8 +4,8 @@ The optimizer core (docs/design.md): layout (what a param is globally, read from
 shard groups and every member's box), plan (a pure, digest-checked function of the layouts: batches, paths,
 owners), paths (one module per communication path, one interface), comm (the only place collectives run),
 elementwise (shard stages with the reference's bits), kernels (orthogonalisation backends), step (the step as a
-function) and optim (DistributedMuon, a thin optimizer over it); checkpoint converts state dicts. The harness
-(verify, conformance, benchmarks' fixtures) is muon_dist.harness; nothing here imports it.
+function) and optim (DistributedMuon, a thin optimizer over it); checkpoint converts state dicts. The checker
+(verify, conformance, benchmarks' fixtures) is the package muon_check; nothing here imports it.
 """
 
 from .batch import Batch

@@ -3,7 +3,7 @@
 Cost (FLOPs of one NS run on an (m, n) matrix, transposed so that m <= n, k steps; one multiply-add = 2):
     A = X X^T: 2 m^2 n;   A A: 2 m^3;   B X: 2 m^2 n        =>   k (4 m^2 n + 2 m^3)
 lpt: every unit sorted by cost, largest first, to the least loaded rank (Graham's longest-processing-time rule:
-max load <= 4/3 of the optimum). The planner's global dispatch uses it; muon_dist/harness/rules.py compares it
+max load <= 4/3 of the optimum). The planner's global dispatch uses it; muon_check/rules.py compares it
 with the field's other rules. rounds: the global batch cut into rounds that keep that balance.
 """
 

@@ -216,7 +216,7 @@ def _shared_layout(
     return _slab_layout(shape, 0, (shape[0] // num_matrices,) * num_matrices, (fan_out, fan_in))
 
 
-# one entry per distinct layout: muon_dist/harness/shapes.py's dense_7b has 3 (224 Muon params), moe_30b_a3b 6 (336)
+# one entry per distinct layout: muon_check/shapes.py's dense_7b has 3 (224 Muon params), moe_30b_a3b 6 (336)
 @functools.lru_cache(maxsize=None)
 def _slab_layout(
     shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], matrix: tuple[int, int] | None

@@ -216,7 +216,7 @@ class Muon(torch.optim.Optimizer):
         self, p: Tensor, grad: Tensor, buf: Tensor, cfg: MuonConfig, layout: MatrixLayout
     ) -> tuple[Tensor, Tensor]:
         """(P', M') of one param: muon_step (pure). The one place a subclass changes the math of a step
-        (muon_dist.harness's oracle runs the elementwise stages per shard box here); validation, the
+        (muon_check's oracle runs the elementwise stages per shard box here); validation, the
         non-finite policy and the state stay this class's."""
         return muon_step(p, grad, buf, cfg, layout)
 

@@ -1,5 +1,5 @@
 """Presets: each public Muon as a MuonConfig, so muon_ref reproduces it bit for bit (checked against
-each origin by `python -m muon_dist.harness.conformance --origins` and tests/test_presets.py).
+each origin by `python -m muon_check --origins` and tests/test_presets.py).
 """
 
 from __future__ import annotations

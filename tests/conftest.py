@@ -47,11 +47,11 @@ def quiet(*_: object) -> None:
 
 
 def run_conformance(args: list[str]) -> tuple[int, str, str]:
-    """`python -m muon_dist.harness.conformance ARGS` in this process: (exit status, stdout, stderr)."""
+    """`python -m muon_check ARGS` in this process: (exit status, stdout, stderr)."""
     import contextlib
     import io
 
-    from muon_dist.harness.conformance import main
+    from muon_check.conformance import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -60,12 +60,12 @@ def run_conformance(args: list[str]) -> tuple[int, str, str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The muon_check fixture (muon_dist/harness/pytest_plugin.py), as a project's top-level conftest.py names it
+    """The muon_check fixture (muon_check/pytest_plugin.py), as a project's top-level conftest.py names it
     with `pytest_plugins` (this conftest is not the rootdir's, where that name is not read)."""
     import importlib
 
-    plugin = importlib.import_module("muon_dist.harness.pytest_plugin")
+    plugin = importlib.import_module("muon_check.pytest_plugin")
     if not config.pluginmanager.is_registered(
         plugin
     ):  # named already (-p, or an older install's entry point)
-        config.pluginmanager.register(plugin, "muon_dist.harness.pytest_plugin")
+        config.pluginmanager.register(plugin, "muon_check.pytest_plugin")

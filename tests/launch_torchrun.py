@@ -1,4 +1,4 @@
-"""Run `python -m muon_dist.harness.verify` under torchrun as a test: the launcher shared by the gloo/CPU test and the
+"""Run `python -m muon_check.verify` under torchrun as a test: the launcher shared by the gloo/CPU test and the
 NCCL/GPU test, so that on a CPU machine everything but the NCCL backend itself is exercised."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def torchrun_verify(
     world_size: int, backend: str, tmp_path: Path, *extra: str, timeout: float = 540
 ) -> dict:
-    """Exit code 0 and the JSON report of `torchrun --nproc-per-node W -m muon_dist.harness.verify --backend B`."""
+    """Exit code 0 and the JSON report of `torchrun --nproc-per-node W -m muon_check.verify --backend B`."""
     out = tmp_path / f"verify_{backend}_{world_size}.json"
     cmd = [
         sys.executable,
@@ -24,7 +24,7 @@ def torchrun_verify(
         "--standalone",
         f"--nproc-per-node={world_size}",
         "-m",
-        "muon_dist.harness.verify",
+        "muon_check.verify",
         "--backend",
         backend,
         "--json",

@@ -1,6 +1,6 @@
 """The architecture of README.md ("Design: the parts and who may import whom"), enforced on every module.
 
-Each module of muon_ref, muon_dist (core and harness), benchmarks and proofs is read with ast; each of its
+Each module of muon_ref, muon_dist, muon_check, benchmarks and proofs is read with ast; each of its
 imports (absolute, relative, at module level or inside functions) is mapped to the repository part it reaches;
 a part not in the importer's row of RULES fails the test. torch.distributed counts as a part of its own, so that
 the oracle's "never torch.distributed" is a rule like the others.
@@ -71,11 +71,11 @@ RULES: dict[str, set[str]] = {
     },
     "muon_dist.checkpoint": {"muon_ref", "muon_dist.optim", DIST},
     "muon_dist": {f"muon_dist.{m}" for m in CORE},  # the package's __init__: its public names
-    "muon_dist.harness": {"muon_ref", "muon_dist", *(f"muon_dist.{m}" for m in CORE), DIST},
+    "muon_check": {"muon_ref", "muon_dist", *(f"muon_dist.{m}" for m in CORE), DIST},
     "benchmarks": {
         "muon_ref",
         "muon_dist",
-        "muon_dist.harness",
+        "muon_check",
         *(f"muon_dist.{m}" for m in CORE),
         DIST,
     },
@@ -88,7 +88,7 @@ def part_of(module: str) -> str | None:
     if module == DIST or module.startswith(DIST + "."):
         return DIST
     top, *rest = module.split(".")
-    if top in ("muon_ref", "benchmarks", "proofs", "tests"):
+    if top in ("muon_ref", "muon_check", "benchmarks", "proofs", "tests"):
         return top
     if top != "muon_dist":
         return None
@@ -133,7 +133,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
 def python_files() -> list[Path]:
     return sorted(
         p
-        for top in ("muon_ref", "muon_dist", "benchmarks", "proofs")
+        for top in ("muon_ref", "muon_dist", "muon_check", "benchmarks", "proofs")
         for p in (ROOT / top).rglob("*.py")
     )
 
@@ -154,7 +154,9 @@ FORBIDDEN = [  # negative controls: one forbidden import per rule of the issue
         "muon_ref.functional",
     ),  # the oracle imports no distribution
     ("from muon_dist import DistributedMuon", "muon_ref.optim"),  # ... and no muon_dist
-    ("from .harness.fixtures import bits", "muon_dist.plan"),  # the core imports no harness
+    ("from muon_check.fixtures import bits", "muon_dist.plan"),  # the optimizer imports no checker
+    ("import muon_check", "muon_dist"),  # ... not even its package __init__
+    ("from muon_check import api", "muon_ref.optim"),  # the oracle imports no checker
     ("from tests.conftest import examples", "muon_dist.step"),  # ... no tests
     ("import benchmarks.run", "muon_dist.optim"),  # ... no benchmarks
     ("from .layout import ParamLayout", "muon_dist.comm"),  # comm imports no layout

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from muon_check.rules import imbalance, imbalance_by_rule, per_shape, round_robin
+from muon_check.shapes import SHAPE_TABLES, ParamSpec
 from muon_dist.balance import lpt, ns_flops
-from muon_dist.harness.rules import imbalance, imbalance_by_rule, per_shape, round_robin
-from muon_dist.harness.shapes import SHAPE_TABLES, ParamSpec
 
 costs_st = st.lists(st.integers(1, 10**6), min_size=1, max_size=60)
 

@@ -17,7 +17,7 @@ import torch
 
 import muon_ref
 from benchmarks import gpu
-from muon_dist.harness.shapes import ParamSpec
+from muon_check.shapes import ParamSpec
 from muon_dist.kernels import BACKENDS
 
 SETS = ("dense", "moe")

@@ -21,8 +21,8 @@ from benchmarks.run import (
     reference,
     summarise,
 )
+from muon_check.launch import RankPool
 from muon_dist.geometry import chunk_bounds
-from muon_dist.harness.launch import RankPool
 
 BENCH = Bench("tiny_moe", world_size=2, warmup=1, steps=1)
 

@@ -1,5 +1,5 @@
-"""The check in users' own CI: the Python API (muon_dist/harness/api.py), the pytest plugin's `muon_check` fixture
-(muon_dist/harness/pytest_plugin.py) and the command line's --audit and --invariance modes: bad input is a one-line
+"""The check in users' own CI: the Python API (muon_check/api.py), the pytest plugin's `muon_check` fixture
+(muon_check/pytest_plugin.py) and the command line's --audit and --invariance modes: bad input is a one-line
 error naming the parameter; a candidate that departs from its claim fails the assertion with its diagnosis; the
 plugin, named in a project's conftest, never skips a CUDA test on a machine without CUDA."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from muon_dist.harness import api
-from muon_dist.harness.adapters.shipped import TorchMuon
+from muon_check import api
+from muon_check.adapters.shipped import TorchMuon
 from tests.conftest import run_conformance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,14 +69,12 @@ def test_a_conforming_candidate_passes_and_a_wrong_claim_fails_with_its_diagnosi
 
 def test_a_setup_report_asserts_its_findings() -> None:
     """audit_setup: a clean setup passes assert_clean; a planted routing bug fails it with the finding's words."""
-    clean = api.audit_setup("muon_dist.harness.adapters.setups:MuonWithAdamWSingle", world_size=1)
+    clean = api.audit_setup("muon_check.adapters.setups:MuonWithAdamWSingle", world_size=1)
     clean.assert_clean()
-    flat = api.audit_setup(
-        "muon_dist.harness.adapters.planted_setups:FlatParamRouting", world_size=2
-    )
+    flat = api.audit_setup("muon_check.adapters.planted_setups:FlatParamRouting", world_size=2)
     with pytest.raises(AssertionError, match=r"finding \[silent fallback\]"):
         flat.assert_clean()
-    with pytest.raises(ValueError, match="must be a muon_dist.harness.audit.Setup"):
+    with pytest.raises(ValueError, match="must be a muon_check.audit.Setup"):
         api.audit_setup(3)
 
 
@@ -85,9 +83,9 @@ def test_a_setup_report_asserts_its_findings() -> None:
     [
         (["--audit", "nocolon"], 2, "must be MODULE:NAME"),
         (
-            ["--audit", "muon_dist.harness.adapters.shipped:TorchMuon"],
+            ["--audit", "muon_check.adapters.shipped:TorchMuon"],
             2,
-            "not a muon_dist.harness.audit.Setup",
+            "not a muon_check.audit.Setup",
         ),
         (["--audit", "no_such_module_x:Setup"], 3, "could not import the setup"),
         (["--audit", "a:b", "--invariance", "a:b"], 2, "each run alone"),
@@ -104,13 +102,13 @@ def test_the_setup_modes_refuse_bad_input_in_one_line(argv, code, said) -> None:
 def test_the_setup_modes_exit_by_their_findings() -> None:
     """--audit: 0 without a finding, 1 with; --invariance: 0 invariant, 1 when one breaks (named)."""
     code, out, _ = run_conformance(
-        ["--audit", "muon_dist.harness.adapters.setups:MuonWithAdamWSingle", "--world-sizes", "1"]
+        ["--audit", "muon_check.adapters.setups:MuonWithAdamWSingle", "--world-sizes", "1"]
     )
     assert code == 0 and "no finding" in out, out
     code, out, _ = run_conformance(
         [
             "--audit",
-            "muon_dist.harness.adapters.planted_setups:GatedSplitAsQKV",
+            "muon_check.adapters.planted_setups:GatedSplitAsQKV",
             "--world-sizes",
             "2",
         ]
@@ -119,7 +117,7 @@ def test_the_setup_modes_exit_by_their_findings() -> None:
     code, out, _ = run_conformance(
         [
             "--invariance",
-            "muon_dist.harness.adapters.planted_setups:NSPerMicroBatch",
+            "muon_check.adapters.planted_setups:NSPerMicroBatch",
             "--world-sizes",
             "1",
         ]
@@ -157,7 +155,7 @@ def test_the_plugin_named_in_a_projects_conftest_gives_the_fixture_and_fails_cud
     """A project outside this repository names the plugin in its conftest.py: the fixture is there; on a machine
     without CUDA a gpu test that asks for the device fails naming --muon-device, never skips; and muon_dist's own
     asserts are not rewritten by pytest (the plugin is no entry point of the distribution)."""
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["muon_dist.harness.pytest_plugin"]\n')
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["muon_check.pytest_plugin"]\n')
     (tmp_path / "test_plugin_use.py").write_text(PLUGIN_TESTS + REWRITE_TEST)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(

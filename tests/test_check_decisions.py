@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import muon_ref
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.cases import Case, initial_params, oracle_gradients
-from muon_dist.harness.adapters.diagnose import Context, Finding, diagnose, findings, phrase
-from muon_dist.harness.adapters.momentum import find, second_moment, state_paths
-from muon_dist.harness.adapters.oracle import (
+from muon_check.adapters import Adapter
+from muon_check.adapters.cases import Case, initial_params, oracle_gradients
+from muon_check.adapters.diagnose import Context, Finding, diagnose, findings, phrase
+from muon_check.adapters.momentum import find, second_moment, state_paths
+from muon_check.adapters.oracle import (
     HYPERPARAMETERS,
     ROUNDINGS,
     WHOLE,
@@ -30,9 +30,9 @@ from muon_dist.harness.adapters.oracle import (
     other_layout,
     reference_steps,
 )
-from muon_dist.harness.adapters.routing import Update, classify, update_of
-from muon_dist.harness.adapters.stages import STAGES
-from muon_dist.harness.conformance import run_here, verdict
+from muon_check.adapters.routing import Update, classify, update_of
+from muon_check.adapters.stages import STAGES
+from muon_check.conformance import run_here, verdict
 
 CASE = Case("tall", "single", 1, ((12, 6),), "float32", steps=2)
 
@@ -225,7 +225,7 @@ def test_an_adam_second_moment_is_told_from_a_momentum():
 
 
 def _updates(p1: torch.Tensor, p1_ref: torch.Tensor, case: Case = CASE) -> Update | None:
-    from muon_dist.harness.adapters.routing import _views
+    from muon_check.adapters.routing import _views
 
     p0 = initial_params(case)[0]
     grad = oracle_gradients(case, 0)[0]
@@ -408,7 +408,7 @@ def test_a_resume_of_lazily_created_state_is_named_and_other_crashes_stay_crashe
 
 
 def test_the_tiny_family_is_vacuous_where_the_claims_newton_schulz_flushes_it_to_zero():
-    from muon_dist.harness.adapters.stages import update_vanishes
+    from muon_check.adapters.stages import update_vanishes
 
     tiny = Case("tiny", "single", 1, ((8, 6),), "float32", steps=1)
     fp16 = {**HYPERPARAMETERS, "ns_dtype": torch.float16, "eps": 1e-6, "eps_mode": "add"}
@@ -420,7 +420,7 @@ def test_the_tiny_family_is_vacuous_where_the_claims_newton_schulz_flushes_it_to
 
 # ---------------------------------------------------------------- cases: the families and what ranks feed
 
-from muon_dist.harness.adapters import cases as C  # noqa: E402
+from muon_check.adapters import cases as C  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -613,7 +613,7 @@ def _run(adapter: Adapter, families=("tall", "wide", "square")) -> list[Outcome]
 
 
 def test_the_search_finds_one_option_then_two_and_a_partition_only_where_it_must():
-    from muon_dist.harness.adapters.diagnose import Search, explain
+    from muon_check.adapters.diagnose import Search, explain
 
     preset, overrides = "torch", dict(HYPERPARAMETERS)
     found, rest = explain(_run(Sum()), preset, overrides)
@@ -635,7 +635,7 @@ def test_the_search_finds_one_option_then_two_and_a_partition_only_where_it_must
 
 
 def test_the_nearest_configuration_is_named_only_where_it_is_nearer_than_the_claim():
-    from muon_dist.harness.adapters.diagnose import Search
+    from muon_check.adapters.diagnose import Search
 
     outcomes = _run(SumSpectral())
     near = Search(120.0).nearest(outcomes, "torch", dict(HYPERPARAMETERS))
@@ -647,7 +647,7 @@ def test_the_nearest_configuration_is_named_only_where_it_is_nearer_than_the_cla
 
 
 def test_a_shard_local_rounding_is_named_with_its_row_boundaries():
-    from muon_dist.harness.adapters.oracle import elementwise_label, rounding_label
+    from muon_check.adapters.oracle import elementwise_label, rounding_label
 
     case = Case("uneven", "dtensor", 2, ((5, 4), (5, 4)), "bfloat16", steps=2)
     label = elementwise_label(case, "shard-local")
@@ -672,7 +672,7 @@ def test_a_shard_local_rounding_is_named_with_its_row_boundaries():
 
 
 def test_the_shape_scale_variants_include_a_learning_rate_rounded_to_the_params_dtype_with_the_same_decay():
-    from muon_dist.harness.adapters.stages import _scale_variants
+    from muon_check.adapters.stages import _scale_variants
     from muon_ref.config import MuonConfig
 
     cfg = MuonConfig(lr=0.02, weight_decay=0.1)
@@ -690,7 +690,7 @@ def test_the_shape_scale_variants_include_a_learning_rate_rounded_to_the_params_
 
 
 def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_where_it_says():
-    from muon_dist.harness.adapters.verdict import not_compared
+    from muon_check.adapters.verdict import not_compared
 
     class Plain(Adapter):
         name, preset = "plain", "torch"
@@ -711,7 +711,7 @@ def test_nothing_is_listed_as_not_compared_for_a_muon_that_keeps_its_momentum_wh
 def test_the_momentum_read_is_not_listed_as_other_state_when_its_path_is_an_equal_string_from_another_rank():
     """verdict._other_state compares state paths by value: the path the view read is never listed as other state,
     whichever rank's str object it is; any other param-sized state is."""
-    from muon_dist.harness.adapters.verdict import _other_state
+    from muon_check.adapters.verdict import _other_state
 
     # each rank's results arrive in a pickle of their own: equal paths, distinct str objects
     read = "".join(["['momentum", "_buffer']"])
@@ -727,7 +727,7 @@ def _errors(per_rank: list[list[str | None]]) -> list:
 
 
 def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_that_step():
-    from muon_dist.harness.adapters.oracle import _policy
+    from muon_check.adapters.oracle import _policy
 
     case = Case("asym_none", "dtensor", 2, ((4, 5),) * 2, steps=3)
     assert _policy(case, _errors([[None] * 3, [None] * 3])) == ("skip", None)
@@ -759,7 +759,7 @@ def test_an_asym_none_answer_is_raise_only_when_every_rank_raises_one_type_at_th
 )
 @pytest.mark.parametrize("mu", [0.9, 0.3])  # 0.3: 1 - mu and other spellings of it part below 0.5
 def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected, mu):
-    from muon_dist.harness.adapters.stages import _momentum_detail
+    from muon_check.adapters.stages import _momentum_detail
     from muon_ref.config import MuonConfig
 
     cfg = MuonConfig(momentum=mu, weight_decay=0.1)
@@ -787,7 +787,7 @@ def test_the_momentum_forms_of_the_field_are_named_by_their_bits(form, expected,
 
 def test_a_buffer_normalised_by_its_norm_plus_eps_is_told_from_one_clamped_at_eps():
     """stages._momentum_detail names M' / (||M'|| + eps) and M' / max(||M'||, eps) apart, each by its own bits."""
-    from muon_dist.harness.adapters.stages import _momentum_detail
+    from muon_check.adapters.stages import _momentum_detail
     from muon_ref.config import MuonConfig
 
     cfg = MuonConfig(momentum=0.9, eps=1e-3)
@@ -803,7 +803,7 @@ def test_a_buffer_normalised_by_its_norm_plus_eps_is_told_from_one_clamped_at_ep
 
 
 def test_the_rounding_bound_is_half_a_unit_in_the_last_place():
-    from muon_dist.harness.adapters.routing import _rounding
+    from muon_check.adapters.routing import _rounding
 
     assert _rounding(torch.tensor([1.0])).item() == 2.0**-24
     assert _rounding(torch.tensor([1.0], dtype=torch.bfloat16)).item() == 2.0**-8
@@ -854,7 +854,7 @@ def test_a_departure_named_exactly_gets_no_nearest_configuration_and_an_unnamed_
 def test_a_param_without_a_gradient_that_the_candidate_decays_anyway_is_located_there():
     """stages._stepped_without_gradient: a param without a gradient changed by exactly the claim's decay is 'weight
     decay' (exact); changed otherwise, 'application'; the step is 1-based."""
-    from muon_dist.harness.adapters.stages import _stepped_without_gradient
+    from muon_check.adapters.stages import _stepped_without_gradient
     from muon_ref.config import MuonConfig
     from muon_ref.functional import decay
 
@@ -870,7 +870,7 @@ def test_a_param_without_a_gradient_that_the_candidate_decays_anyway_is_located_
 def test_a_departure_near_one_alternative_is_named_at_that_alternatives_stage():
     """At a later step (the momentum no longer a multiple of G), a candidate whose direction is G + M' and whose
     update has one more small difference is closest to the G + M' alternative: located at the Nesterov input."""
-    from muon_dist.harness.adapters.stages import _closest
+    from muon_check.adapters.stages import _closest
     from muon_ref.config import MuonConfig
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
 
@@ -893,7 +893,7 @@ def test_proportion_routes_sgd_only_where_the_gradient_is_far_from_its_polar_fac
     """Where a gradient is nearly orthogonal (its singular values close), its polar factor is nearly a multiple of
     it: neither that nor SGD's update is routed by proportion (undecided). Where it is not, SGD's update is, and a
     Muon's is not."""
-    from muon_dist.harness.adapters.routing import _views
+    from muon_check.adapters.routing import _views
 
     gen = torch.Generator().manual_seed(3)
     Q = torch.linalg.qr(
@@ -968,7 +968,7 @@ def test_a_candidate_compared_at_a_tolerance_that_drifts_beyond_it_is_said_to_dr
 
 def test_routing_goes_by_shape_to_cases_where_the_update_cannot_be_read():
     """Shapes read as routed (or kept) in some case hold for cases of the same shape whose update cannot be read."""
-    from muon_dist.harness.conformance import Runner
+    from muon_check.conformance import Runner
 
     runner = Runner(Named(), 0.0)
     case = Case("row", "single", 1, ((1, 10),), "float32")
@@ -998,8 +998,8 @@ def test_primes_are_primes():
 def test_a_construction_hint_names_the_key_in_the_error_and_the_keywords_without_a_default():
     """verdict.construction_hint: one line naming the param-group key the error names, else the constructor's
     keywords without a default."""
-    from muon_dist.harness.adapters import ImportPath
-    from muon_dist.harness.adapters.verdict import construction_hint
+    from muon_check.adapters import ImportPath
+    from muon_check.adapters.verdict import construction_hint
 
     hint = construction_hint(Named(), "ValueError: `use_muon` must be set.")
     assert hint.startswith(
@@ -1038,7 +1038,7 @@ def test_the_momentum_is_found_only_where_every_rank_holding_a_box_has_it():
 
 def test_replicas_whose_momentum_disagrees_are_named_with_the_ranks():
     """oracle._disagreement names the param, step and ranks whose momentum differs from rank 0's."""
-    from muon_dist.harness.adapters.oracle import _disagreement
+    from muon_check.adapters.oracle import _disagreement
 
     case = Case("even", "replicated", 2, ((4, 5),), "float32", steps=1)
     p = torch.ones(4, 5)
@@ -1055,7 +1055,7 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
     """stages._param: within 1 ulp of P' is a rounding at the application; a few ulps explained by the least-squares
     fit P_cand - P' = alpha P + beta O is the decay or scale with its fitted value; noise no fit explains is the
     orthogonalised direction. Step 1-based, param index kept."""
-    from muon_dist.harness.adapters.stages import _param
+    from muon_check.adapters.stages import _param
     from muon_ref.config import MuonConfig
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
 
@@ -1085,7 +1085,7 @@ def test_a_departure_of_several_units_in_the_last_place_is_no_rounding():
 def test_a_fitted_step_size_is_said_beside_the_claims_lr_times_its_shape_scale():
     """stages._param on P' - 0.1 a O: shape scale, 'a step of about 1.1 a where the claim's lr * scale is a' (a = lr
     * lr_scale * scale_factor)."""
-    from muon_dist.harness.adapters.stages import _param
+    from muon_check.adapters.stages import _param
     from muon_ref.config import MuonConfig, lr_scale
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
 
@@ -1110,7 +1110,7 @@ def test_a_fitted_step_size_is_said_beside_the_claims_lr_times_its_shape_scale()
 def test_a_param_the_candidate_never_steps_is_named_so_and_a_stepped_one_is_not():
     """stages._param: P_cand == P bit for bit (the claim steps it) is 'the param is left as it is', application,
     exact; a half-step is a shape scale instead."""
-    from muon_dist.harness.adapters.stages import _param
+    from muon_check.adapters.stages import _param
     from muon_ref.config import MuonConfig
     from muon_ref.functional import apply_update, matrix_layout, momentum_direction, orthogonalize
 
@@ -1141,7 +1141,7 @@ def test_a_located_stage_says_its_step():
 
 def test_the_decay_variants_include_the_other_form_whichever_the_claim_has():
     """stages._decay_variants always offers the other weight_decay_form than the claim's."""
-    from muon_dist.harness.adapters.stages import _decay_variants
+    from muon_check.adapters.stages import _decay_variants
     from muon_ref.config import MuonConfig
 
     for form, other in (("mul", "add_self"), ("add_self", "mul")):
@@ -1151,7 +1151,7 @@ def test_the_decay_variants_include_the_other_form_whichever_the_claim_has():
 
 def test_replicas_that_disagree_are_named_by_rank_and_step():
     """oracle._disagreement: 'param i after step s: ranks [...] differ from rank 0 (W=...)'."""
-    from muon_dist.harness.adapters.oracle import _disagreement
+    from muon_check.adapters.oracle import _disagreement
 
     case = Case("even", "replicated", 3, ((4, 5),), "float32", steps=2)
     p = torch.ones(4, 5)
@@ -1202,7 +1202,7 @@ def test_a_second_moment_is_found_past_a_rank_with_an_empty_box():
 
 def test_the_momentum_of_a_step_no_segment_recorded_is_unknown_for_every_param():
     """stages._full_momentum: a step no segment recorded gives None for every param."""
-    from muon_dist.harness.adapters.stages import _full_momentum
+    from muon_check.adapters.stages import _full_momentum
 
     case = Case("even", "dtensor", 2, ((4, 5), (6, 5)), "float32", steps=2)
     segments = [(2, [{"recorded": {0: {}}} for _ in range(2)])]
@@ -1214,7 +1214,7 @@ def test_a_candidate_without_momentum_diffs_departs_at_its_first_step_past_the_t
     (momentum diffs may be absent); without one, first_step - 1."""
     from types import SimpleNamespace
 
-    from muon_dist.harness.adapters.stages import _first_departing_step
+    from muon_check.adapters.stages import _first_departing_step
 
     for momentum_diffs in (None, []):
         outcome = SimpleNamespace(
@@ -1234,7 +1234,7 @@ def test_a_candidate_without_momentum_diffs_departs_at_its_first_step_past_the_t
 def test_a_shrunk_crash_keeps_its_exception_type_whatever_its_message():
     """verdict.failure_kind keys a crash by its exception type: the same type with another message is the same
     failure, another type is not."""
-    from muon_dist.harness.adapters.verdict import failure_kind
+    from muon_check.adapters.verdict import failure_kind
 
     def crash(error: str) -> Outcome:
         return _outcome("tall", "crash", error=error)
@@ -1260,7 +1260,7 @@ def test_initial_params_differ_between_params_and_between_case_seeds():
 def test_the_shape_features_of_a_routing_rule():
     """routing._feature: ndim, min/max side and aspect of the last two dims, flat min side and aspect of (shape[0],
     prod(rest)), numel."""
-    from muon_dist.harness.adapters.routing import FEATURES, _feature
+    from muon_check.adapters.routing import FEATURES, _feature
 
     want = {
         (4, 3, 2, 6): (4, 2, 6, 3.0, 4, 9.0, 144),
@@ -1273,7 +1273,7 @@ def test_the_shape_features_of_a_routing_rule():
 
 def test_a_candidate_that_differs_from_itself_is_measured_and_one_that_does_not_is_not():
     """verdict.self_difference: max |dP| over every rank of two runs; 0 where they agree bit for bit."""
-    from muon_dist.harness.adapters.verdict import self_difference
+    from muon_check.adapters.verdict import self_difference
 
     def run(*params: torch.Tensor) -> list:
         return [(2, [{"params": [[p]]} for p in params])]
@@ -1286,7 +1286,7 @@ def test_a_candidate_that_differs_from_itself_is_measured_and_one_that_does_not_
 def test_other_state_beside_the_adapters_momentum_is_listed_whatever_its_name_sorts_as():
     """verdict._other_state: with the adapter's momentum read, every other param-sized state is listed; where the
     adapter exposed none, its key is listed too."""
-    from muon_dist.harness.adapters.verdict import _other_state
+    from muon_check.adapters.verdict import _other_state
 
     adapter = Adapter()
     adapter.state_key = "momentum_buffer"
@@ -1309,7 +1309,7 @@ def test_a_candidate_that_differs_from_itself_is_compared_at_twice_its_largest_d
     the largest."""
     from types import SimpleNamespace
 
-    from muon_dist.harness.conformance import _tolerant
+    from muon_check.conformance import _tolerant
 
     runner = SimpleNamespace(tolerance=None)
     context = _tolerant(runner, {"float32": 1e-6, "bfloat16": 4e-3}, Context())
@@ -1332,7 +1332,7 @@ def test_a_difference_grows_where_its_last_step_is_larger_than_its_first():
 def test_each_named_rounding_is_its_own_configuration():
     """oracle.ROUNDINGS: eight distinct (momentum_local, update_local, other_layout) configurations, the claim's own
     (WHOLE) first."""
-    from muon_dist.harness.adapters.oracle import ELEMENTWISE
+    from muon_check.adapters.oracle import ELEMENTWISE
 
     assert ELEMENTWISE == {
         "whole": (False, False),
@@ -1355,7 +1355,7 @@ def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():
 def test_a_routing_rule_of_two_terms_is_inferred_where_no_single_term_separates():
     """routing.infer_rule: the simplest rule of one term, else two joined by 'or', that routes exactly the routed
     shapes; None where no pair does."""
-    from muon_dist.harness.adapters.routing import infer_rule, parse_rule
+    from muon_check.adapters.routing import infer_rule, parse_rule
 
     routed, kept = {(1, 10), (64, 64)}, {(6, 8), (12, 6)}  # a thin matrix and a large one
     rule = infer_rule(routed, kept)
@@ -1369,7 +1369,7 @@ def test_a_routing_rule_of_two_terms_is_inferred_where_no_single_term_separates(
 def test_an_update_whose_spread_departs_from_a_near_orthogonal_gradients_does_not_follow_it():
     """A multiple of G has G's singular values: within SAME_SPREAD of G's spread, floored at 0.1 (an orthogonal G
     has spread 0, and 0.1 of spread apart is not a multiple of it, though its cosine with G is 0.999)."""
-    from muon_dist.harness.adapters.routing import _views
+    from muon_check.adapters.routing import _views
 
     gen = torch.Generator().manual_seed(0)
     G, _ = torch.linalg.qr(torch.randn(12, 6, generator=gen, dtype=torch.float64))
@@ -1385,7 +1385,7 @@ def test_an_update_whose_spread_departs_from_a_near_orthogonal_gradients_does_no
 def test_the_cosine_of_a_matrix_with_its_polar_factor():
     """routing._polar_cos = sum(s) / (sqrt(k) |s|) over the singular values: 1 for a multiple of an orthogonal
     matrix, 1 for zero."""
-    from muon_dist.harness.adapters.routing import _polar_cos
+    from muon_check.adapters.routing import _polar_cos
 
     gen = torch.Generator().manual_seed(1)
     Q, _ = torch.linalg.qr(torch.randn(8, 4, generator=gen, dtype=torch.float64))
@@ -1402,7 +1402,7 @@ def test_the_cosine_of_a_matrix_with_its_polar_factor():
 def test_when_a_run_cannot_go_on():
     """verdict.stop: could not run (import), could not build (constructor refuses a plain matrix, with a hint),
     refused (torch.distributed without being declared distributed); None otherwise."""
-    from muon_dist.harness.adapters.verdict import stop
+    from muon_check.adapters.verdict import stop
 
     distributed = Named()
     distributed.distributed = "dtensor"
@@ -1431,7 +1431,7 @@ def test_when_a_run_cannot_go_on():
 def test_a_rounding_needed_for_the_momentum_alone_is_named_so():
     """Where shard-local momentum changes bits on the CPU that runs it, a candidate with exactly that rounding
     conforms under it and the report names it; where it does not, the same results are bitwise as they are."""
-    from muon_dist.harness.adapters.oracle import Rounding
+    from muon_check.adapters.oracle import Rounding
 
     case = Case("uneven", "dtensor", 2, ((7, 7),) * 2, "bfloat16", steps=3)
     rounding = next(r for r in ROUNDINGS if r.name == "shard-local momentum" and not r.other_layout)

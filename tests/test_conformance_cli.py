@@ -1,4 +1,4 @@
-"""`python -m muon_dist.harness.conformance` on single-device adapters: muon_ref behind the adapter conforms (exit 0);
+"""`python -m muon_check` on single-device adapters: muon_ref behind the adapter conforms (exit 0);
 a Muon with the wrong momentum style fails (exit 1) and is diagnosed as a convention, with the option named."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import muon_ref
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter, ImportPath, load_adapter
-from muon_dist.harness.adapters.cases import Case, in_family, smaller
-from muon_dist.harness.adapters.shipped import Reference
+from muon_check import conformance
+from muon_check.adapters import Adapter, ImportPath, load_adapter
+from muon_check.adapters.cases import Case, in_family, smaller
+from muon_check.adapters.shipped import Reference
 from tests.conftest import require
 
 FAST = ["--families", "tall", "square", "row", "experts3d", "--shrink-budget", "10"]
@@ -36,7 +36,7 @@ def test_reference_behind_the_adapter_conforms_and_exits_zero(tmp_path) -> None:
     out = tmp_path / "report.json"
     assert (
         conformance.main(
-            ["--adapter", "muon_dist.harness.adapters.shipped:Reference", *FAST, "--json", str(out)]
+            ["--adapter", "muon_check.adapters.shipped:Reference", *FAST, "--json", str(out)]
         )
         == 0
     )
@@ -79,10 +79,10 @@ def test_an_optimizer_class_by_import_path_is_wrapped_with_its_claim() -> None:
     adapter = load_adapter("muon:SingleDeviceMuon", preset="keller", hp_names={"nesterov": None})
     assert isinstance(adapter, ImportPath) and adapter.preset == "keller"
     assert adapter.hyperparameters == {"lr", "weight_decay", "momentum"}
-    assert isinstance(load_adapter("muon_dist.harness.adapters.shipped:Reference"), Reference)
+    assert isinstance(load_adapter("muon_check.adapters.shipped:Reference"), Reference)
     with pytest.raises(ValueError, match="'nosuchmodule.x:y:z:w'"):
         load_adapter("nosuchmodule.x:y:z:w")
-    assert conformance.main(["--adapter", "muon_dist.harness.adapters:NoSuchAdapter"]) == 2
+    assert conformance.main(["--adapter", "muon_check.adapters:NoSuchAdapter"]) == 2
 
 
 @pytest.mark.timeout(10)
@@ -118,8 +118,7 @@ def test_a_local_checkout_by_import_path_conforms(tmp_path) -> None:
 @pytest.mark.timeout(30)
 def test_the_planted_suite_runs_alone_and_refuses_other_adapters() -> None:
     assert (
-        conformance.main(["--planted", "--adapter", "muon_dist.harness.adapters.shipped:Reference"])
-        == 2
+        conformance.main(["--planted", "--adapter", "muon_check.adapters.shipped:Reference"]) == 2
     )
 
 
@@ -127,7 +126,7 @@ def test_an_adapter_module_in_the_current_directory_imports_as_under_python_m(
     tmp_path, monkeypatch
 ):
     # the console scripts start without the current directory on sys.path (python -m puts it first)
-    from muon_dist.harness.adapters import load_adapter
+    from muon_check.adapters import load_adapter
 
     (tmp_path / "my_cwd_adapters.py").write_text(
         "import torch\n\nclass MyMuon(torch.optim.SGD):\n    pass\n"
@@ -169,14 +168,14 @@ def test_help_lists_presets_and_families(capsys) -> None:
 def test_a_family_no_chosen_adapter_supports_is_a_usage_error(capsys) -> None:
     """A known family that selects no case of the chosen adapters exits 2 (an empty run never
     "conforms"); the error lists the families those adapters support."""
-    argv = ["--adapter", "muon_dist.harness.adapters.shipped:Reference", "--families", "straddle"]
+    argv = ["--adapter", "muon_check.adapters.shipped:Reference", "--families", "straddle"]
     assert conformance.main(argv) == 2
     assert "selects no case" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(90)
 def test_several_adapters_print_the_planned_cases_and_the_progress(tmp_path, capsys) -> None:
-    reference = "muon_dist.harness.adapters.shipped:Reference"
+    reference = "muon_check.adapters.shipped:Reference"
     argv = ["--adapter", reference, "--adapter", reference, "--families", "tall", "row"]
     assert conformance.main([*argv, "--json", str(tmp_path / "r.json")]) == 0
     printed = capsys.readouterr().out

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 import muon_ref
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.cases import Case, family_shapes
-from muon_dist.harness.adapters.controls import GatherControl, GatherEngine
-from muon_dist.harness.adapters.oracle import candidate_hyperparameters, judge
-from muon_dist.harness.adapters.planted import PLANTED
-from muon_dist.harness.adapters.workers import candidate_steps
-from muon_dist.harness.conformance import check, main
-from muon_dist.harness.launch import RankPool, blocked_frame
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.cases import Case, family_shapes
+from muon_check.adapters.controls import GatherControl, GatherEngine
+from muon_check.adapters.oracle import candidate_hyperparameters, judge
+from muon_check.adapters.planted import PLANTED
+from muon_check.adapters.workers import candidate_steps
+from muon_check.conformance import check, main
+from muon_check.launch import RankPool, blocked_frame
 from tests.conftest import quiet
 from tests.conftest import run_conformance as run_main
 

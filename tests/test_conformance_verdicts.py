@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from muon_dist.harness.adapters.cases import (
+from muon_check.adapters.cases import (
     LONG_SAVE,
     Case,
     family_shapes,
@@ -18,18 +18,18 @@ from muon_dist.harness.adapters.cases import (
     local_box,
     save_step,
 )
-from muon_dist.harness.adapters.controls import (
+from muon_check.adapters.controls import (
     GatherControl,
     GatherEngine,
     newton_schulz,
 )
-from muon_dist.harness.adapters.oracle import (
+from muon_check.adapters.oracle import (
     ROUNDINGS,
     judge,
     reference_steps,
     shard_ranges,
 )
-from muon_dist.harness.conformance import check
+from muon_check.conformance import check
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,7 +164,7 @@ def test_state_changed_by_a_load_departs_even_where_every_param_is_bitwise():
     """The state comparison of resume_long on results made of the reference itself, at W = 1: the same state
     conforms; a counter loaded as bf16, and a key lost by the load, each depart with the place named, and the
     diagnosis calls it a bug of the resume (no configuration of muon_ref can explain state)."""
-    from muon_dist.harness.adapters.diagnose import diagnose
+    from muon_check.adapters.diagnose import diagnose
 
     case = Case("resume_long", "dtensor", 1, ((2, 3),), steps=LONG_SAVE + 1, resume_world_size=1)
     assert in_family(case)

@@ -25,12 +25,12 @@ import pytest
 import torch
 
 import muon_ref
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter, ImportPath, keyword_map
-from muon_dist.harness.adapters.cases import Case
-from muon_dist.harness.adapters.oracle import Outcome, reference_optimizer
-from muon_dist.harness.adapters.routing import infer_rule, parse_rule
-from muon_dist.harness.conformance import check, run_here
+from muon_check import conformance
+from muon_check.adapters import Adapter, ImportPath, keyword_map
+from muon_check.adapters.cases import Case
+from muon_check.adapters.oracle import Outcome, reference_optimizer
+from muon_check.adapters.routing import infer_rule, parse_rule
+from muon_check.conformance import check, run_here
 from muon_ref.config import CONFIG_KEYS
 from muon_ref.functional import LAYOUT_DEFAULTS
 from tests.conftest import quiet

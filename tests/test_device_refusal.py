@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muon_dist.harness import conformance, launch, verify
-from muon_dist.harness.adapters import controls
+from muon_check import conformance, launch, verify
+from muon_check.adapters import controls
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The field adapters (muon_dist/harness/adapters/field.py): each claim is a valid muon_ref configuration; each adapter
+"""The field adapters (muon_check/adapters/field.py): each claim is a valid muon_ref configuration; each adapter
 whose package (or checkout) is here builds its optimizer and steps through the conformance machinery; and the
 causes of their departures found by hand (docs/public-muons.md) are pinned, so that a test fails
 when upstream changes them. Everything runs eagerly (the adapters force it in their ranks; here in-process
@@ -12,17 +12,17 @@ import os
 import pytest
 import torch
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
-from muon_dist.harness.adapters.field import (
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
+from muon_check.adapters.field import (
     DION_CHECKOUT_ENV,
     DionMuon,
     GramNewtonSchulzMuon,
     TorchtitanDistMuon,
     TorchtitanDistMuonOnCpu,
 )
-from muon_dist.harness.adapters.oracle import claim_of
+from muon_check.adapters.oracle import claim_of
 from muon_ref import newton_schulz
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
@@ -36,9 +36,7 @@ def _importable(module: str) -> str | None:
         importlib.import_module(module)
         return None
     except ImportError as e:
-        return (
-            f"{module} does not import here ({e}); install: see muon_dist/harness/adapters/field.py"
-        )
+        return f"{module} does not import here ({e}); install: see muon_check/adapters/field.py"
 
 
 def _dion_checkout() -> str:
@@ -53,7 +51,7 @@ def _dion_checkout() -> str:
 
 
 def _one_step(adapter: Adapter, family: str, world_size: int = 1) -> dict:
-    """One step of one float32 case of `family` through `python -m muon_dist.harness.conformance`'s check."""
+    """One step of one float32 case of `family` through `python -m muon_check`'s check."""
     report = conformance.check(
         adapter,
         (world_size,),

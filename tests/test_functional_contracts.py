@@ -12,7 +12,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from muon_dist.harness import origins
+from muon_check import restatements
 from muon_ref import PRESETS, Block, MatrixLayout, Muon, MuonConfig, matrix_layout, muon_step
 from muon_ref.config import ScaleApply
 from muon_ref.functional import check_gradient, decay
@@ -61,7 +61,7 @@ def test_the_emerging_preset_with_a_scale_factor_equals_emerging_with_that_extra
     for g in grads:
         p.grad, q.grad = g.clone(), g.clone()
         opt.step()
-        origins.emerging_step([q], state, extra_scale_factor=0.2)
+        restatements.emerging_step([q], state, extra_scale_factor=0.2)
     assert torch.equal(p.detach(), q.detach())
 
 
@@ -93,7 +93,7 @@ def test_the_emerging_preset_without_weight_decay_equals_emerging_bitwise_on_an_
     p, q = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     p.grad, q.grad = grad.clone(), grad.clone()
     Muon([p], preset="emerging", weight_decay=0.0).step()
-    origins.emerging_step([q], {}, weight_decay=0.0)
+    restatements.emerging_step([q], {}, weight_decay=0.0)
     assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import gpu as bench_gpu
-from muon_dist.harness import conformance
+from muon_check import conformance
 
 RUN_ALL = Path(__file__).resolve().parent / "gpu" / "run_all.py"
 

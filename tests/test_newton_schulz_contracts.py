@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon_dist.harness.fixtures import same_bits
+from muon_check.fixtures import same_bits
 from muon_ref import NSOptions, newton_schulz, normalise, resolve_ns_options
 from muon_ref.newton_schulz import STEP_FORMS, newton_schulz_matrix
 from tests.conftest import examples

@@ -1,5 +1,5 @@
-"""The planted-bug suite measures the conformance check (muon_dist/harness/adapters/planted.py): every reachable class
-of field bug (docs/field-bugs.md) has a planted bug that `python -m muon_dist.harness.conformance
+"""The planted-bug suite measures the conformance check (muon_check/adapters/planted.py): every reachable class
+of field bug (docs/field-bugs.md) has a planted bug that `python -m muon_check
 --planted` catches in its family with the right diagnosis; the correct Muon under each planted bug conforms in those
 families (the negative control: the defect is the departure); and the new families pass for DistributedMuon in every
 mode and for muon_ref (the known-good controls)."""
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters.cases import (
+from muon_check import conformance
+from muon_check.adapters.cases import (
     DIST_FAMILIES,
     FUSED_DIST_FAMILIES,
     LONG_SAVE,
@@ -22,7 +22,7 @@ from muon_dist.harness.adapters.cases import (
     default_cases,
     in_family,
 )
-from muon_dist.harness.adapters.planted import (
+from muon_check.adapters.planted import (
     BASES,
     PLANTED,
     UNREACHABLE,
@@ -35,7 +35,7 @@ from muon_dist.harness.adapters.planted import (
     RecastStepCounter,
     SmallMuon,
 )
-from muon_dist.harness.adapters.shipped import (
+from muon_check.adapters.shipped import (
     DdpReference,
     DistributedReference,
     Reference,
@@ -75,7 +75,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
     code, --json report, printed lines. Its setup-level part (setup_checks.setup_suite) is left out here: each of
     its setups is run by tests/dist/test_setup_audit.py, and its merge into the figures by
     test_the_setup_suite_counts_in_the_planted_figures."""
-    import muon_dist.harness.setup_checks as setup_checks
+    import muon_check.setup_checks as setup_checks
 
     out, printed = tmp_path_factory.mktemp("planted") / "suite.json", io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
@@ -89,9 +89,9 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
 def test_the_setup_suite_counts_in_the_planted_figures(monkeypatch, setup_right: bool) -> None:
     """The setup-level plants and controls add to the suite's figures: a setup plant named wrongly is a miss,
     a setup control with a finding a false positive, and the exit code says so."""
-    import muon_dist.harness.adapters.controls as controls
-    import muon_dist.harness.adapters.planted as planted_module
-    import muon_dist.harness.setup_checks as setup_checks
+    import muon_check.adapters.controls as controls
+    import muon_check.adapters.planted as planted_module
+    import muon_check.setup_checks as setup_checks
 
     setups = {
         "controls": [{"control": "x", "right": setup_right}],
@@ -122,7 +122,7 @@ def test_the_setup_suite_counts_in_the_planted_figures(monkeypatch, setup_right:
 def test_every_field_bug_class_is_planted_or_named_unreachable_with_its_reason() -> None:
     """Each class is planted as an optimizer (PLANTED), as a training setup (PLANTED_SETUPS: some classes are
     both) or named unreachable with its reason, never two of planted-and-unreachable."""
-    from muon_dist.harness.adapters.planted_setups import PLANTED_SETUPS
+    from muon_check.adapters.planted_setups import PLANTED_SETUPS
 
     planted = [p.field_bug for p in PLANTED]
     in_setups = {p.field_bug for p in PLANTED_SETUPS.values()}
@@ -152,7 +152,7 @@ def test_the_cli_catches_every_planted_bug_and_prints_the_figure(
 def test_every_correct_control_conforms_with_its_rounding_named(
     suite: tuple[int, dict, str],
 ) -> None:
-    """The controls (muon_dist/harness/adapters/controls.py) are FSDP2 engines in four styles with shard-local
+    """The controls (muon_check/adapters/controls.py) are FSDP2 engines in four styles with shard-local
     elementwise stages: each conforms, and the diagnosis names the shard-local rounding (some bf16 case needed
     it: without it these engines were called buggy)."""
     controls = suite[1]["controls"]
@@ -347,8 +347,8 @@ def test_every_unreachable_class_says_why_and_where_a_gpu_test_exists_it_is_name
 
 
 def test_the_long_families_run_for_the_planted_bugs_whose_answer_names_them_only() -> None:
-    from muon_dist.harness.adapters.cases import STATE_ROUNDTRIP_FAMILIES
-    from muon_dist.harness.conformance import _planted_families
+    from muon_check.adapters.cases import STATE_ROUNDTRIP_FAMILIES
+    from muon_check.conformance import _planted_families
 
     for planted in PLANTED:
         long = STATE_ROUNDTRIP_FAMILIES & frozenset(_planted_families(planted))
@@ -377,8 +377,8 @@ def test_a_planted_bug_absent_with_this_torch_must_conform_and_counts_as_a_contr
 ) -> None:
     """A planted bug whose trigger says this torch lacks its cause is judged as a correct control: it conforms
     (right), or it is a false positive, never a silent pass (the "departs" case is the negative control)."""
-    import muon_dist.harness.adapters.controls as controls
-    import muon_dist.harness.adapters.planted as planted_module
+    import muon_check.adapters.controls as controls
+    import muon_check.adapters.planted as planted_module
 
     (bug25,) = [p for p in PLANTED if p.field_bug == 25]
     absent = dataclasses.replace(bug25, trigger=_absent_here)
@@ -392,7 +392,7 @@ def test_a_planted_bug_absent_with_this_torch_must_conform_and_counts_as_a_contr
     monkeypatch.setattr(planted_module, "PLANTED", (absent, present))
     monkeypatch.setattr(controls, "CONTROLS", ())
     monkeypatch.setattr(conformance, "check", lambda *args, **kwargs: report)
-    import muon_dist.harness.setup_checks as setup_checks
+    import muon_check.setup_checks as setup_checks
 
     monkeypatch.setattr(setup_checks, "setup_suite", lambda log: dict(NO_SETUPS, wall_s=0.0))
     printed: list[str] = []

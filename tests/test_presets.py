@@ -1,5 +1,5 @@
 """Each preset reproduces the public implementation it names, bit for bit (params after every step and the
-momentum), checked through the conformance machinery (muon_dist/harness/adapters/origins.py), in this process."""
+momentum), checked through the conformance machinery (muon_check/adapters/origins.py), in this process."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters.cases import Case
-from muon_dist.harness.adapters.origins import ORIGINS
+from muon_check import conformance
+from muon_check.adapters.cases import Case
+from muon_check.adapters.origins import ORIGINS
 from muon_ref import PRESETS, Muon
 from tests.conftest import examples, require
 

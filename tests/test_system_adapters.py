@@ -1,4 +1,4 @@
-"""The system adapters (muon_dist/harness/adapters/systems.py): each claim is a valid muon_ref configuration; each
+"""The system adapters (muon_check/adapters/systems.py): each claim is a valid muon_ref configuration; each
 adapter whose package or checkout is present runs its system's own optimizer code through the conformance check;
 and the causes of their departures found by hand (docs/field-systems.md) are pinned, so that a test fails when the
 system changes them. Without the package or checkout a test skips with what installs it (`make field` installs
@@ -11,18 +11,18 @@ import importlib.util
 
 import pytest
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.cases import (
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.cases import (
     DIST_FAMILIES,
     MATRIX_FAMILIES,
     SINGLE_FAMILIES,
     UNREDUCED_FAMILIES,
     Case,
 )
-from muon_dist.harness.adapters.diagnose import diagnose, gloo_refusal
-from muon_dist.harness.adapters.oracle import Outcome, claim_of
-from muon_dist.harness.adapters.systems import (
+from muon_check.adapters.diagnose import diagnose, gloo_refusal
+from muon_check.adapters.oracle import Outcome, claim_of
+from muon_check.adapters.systems import (
     EMERGING_CHECKOUT_ENV,
     LLAMAFACTORY_CHECKOUT_ENV,
     MEGATRON_PATH_ENV,
@@ -78,7 +78,7 @@ def _checkout(env: str, inner: str) -> str:
 
 
 def _run(adapter: Adapter, families: tuple[str, ...], world_sizes: tuple[int, ...]) -> list[dict]:
-    """Two float32 steps of `families` through `python -m muon_dist.harness.conformance`'s check."""
+    """Two float32 steps of `families` through `python -m muon_check`'s check."""
     report = conformance.check(
         adapter,
         world_sizes,
@@ -214,7 +214,7 @@ def test_deepspeed_resumes_bitwise_through_its_engine_and_loses_the_muon_momentu
     momentum lands in optimizer.state while the step reads its in-memory buffer (stage3.py), still zeros, so the
     first step after the resume departs; at another W, ZeRO refuses with its stated message."""
     _package("deepspeed")
-    from muon_dist.harness.adapters.systems import DeepSpeedMuonZero3InMemory
+    from muon_check.adapters.systems import DeepSpeedMuonZero3InMemory
 
     assert _statuses(_run(DeepSpeedMuonZero3(), ("checkpoint",), (1,))) == ["bitwise"]
     (lost,) = _run(DeepSpeedMuonZero3InMemory(), ("checkpoint",), (1,))
@@ -257,7 +257,7 @@ def test_megatron_blockwise_mode_departs_on_row_blocks_and_distributed_on_wide_m
     param, no partition_dim) stays bitwise."""
     _checkout(MEGATRON_PATH_ENV, "megatron/core/optimizer")
     _package_absl()
-    from muon_dist.harness.adapters.systems import (
+    from muon_check.adapters.systems import (
         MegatronTensorParallelMuonBlockwise,
         MegatronTensorParallelMuonDistributed,
     )
@@ -283,7 +283,7 @@ def _package_absl() -> None:
 def _setup_audit(
     cls: type, world_size: int, micro_batches: int, sharding: str | None = None
 ) -> dict:
-    from muon_dist.harness.audit import audit
+    from muon_check.audit import audit
 
     setup = cls()
     if sharding is not None:
@@ -300,7 +300,7 @@ def test_deepspeed_under_its_shipped_config_routes_and_orthogonalises_as_it_clai
     embedding to Muon, each whole (experts per expert), Newton-Schulz once per optimizer step with 2
     micro-batches (the #8443 fix is in 0.19.8), no finding."""
     _package("deepspeed")
-    from muon_dist.harness.adapters.field_setups import DeepSpeedSetup
+    from muon_check.adapters.field_setups import DeepSpeedSetup
 
     rep = _setup_audit(DeepSpeedSetup, 2, 2, stage)
     assert rep["findings"] == [], rep["findings"]
@@ -316,8 +316,8 @@ def test_deepspeed_is_invariant_without_clipping_and_its_default_clip_changes_mu
     ZeRO 1-3 clip the orthogonalised update (stage_1_and_2.py: the norm is taken after Muon) where stage 0 clips
     the raw gradient (engine.py `_take_model_step`), so the layouts differ from the first step."""
     _package("deepspeed")
-    from muon_dist.harness.adapters.field_setups import DeepSpeedSetup, DeepSpeedSetupNoClip
-    from muon_dist.harness.invariance import invariance
+    from muon_check.adapters.field_setups import DeepSpeedSetup, DeepSpeedSetupNoClip
+    from muon_check.invariance import invariance
 
     clean = invariance(DeepSpeedSetupNoClip(), (1, 2), 2, 2, timeout=240.0)
     assert clean["broken"] == [], clean
@@ -335,11 +335,11 @@ def test_deepspeed_documented_muon_example_is_refused_at_zero3_as_written_and_ru
     with no rows; with `"reduce_scatter": false` added it routes and orthogonalises as claimed and is bitwise
     across W = 1, 2 and 2 micro-batches."""
     _package("deepspeed")
-    from muon_dist.harness.adapters.field_setups import (
+    from muon_check.adapters.field_setups import (
         DeepSpeedSetupDocExample,
         DeepSpeedSetupDocExampleNoReduceScatter,
     )
-    from muon_dist.harness.invariance import invariance
+    from muon_check.invariance import invariance
 
     refused = _setup_audit(DeepSpeedSetupDocExample, 2, 1)
     assert refused["rows"] == [] and [f["kind"] for f in refused["findings"]] == ["crash"], refused
@@ -364,7 +364,7 @@ def test_llamafactory_builder_routes_as_its_rule_under_ddp_and_sends_every_matri
     )  # as field_setups does (its docstring says why)
     _package("llamafactory.train.trainer_utils")
     _package("deepspeed")
-    from muon_dist.harness.adapters.field_setups import LlamaFactorySetup, LlamaFactoryZero3Setup
+    from muon_check.adapters.field_setups import LlamaFactorySetup, LlamaFactoryZero3Setup
 
     assert _setup_audit(LlamaFactorySetup, 2, 1)["findings"] == []
     rep = _setup_audit(LlamaFactoryZero3Setup, 2, 1)
@@ -383,8 +383,8 @@ def test_llamafactory_v1_documented_muon_example_routes_as_its_rule_and_is_invar
     checkout) on FSDP2: every 2-D matrix but the embedding to Muon, each orthogonalised whole on every rank once
     per step (its stated full_tensor path), no finding; bitwise across W = 1, 2 and 2 micro-batches."""
     _checkout(LLAMAFACTORY_CHECKOUT_ENV, "examples/v1/train_full/train_full_muon.yaml")
-    from muon_dist.harness.adapters.field_setups import LlamaFactoryV1Setup
-    from muon_dist.harness.invariance import invariance
+    from muon_check.adapters.field_setups import LlamaFactoryV1Setup
+    from muon_check.invariance import invariance
 
     rep = _setup_audit(LlamaFactoryV1Setup, 2, 2)
     assert rep["findings"] == [], rep["findings"]
@@ -400,7 +400,7 @@ def test_veomni_builder_on_an_hsdp_mesh_could_not_run_on_gloo() -> None:
     owner all-to-all pairs params of different shapes in one list-form `dist.all_to_all`, which gloo refuses
     (NCCL takes it): named as could not run on gloo, with VeOmni's line."""
     _package("veomni")
-    from muon_dist.harness.adapters.field_setups import VeomniSetup
+    from muon_check.adapters.field_setups import VeomniSetup
 
     rep = _setup_audit(VeomniSetup, 4, 1, "hsdp")
     (first, *rest) = rep["findings"]
@@ -413,7 +413,7 @@ def test_veomni_builder_on_an_hsdp_mesh_could_not_run_on_gloo() -> None:
 def test_areal_pr_muon_is_bitwise_on_even_shards_and_its_gather_crashes_on_uneven_ones() -> None:
     """AReaL PR 1270's Muon: bitwise like keller + match_rms_adamw (sqrt) on even shards in bf16; gloo stops its
     gather into buffers of the destination's box on uneven shards (class 13)."""
-    from muon_dist.harness.adapters.systems import AREAL_CHECKOUT_ENV, ArealMuon
+    from muon_check.adapters.systems import AREAL_CHECKOUT_ENV, ArealMuon
 
     _checkout(AREAL_CHECKOUT_ENV, "areal/engine/fsdp_utils")
     report = conformance.check(

@@ -1,4 +1,4 @@
-"""FSDP-Canzona's Muon (liangyuwang/FSDP-Canzona, muon_dist/harness/adapters/canzona.py): its claim is a valid
+"""FSDP-Canzona's Muon (liangyuwang/FSDP-Canzona, muon_check/adapters/canzona.py): its claim is a valid
 muon_ref configuration; with the checkout ($MUON_CANZONA_CHECKOUT) its own code runs through the conformance check on
 gloo ranks and the findings are pinned: bitwise on one device and on uniform FSDP shards at W = 2 (host rank
 gathers, orthogonalises and scatters through `all_to_all_single`), and a crash when a param's gradient is missing on
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters.canzona import CANZONA_CHECKOUT_ENV, CanzonaMuon
-from muon_dist.harness.adapters.cases import DIST_FAMILIES, MATRIX_FAMILIES
-from muon_dist.harness.adapters.oracle import claim_of
-from muon_dist.harness.adapters.systems import checkout_path
+from muon_check import conformance
+from muon_check.adapters.canzona import CANZONA_CHECKOUT_ENV, CanzonaMuon
+from muon_check.adapters.cases import DIST_FAMILIES, MATRIX_FAMILIES
+from muon_check.adapters.oracle import claim_of
+from muon_check.adapters.systems import checkout_path
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
 

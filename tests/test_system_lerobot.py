@@ -1,4 +1,4 @@
-"""LeRobot's DistributedMuon (huggingface/lerobot PR 4658, muon_dist/harness/adapters/lerobot.py): its claim is a
+"""LeRobot's DistributedMuon (huggingface/lerobot PR 4658, muon_check/adapters/lerobot.py): its claim is a
 valid muon_ref configuration; with the checkout ($MUON_LEROBOT_CHECKOUT) its own code runs through the conformance
 check and the causes found by hand are pinned: bitwise on uneven FSDP2 shards at W = 2, momentum lost by a
 torch.distributed.checkpoint resume through its `CombinedOptimizer` (the bare DistributedMuon keeps it), the
@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
-from muon_dist.harness.adapters.lerobot import (
+from muon_check import conformance
+from muon_check.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
+from muon_check.adapters.lerobot import (
     LEROBOT_CHECKOUT_ENV,
     LEROBOT_MUON_PATH,
     LerobotDistributedMuon,
 )
-from muon_dist.harness.adapters.oracle import claim_of
-from muon_dist.harness.adapters.systems import checkout_path
+from muon_check.adapters.oracle import claim_of
+from muon_check.adapters.systems import checkout_path
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
 

@@ -1,4 +1,4 @@
-"""Megatron-core 0.19.2's LayerWiseDistributedOptimizer (muon_dist/harness/adapters/megatron_layerwise.py), built
+"""Megatron-core 0.19.2's LayerWiseDistributedOptimizer (muon_check/adapters/megatron_layerwise.py), built
 by its own get_megatron_optimizer and run through the conformance check on gloo ranks: the findings read by hand are
 pinned, so that a test fails when the system changes them. Without megatron-core the tests skip, naming
 $MUON_MEGATRON_PATH and what it should hold (`make field` unpacks it and sets it)."""
@@ -9,14 +9,14 @@ import importlib.util
 
 import pytest
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.megatron_layerwise import (
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.megatron_layerwise import (
     MegatronLayerWiseMuon,
     MegatronLayerWiseMuonStep,
 )
-from muon_dist.harness.adapters.oracle import claim_of
-from muon_dist.harness.adapters.systems import MEGATRON_PATH_ENV, checkout_path
+from muon_check.adapters.oracle import claim_of
+from muon_check.adapters.systems import MEGATRON_PATH_ENV, checkout_path
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
 

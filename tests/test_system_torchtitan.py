@@ -1,4 +1,4 @@
-"""torchtitan's DistributedMuon (pytorch/torchtitan PR 4060, muon_dist/harness/adapters/torchtitan.py): its claim is
+"""torchtitan's DistributedMuon (pytorch/torchtitan PR 4060, muon_check/adapters/torchtitan.py): its claim is
 a valid muon_ref configuration, its CPU shim is scoped to the construction, and, with a checkout of pytorch/torchtitan
 at PR 4060's merge commit in $MUON_TORCHTITAN_CHECKOUT, its own code steps bitwise like preset `torch` with lr_scale
 "match_rms_adamw" on the recipe's Owned (2-D) and Shard(0) (expert stack) layouts, and refuses a step in which a
@@ -13,12 +13,12 @@ import types
 import pytest
 import torch
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.cases import DIST_FAMILIES
-from muon_dist.harness.adapters.oracle import claim_of
-from muon_dist.harness.adapters.systems import checkout_path
-from muon_dist.harness.adapters.torchtitan import (
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.cases import DIST_FAMILIES
+from muon_check.adapters.oracle import claim_of
+from muon_check.adapters.systems import checkout_path
+from muon_check.adapters.torchtitan import (
     MODULE_PATH,
     TORCHTITAN_CHECKOUT_ENV,
     TorchtitanDistributedMuon,

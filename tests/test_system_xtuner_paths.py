@@ -1,5 +1,5 @@
 """xtuner's FSDP2 Muon on the paths of InternLM/xtuner PR 1716 that tests/test_system_adapters.py does not reach
-(muon_dist/harness/adapters/xtuner_paths.py): the padded all-to-all remainder strategy, the all-gather +
+(muon_check/adapters/xtuner_paths.py): the padded all-to-all remainder strategy, the all-gather +
 reduce-scatter path under NCCL's buffer shapes, the fused expert layout with num_experts, the expert-parallel
 (fsdp, ep) mesh, and xtuner's own builder as a training setup. Each test pins a finding with its cause, so that it
 fails when xtuner changes it. Without $MUON_XTUNER_CHECKOUT (a checkout of InternLM/xtuner, the folder holding
@@ -11,10 +11,10 @@ import importlib.util
 
 import pytest
 
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters import Adapter
-from muon_dist.harness.adapters.systems import XTUNER_CHECKOUT_ENV, checkout_path
-from muon_dist.harness.adapters.xtuner_paths import (
+from muon_check import conformance
+from muon_check.adapters import Adapter
+from muon_check.adapters.systems import XTUNER_CHECKOUT_ENV, checkout_path
+from muon_check.adapters.xtuner_paths import (
     EP_CASES,
     XtunerFusedAgrs,
     XtunerFusedAgrsNccl,
@@ -128,7 +128,7 @@ def test_xtuner_builder_as_setup_is_refused_by_gloo_and_clean_under_nccl_buffer_
     claims (a 3-D stack flattened to one matrix), and the invariance families are bitwise across W = 1, 2."""
     _checkout()
     _setup_packages()
-    from muon_dist.harness.api import audit_setup, setup_invariance
+    from muon_check.api import audit_setup, setup_invariance
 
     refused = audit_setup(XtunerSetup(), world_size=2, micro_batches=2).raw["findings"]
     assert any("reduce_scatter_tensor" in f["text"] for f in refused), refused

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import muon_ref
 import muon_ref.optim
 import muon_ref.presets
+from muon_check.launch import RankPool
 from muon_dist import DistributedMuon
-from muon_dist.harness.launch import RankPool
 from tests.conftest import examples
 
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")

@@ -85,6 +85,14 @@ def own_step_kwargs(cfg: MuonConfig, name: str) -> dict:
     return kwargs
 
 
+def direction_bytes(cfg: MuonConfig, param_dtype: torch.dtype) -> int:
+    """Bytes of one direction element an owner must receive (the lower bound's b_direction): the kernel's input
+    cast where muon_ref's kernel reads its input only through a narrower cast (muon_ref.newton_schulz.input_cast:
+    the cast before the exchange gives the same bits), else the param's dtype."""
+    sent = input_cast(param_dtype, cfg.ns_dtype, cfg.normalize_before_cast) or param_dtype
+    return torch.empty((), dtype=sent).element_size()
+
+
 def send_dtype(backend: Backend, cfg: MuonConfig, param_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a param's direction travels in when narrower than the param's: the backend's input cast where it
     reads only through it (muon_ref.newton_schulz.input_cast), else None (the param's dtype)."""

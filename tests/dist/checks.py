@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from muon_dist.harness.fixtures import axis_codes, bits, box_of, mesh_shape, same_bits
+from muon_check.fixtures import axis_codes, bits, box_of, mesh_shape, same_bits
 from muon_dist.step import CHECKS
 
 from .conftest import get_pool, record_paths

@@ -17,7 +17,7 @@ from muon_dist import DistributedMuon
 from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.checkpoint import from_reference_state_dict, to_reference_state_dict
 
-from muon_dist.harness.fixtures import box_of, distribute, local
+from muon_check.fixtures import box_of, distribute, local
 
 from .workers import Case, _groups, grads_of, initial_params
 

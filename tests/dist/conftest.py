@@ -7,7 +7,7 @@ from pathlib import Path
 
 from muon_dist.paths import PATHS
 
-from muon_dist.harness.launch import RankPool
+from muon_check.launch import RankPool
 
 EXERCISED: set[str] = set()
 _POOLS: dict[int, RankPool] = {}

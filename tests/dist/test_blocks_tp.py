@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon_dist.harness.fixtures import box_of, mesh_shape
+from muon_check.fixtures import box_of, mesh_shape
 from muon_ref.presets import PRESETS
 from tests.conftest import examples
 

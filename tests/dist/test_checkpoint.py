@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from muon_dist.harness.fixtures import box_of, same_bits
+from muon_check.fixtures import box_of, same_bits
 
 from .ckpt_workers import convert_round_trip, reference_run, resume, resume_reference, save_after
 from .conftest import get_pool

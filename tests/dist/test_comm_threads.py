@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from muon_dist import ThreadComm, ThreadWorld
 from muon_dist.comm import Group, run_threads
 
-from muon_dist.harness.fixtures import same_bits
+from muon_check.fixtures import same_bits
 from tests.conftest import examples
 
 

@@ -1,4 +1,4 @@
-"""`python -m muon_dist.harness.conformance` on distributed adapters over gloo: DistributedMuon behind the adapter
+"""`python -m muon_check` on distributed adapters over gloo: DistributedMuon behind the adapter
 conforms (exit 0); two deliberately broken distributed Muons fail with the family that triggers them named:
 NS on shards padded to a multiple of W (Dion's transpose on a padded shape: uneven shards only), and a
 remainder batch that is never updated (remainder batches only)."""
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import muon_ref
 from muon_dist import DistributedMuon
-from muon_dist.harness import conformance
-from muon_dist.harness.adapters.shipped import DistributedReference
+from muon_check import conformance
+from muon_check.adapters.shipped import DistributedReference
 from muon_dist.kernels import Backend
 
 DIST_FAST = ["--world-sizes", "2", "--dtypes", "float32", "--families", "even", "uneven", "empty", "remainder",
@@ -65,7 +65,7 @@ def _report(tmp_path, adapter: str, *extra: str) -> tuple[int, dict]:
 
 @pytest.mark.timeout(90)
 def test_distributed_muon_behind_the_adapter_conforms_on_gloo(tmp_path) -> None:
-    code, report = _report(tmp_path, "muon_dist.harness.adapters.shipped:DistributedReference", "--world-sizes", "1", "2")
+    code, report = _report(tmp_path, "muon_check.adapters.shipped:DistributedReference", "--world-sizes", "1", "2")
     assert code == 0 and report["conforms"], report["diagnosis"]
     assert {(o["family"], o["world_size"]) for o in report["outcomes"] if o["mode"] == "dtensor"} >= {
         ("even", 1), ("even", 2), ("uneven", 2), ("empty", 2), ("remainder", 2)}

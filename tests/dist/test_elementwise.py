@@ -15,7 +15,7 @@ from muon_ref.functional import apply_update, matrix_layout, momentum_direction
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
 
-from muon_dist.harness.fixtures import bits
+from muon_check.fixtures import bits
 from tests.conftest import examples
 
 from .batches import layout_1d

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from muon_dist import Entry, Group, Options, ThreadComm, ThreadWorld, expected_bytes, plan
 from muon_dist.comm import run_threads
-from muon_dist.harness.fixtures import same_bits
+from muon_check.fixtures import same_bits
 from muon_dist.paths import PATHS
 from muon_dist.step import CHECKS
 from muon_ref.presets import PRESETS

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 
 from muon_dist import Entry, Options, plan
 from muon_dist.balance import lpt, ns_flops
-from muon_dist.harness.fixtures import box_of
+from muon_check.fixtures import box_of
 from muon_dist.step import CHECKS
 
 from tests.conftest import examples

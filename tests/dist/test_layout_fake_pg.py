@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 
 from muon_dist import read_layout
-from muon_dist.harness.fixtures import placement_of
+from muon_check.fixtures import placement_of
 from tests.conftest import examples
 from tests.test_geometry import layouts
 

@@ -25,7 +25,7 @@ from muon_dist.comm import run_threads
 from muon_dist.step import CHECKS
 from muon_ref.presets import PRESETS
 
-from muon_dist.harness.fixtures import same_bits, seeded
+from muon_check.fixtures import same_bits, seeded
 from tests.conftest import examples
 
 from .checks import timeout_for

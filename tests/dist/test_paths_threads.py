@@ -17,7 +17,7 @@ from muon_dist.geometry import Box, whole
 from muon_dist.paths import PATHS, agrs
 from muon_dist.paths.shards import join
 
-from muon_dist.harness.fixtures import bits
+from muon_check.fixtures import bits
 from tests.conftest import examples
 
 from .batches import batch_of, box, layout_1d

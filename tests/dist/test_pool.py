@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from muon_dist.harness.launch import RankFailure, RankPool
+from muon_check.launch import RankFailure, RankPool
 from .workers import fail_on
 
 

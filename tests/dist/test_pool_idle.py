@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muon_dist.harness.launch import RankFailure, RankPool
+from muon_check.launch import RankFailure, RankPool
 
 
 def blocked_or_busy(how: str, seconds: float) -> int:
@@ -50,7 +50,7 @@ def test_a_rank_that_computes_longer_than_idle_s_is_not_reported_hung() -> None:
 def _simulated(monkeypatch: pytest.MonkeyPatch, waiting: bool) -> bool:
     """Whether _Progress calls a process stalled after 5 s of samples without CPU ticks, each sample reporting
     `waiting` (a rank waiting for the CPU or the disk), on a simulated clock."""
-    from muon_dist.harness import launch
+    from muon_check import launch
 
     clock = [0.0]
     monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
@@ -73,7 +73,7 @@ def test_a_rank_waiting_for_the_cpu_or_the_disk_is_not_reported_hung(monkeypatch
 def test_activity_reads_this_process_from_proc() -> None:
     import os
 
-    from muon_dist.harness.launch import _activity
+    from muon_check.launch import _activity
 
     sum(range(10**6))  # some CPU time of its own
     ticks, waiting = _activity([os.getpid()])

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from muon_dist.harness.fixtures import same_bits
+from muon_check.fixtures import same_bits
 from .ckpt_workers import (groups_change_between_steps, none_on_some_ranks_then_recover, nonfinite_on_one_rank,
                            raise_in_a_later_write_group, raise_mid_step, zero_gradients)
 from .conftest import get_pool

@@ -1,4 +1,4 @@
-"""The setup audit (muon_dist/harness/audit.py), its instrument (trace.py) and the invariance families
+"""The setup audit (muon_check/audit.py), its instrument (trace.py) and the invariance families
 (invariance.py): the project's own setups draw no finding and stay invariant; every planted setup bug draws the
 finding that names it (and breaks the invariance it breaks); the trace counts one Newton-Schulz call per matrix in
 every form and marks only tensor-parallel calls distributed."""
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 import muon_ref
-from muon_dist.harness.adapters import setups
-from muon_dist.harness.adapters.planted_setups import (
+from muon_check.adapters import setups
+from muon_check.adapters.planted_setups import (
     CONTROL_SETUPS,
     PLANTED_SETUPS,
     NSPerMicroBatch,
     ReducingMuon,
 )
-from muon_dist.harness.audit import attribute, audit, catalogue, probe_gradients
-from muon_dist.harness.invariance import invariance
-from muon_dist.harness.launch import RankPool
-from muon_dist.harness.trace import Trace
+from muon_check.audit import attribute, audit, catalogue, probe_gradients
+from muon_check.invariance import invariance
+from muon_check.launch import RankPool
+from muon_check.trace import Trace
 from muon_ref.gram import gram_newton_schulz
 
 
@@ -269,7 +269,7 @@ class _StepRaisesAtTwoRanks(setups.DistributedMuonFSDP):
 def test_a_configuration_that_raises_is_a_could_not_run_row_not_a_traceback() -> None:
     """The invariance families run every configuration: one that raises is a row "could not run" with the
     failing rank's error, the others are still compared, and the verdict (and the API's `clean`) says so."""
-    from muon_dist.harness.api import SetupReport
+    from muon_check.api import SetupReport
 
     rep = invariance(_StepRaisesAtTwoRanks(), (1, 2), 2, 1)
     by_config = {r["config"]: r for r in rep["rows"]}

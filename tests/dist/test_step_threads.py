@@ -28,7 +28,7 @@ from muon_dist.step import CHECKS, ParamInput, execute, prepare
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
 
-from muon_dist.harness.fixtures import same_bits, seeded
+from muon_check.fixtures import same_bits, seeded
 from tests.conftest import examples
 
 from .checks import timeout_for

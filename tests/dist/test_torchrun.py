@@ -1,4 +1,4 @@
-"""`torchrun -m muon_dist.harness.verify` on gloo: the NCCL test's launcher and rank code, run on CPU."""
+"""`torchrun -m muon_check.verify` on gloo: the NCCL test's launcher and rank code, run on CPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m muon_dist.harness.verify` (what `make verify` runs): a smoke run passes, and a broken path fails it."""
+"""`python -m muon_check.verify` (what `make verify` runs): a smoke run passes, and a broken path fails it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from muon_dist.harness import verify
+from muon_check import verify
 
 
 @pytest.mark.timeout(240)

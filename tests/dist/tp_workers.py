@@ -12,7 +12,7 @@ from torch import nn
 import muon_ref
 from muon_dist import DistributedMuon
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_dist.harness.fixtures import seeded
+from muon_check.fixtures import seeded
 
 # tensor parallelism needs the features it splits divisible by tp (2 or 4 here); FSDP2 then cuts the rows of each
 # tp piece unevenly (5 rows of qkv's tp piece on 2 dp ranks: 3 and 2), and o's 5 heads of 4 columns straddle the tp

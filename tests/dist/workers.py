@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import muon_ref
 from muon_dist import DistributedMuon, expected_bytes
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_dist.harness.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
+from muon_check.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
 
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
@@ -363,7 +363,7 @@ def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...])
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from muon_dist import read_layout
-    from muon_dist.harness.fixtures import axis_codes, placement_of
+    from muon_check.fixtures import axis_codes, placement_of
 
     W, r = dist.get_world_size(), dist.get_rank()
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)

@@ -11,8 +11,8 @@ their stdout and stderr in OUT/PART.log, each command under its own wall-clock l
   tests        python -m pytest -m gpu -q --durations=25: the GPU suite, with verify --device cuda at W = 1-4 and
                DistributedMuon's conformance on CUDA among its tests (their JSON reports are copied to
                OUT/tests_NAME.json)
-  conformance  python -m muon_dist.harness.conformance --all --device cuda --json OUT/conformance.json
-  planted      python -m muon_dist.harness.conformance --planted --device cuda --json OUT/planted.json
+  conformance  python -m muon_check --all --device cuda --json OUT/conformance.json
+  planted      python -m muon_check --planted --device cuda --json OUT/planted.json
   bench        python -m benchmarks gpu [--dion PATH] --json OUT/bench.json
 OUT/summary.md has one row per command (the part, the command, its exit status or "timed out", its wall seconds,
 its last line of output), rewritten after each command, so a run stopped midway keeps what it finished. Exit
@@ -58,7 +58,7 @@ def commands(part: str, out: Path, dion: str | None) -> list[list[str]]:
         return [[*py, "-m", "pytest", "-m", "gpu", "-q", "--durations=25", "--basetemp", basetemp]]
     if part in ("conformance", "planted"):
         chosen = "--all" if part == "conformance" else "--planted"
-        harness = [*py, "-m", "muon_dist.harness.conformance"]
+        harness = [*py, "-m", "muon_check.conformance"]
         return [[*harness, chosen, "--device", "cuda", "--json", str(out / f"{part}.json")]]
     if part == "bench":
         return [

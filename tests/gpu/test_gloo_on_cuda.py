@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from muon_dist.harness import conformance, verify
+from muon_check import conformance, verify
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,7 +45,7 @@ def test_distributed_muon_conforms_on_cuda_under_the_conformance_check(tmp_path)
     out = tmp_path / "conformance_cuda.json"
     argv = [
         "--adapter",
-        "muon_dist.harness.adapters.shipped:DistributedReference",
+        "muon_check.adapters.shipped:DistributedReference",
         "--device",
         "cuda",
         "--world-sizes",

@@ -1,6 +1,6 @@
 """`pytest -m gpu` on a multi-GPU node: every muon_dist path on NCCL, checked bitwise against muon_ref.
 
-Launches `torchrun --nproc-per-node W -m muon_dist.harness.verify --backend nccl` for every world size from 2 to the
+Launches `torchrun --nproc-per-node W -m muon_check.verify --backend nccl` for every world size from 2 to the
 number of visible GPUs (the hsdp mesh adds the sub-mesh case at even W >= 4). The same launcher and rank code
 run on gloo/CPU in tests/dist/test_torchrun.py.
 """

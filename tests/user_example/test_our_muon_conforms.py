@@ -1,14 +1,14 @@
 """An example of a project keeping "our Muon conforms to muon_ref under preset keller" as a test in its own suite
 (docs/conformance.md, "In your own tests"). Copy it into your tests and put your optimizer where muon.SingleDeviceMuon
 (KellerJordan's Muon, PyPI muon-optimizer) is, and name the plugin in your top-level conftest.py:
-    pytest_plugins = ["muon_dist.harness.pytest_plugin"]      # the muon_check fixture, --muon-device
+    pytest_plugins = ["muon_check.pytest_plugin"]      # the muon_check fixture, --muon-device
 (this repository's tests/conftest.py registers it the same way). `pytest -m gpu` runs the gpu test on the node's
 GPU (device "cuda").
 """
 
 import pytest
 
-from muon_dist.harness.api import check
+from muon_check.api import check
 
 muon = pytest.importorskip("muon", reason="muon-optimizer is not installed (pip install -e .[dev])")
 
@@ -38,6 +38,4 @@ def test_our_muon_conforms_on_the_gpu(muon_check):
 def test_our_training_setup_routes_as_it_claims(muon_check):
     """A training setup (here the project's own FSDP2 + DistributedMuon + AdamW): every param routed, split and
     orthogonalised as claimed, on 2 gloo ranks."""
-    muon_check.assert_audit_clean(
-        "muon_dist.harness.adapters.setups:DistributedMuonFSDP", world_size=2
-    )
+    muon_check.assert_audit_clean("muon_check.adapters.setups:DistributedMuonFSDP", world_size=2)

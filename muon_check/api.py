@@ -1,21 +1,21 @@
 """The check as a Python API, for a project's own test suite.
 
-    from muon_dist.harness.api import check
+    from muon_check.api import check
 
     report = check(MyMuon, claim="keller", families=("tall", "square"), world_sizes=(1,))
     report.assert_conforms()          # AssertionError with the verdict, the diagnosis and the failing cases
     report.verdict, report.cases, report.json()
 
 `candidate`: an optimizer class (checked by import path, its constructor keywords mapped by signature, as
-`--adapter module:Class` does), an Adapter subclass or instance (muon_dist.harness.adapters), or an adapter spec
+`--adapter module:Class` does), an Adapter subclass or instance (muon_check.adapters), or an adapter spec
 string ("module:Name", "checkout_dir:module:Class"). `claim`: a muon_ref preset name, a dict {"preset": name,
 **muon_ref options}, or None (the adapter's own claim). The other arguments are the command line's
-(`python -m muon_dist.harness.conformance --help`). The verdict and every case are the command line's, bit for bit:
+(`python -m muon_check --help`). The verdict and every case are the command line's, bit for bit:
 the same `conformance.check` runs them.
 
 A training setup (audit.Setup) is checked with `audit_setup` (the routing audit) and `setup_invariance` (the
 invariance families); their reports have the same `assert_...` methods. pytest users get all three as the
-`muon_check` fixture (muon_dist.harness.pytest_plugin, named in a conftest's `pytest_plugins`).
+`muon_check` fixture (muon_check.pytest_plugin, named in a conftest's `pytest_plugins`).
 """
 
 from __future__ import annotations

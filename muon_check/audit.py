@@ -1,6 +1,6 @@
 """The setup audit: what a training setup does with each param of a real model, against what it claims.
 
-    python -m muon_dist.harness.conformance --audit MODULE:SETUP [--world-sizes 4] [--micro-batches 2]
+    python -m muon_check --audit MODULE:SETUP [--world-sizes 4] [--micro-batches 2]
 
 A Setup is a system's own way of building its optimizers from a model and a configuration (its builder, its
 sharding, its training step). The audit builds model.AuditModel (fused QKV, gated attention, a per-head output

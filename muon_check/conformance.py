@@ -1,24 +1,24 @@
-r"""Check any Muon against the oracle: `python -m muon_dist.harness.conformance --adapter MODULE:NAME`.
+r"""Check any Muon against the oracle: `python -m muon_check --adapter MODULE:NAME`.
 
-    python -m muon_dist.harness.conformance --adapter muon_dist.harness.adapters.shipped:TorchMuon
-    python -m muon_dist.harness.conformance --adapter muon:SingleDeviceMuon --preset keller     # any optimizer class
-    python -m muon_dist.harness.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
+    python -m muon_check --adapter muon_check.adapters.shipped:TorchMuon
+    python -m muon_check --adapter muon:SingleDeviceMuon --preset keller     # any optimizer class
+    python -m muon_check --adapter path/to/dion_clone:dion.muon:Muon --preset dion \
         --hp-names '{"momentum": "mu"}' --distributed dtensor                         # a local checkout
-    python -m muon_dist.harness.conformance --all --markdown                                    # the README table
-    python -m muon_dist.harness.conformance --all --device cuda                                 # on a GPU node
-    python -m muon_dist.harness.conformance --origins                                  # each preset vs its origin
-    python -m muon_dist.harness.conformance --planted              # the planted bugs: what the check catches
-    python -m muon_dist.harness.conformance --audit MODULE:SETUP   # a training setup's routing, per param
-    python -m muon_dist.harness.conformance --invariance MODULE:SETUP   # the same training on every layout
+    python -m muon_check --all --markdown                                    # the README table
+    python -m muon_check --all --device cuda                                 # on a GPU node
+    python -m muon_check --origins                                  # each preset vs its origin
+    python -m muon_check --planted              # the planted bugs: what the check catches
+    python -m muon_check --audit MODULE:SETUP   # a training setup's routing, per param
+    python -m muon_check --invariance MODULE:SETUP   # the same training on every layout
 
-Each case (muon_dist/harness/adapters/cases.py) runs the candidate on a pool of gloo ranks
-(muon_dist.harness.launch.RankPool: spawned ranks, each with its own PYTHONHASHSEED from --seed; one rank without a
+Each case (muon_check/adapters/cases.py) runs the candidate on a pool of gloo ranks
+(muon_check.launch.RankPool: spawned ranks, each with its own PYTHONHASHSEED from --seed; one rank without a
 process group for the single-device cases of a candidate not declared distributed; with --device cuda the candidate,
 its tensors and the reference are on CUDA, the ranks sharing the node's GPUs with gloo carrying CUDA tensors; a
 checkpoint case saves on one pool and resumes on another) with a timeout (--timeout, default 300 s: first calls may
 torch.compile), and muon_ref.Muon under the adapter's claim on the full tensors, with its elementwise stages on the
 whole params or on the ranks' shards and the update in either memory layout; the contract is in
-muon_dist/harness/adapters/oracle.py. First, the first case of each dtype and mode runs twice with torch's random
+muon_check/adapters/oracle.py. First, the first case of each dtype and mode runs twice with torch's random
 generators seeded otherwise (every case is seeded the same): a candidate that differs from itself is compared at
 twice that difference. Per case: bitwise (naming a rounding where one was needed), close (within that tolerance),
 differs (max |dP| and in units in the last place, the first step that differs and whether the difference grows,
@@ -678,7 +678,7 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
         "python": platform.python_version(),
         "command": " ".join(
             [
-                "python -m muon_dist.harness.conformance",
+                "python -m muon_check",
                 *(argv if argv is not None else sys.argv[1:]),
             ]
         ),
@@ -725,31 +725,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all",
         action="store_true",
-        help="every shipped adapter (muon_dist.harness.adapters.shipped)",
+        help="every shipped adapter (muon_check.adapters.shipped)",
     )
     p.add_argument(
         "--origins",
         action="store_true",
         help="each muon_ref preset against its origin "
-        "(muon_dist.harness.adapters.origins; what make verify runs)",
+        "(muon_check.adapters.origins; what make verify runs)",
     )
     p.add_argument(
         "--planted",
         action="store_true",
-        help="the planted-bug suite (muon_dist.harness.adapters."
+        help="the planted-bug suite (muon_check.adapters."
         "planted): a small Muon per reachable class of field bug; prints caught K/N",
     )
     p.add_argument(
         "--audit",
         metavar="MODULE:SETUP",
-        help="audit a training setup (muon_dist.harness.audit.Setup) on a small real model: per param its "
+        help="audit a training setup (muon_check.audit.Setup) on a small real model: per param its "
         "optimizer, the blocks Newton-Schulz saw, calls per step, path and findings (--world-sizes, default 4)",
     )
     p.add_argument(
         "--invariance",
         metavar="MODULE:SETUP",
         help="train a setup under every world size, layout and gradient accumulation; each must give the "
-        "reference's params bit for bit (muon_dist.harness.invariance)",
+        "reference's params bit for bit (muon_check.invariance)",
     )
     p.add_argument(
         "--micro-batches", type=int, default=2, help="micro-batches for --audit and --invariance"
@@ -849,9 +849,9 @@ def _planted_families(planted: Planted) -> tuple[str, ...]:
 
 
 def planted_suite(timeout: float, steps: int, log=_print, device: str = "cpu") -> dict[str, Any]:
-    """The check measured on candidates it has not seen: the correct controls (muon_dist.harness.adapters.controls:
+    """The check measured on candidates it has not seen: the correct controls (muon_check.adapters.controls:
     each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
-    muon_dist.harness.adapters.planted.planted_verdict: a bug absent with this torch counts as a control), every
+    muon_check.adapters.planted.planted_verdict: a bug absent with this torch counts as a control), every
     case on `device`; one line each, then both figures: false positives (controls not conforming) and misses
     (planted bugs not caught, or caught with the wrong diagnosis)."""
     pools: dict[tuple, RankPool] = {}  # the suite's own code: its adapters share rank pools

@@ -1,9 +1,9 @@
-"""The rank side of the conformance run: module-level functions that muon_dist.harness.launch.RankPool runs on every
+"""The rank side of the conformance run: module-level functions that muon_check.launch.RankPool runs on every
 rank (picklable arguments, small picklable results).
 
 Every gradient reaches the candidate through autograd (torch.autograd.backward on the param with the rank's
 gradient as the incoming gradient), one backward per micro-batch, after the grads were set to None: gradient hooks
-fire as in training, and p.grad is the sum of the micro-batches (muon_dist/harness/adapters/cases.py says what each
+fire as in training, and p.grad is the sum of the micro-batches (muon_check/adapters/cases.py says what each
 rank feeds). torch's random generators are seeded before a case (the same seed for every case: a candidate that
 draws random numbers gets the same draws whatever ran before it on the rank; check's determinism probe passes
 another). The candidate is built through `build`, whose failure is a ConstructionError (a refusal at construction,

@@ -439,7 +439,7 @@ __all__ = [
 
 
 def main() -> None:
-    """`python -m muon_dist.harness.adapters.xtuner_paths`: the expert cases on the 1-D mesh (SUBGROUP_CASES) and
+    """`python -m muon_check.adapters.xtuner_paths`: the expert cases on the 1-D mesh (SUBGROUP_CASES) and
     on the (fsdp, ep) mesh (EP_CASES, with torch's FSDP2 placements and with (Shard(0), Shard(0))) for the padded
     all-to-all and the shipped options under NCCL's buffer shapes, as `make field` records them."""
     for adapter in (XtunerPadAll2All(), XtunerFusedAgrsNccl()):

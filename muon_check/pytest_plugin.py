@@ -1,7 +1,7 @@
 """A pytest plugin: keep "our Muon conforms to muon_ref under preset P" as a test in a project's own suite.
 
-Named in a project's top-level conftest.py, `pytest_plugins = ["muon_dist.harness.pytest_plugin"]` (or `pytest -p
-muon_dist.harness.pytest_plugin`). It is not registered as a pytest11 entry point on purpose: pytest rewrites the
+Named in a project's top-level conftest.py, `pytest_plugins = ["muon_check.pytest_plugin"]` (or `pytest -p
+muon_check.pytest_plugin`). It is not registered as a pytest11 entry point on purpose: pytest rewrites the
 asserts of every module of a distribution that provides one, which would change muon_ref's and muon_dist's own
 assertions (their messages, and their modules' loaders) in every test run of a project that installs muon-ref. It
 adds the `muon_check` fixture and the `--muon-device` option:
@@ -14,7 +14,7 @@ adds the `muon_check` fixture and the `--muon-device` option:
         muon_check.assert_conforms(OurMuon, claim="keller", world_sizes=(1,))
 
 `muon_check.check(...)`, `.audit_setup(...)` and `.setup_invariance(...)` return the reports of
-muon_dist.harness.api; `.assert_conforms(...)`, `.assert_audit_clean(...)` and `.assert_invariant(...)` fail the
+muon_check.api; `.assert_conforms(...)`, `.assert_audit_clean(...)` and `.assert_invariant(...)` fail the
 test with the report's summary. The device is `--muon-device` (cpu or cuda) when given, else "cuda" for a test
 marked `gpu` and "cpu" otherwise; a test on "cuda" without a CUDA device fails, naming the option (never skips).
 """
@@ -48,7 +48,7 @@ class MuonCheck:
         self.device = device
 
     def check(self, candidate: Any, claim: Any = None, **kwargs: Any) -> Any:
-        from muon_dist.harness.api import check
+        from muon_check.api import check
 
         kwargs.setdefault("device", self.device)
         return check(candidate, claim, **kwargs)
@@ -57,7 +57,7 @@ class MuonCheck:
         return _passing(self.check(candidate, claim, **kwargs), "conforms")
 
     def audit_setup(self, setup: Any, **kwargs: Any) -> Any:
-        from muon_dist.harness.api import audit_setup
+        from muon_check.api import audit_setup
 
         return audit_setup(setup, **kwargs)
 
@@ -65,7 +65,7 @@ class MuonCheck:
         return _passing(self.audit_setup(setup, **kwargs), "clean")
 
     def setup_invariance(self, setup: Any, **kwargs: Any) -> Any:
-        from muon_dist.harness.api import setup_invariance
+        from muon_check.api import setup_invariance
 
         return setup_invariance(setup, **kwargs)
 

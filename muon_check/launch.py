@@ -1,5 +1,5 @@
-"""A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_dist.harness.verify` and
-`muon_dist.harness.conformance` (measured facts: docs/testing.md).
+"""A pool of gloo ranks kept alive across calls: the launcher of the tests, `muon_check.verify` and
+`muon_check.conformance` (measured facts: docs/testing.md).
 
 Workers are started once per world size (forked, or spawned with their own hash seeds: RankPool); each sets
 torch.set_num_threads(1) first, joins a gloo group through a file:// rendezvous in a fresh temporary directory

@@ -178,9 +178,7 @@ class RefRun:
 
 
 Reference = dict[str, RefRun]  # policy -> the reference's run
-Segment = tuple[
-    int, list[dict]
-]  # (world size, each rank's result: muon_dist/harness/adapters/workers.py)
+Segment = tuple[int, list[dict]]  # (world size, each rank's result: muon_check/adapters/workers.py)
 
 
 @dataclass(frozen=True)

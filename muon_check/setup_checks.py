@@ -1,7 +1,7 @@
 """The setup-level checks from the command line and in the planted suite.
 
-    python -m muon_dist.harness.conformance --audit MODULE:SETUP [--world-sizes 4] [--micro-batches 2]
-    python -m muon_dist.harness.conformance --invariance MODULE:SETUP [--world-sizes 1 2 4] [--steps 2]
+    python -m muon_check --audit MODULE:SETUP [--world-sizes 4] [--micro-batches 2]
+    python -m muon_check --invariance MODULE:SETUP [--world-sizes 1 2 4] [--steps 2]
 
 A setup is an audit.Setup subclass (or instance) named by import path, as adapters are. The planted suite
 (`--planted`) runs `setup_suite`: the project's own setups and a correct control must draw no finding and be
@@ -22,13 +22,13 @@ from .invariance import invariance, print_invariance
 def load_setup(spec: str) -> Setup:
     """MODULE:NAME of a Setup subclass or instance."""
     if spec.count(":") != 1:
-        raise ValueError(f"setup {spec!r} must be MODULE:NAME (a muon_dist.harness.audit.Setup)")
+        raise ValueError(f"setup {spec!r} must be MODULE:NAME (a muon_check.audit.Setup)")
     module, name = spec.split(":")
     obj = getattr(import_module_as_python_m(module), name)
     setup = obj() if isinstance(obj, type) else obj
     if not isinstance(setup, Setup):
         raise ValueError(
-            f"setup {spec!r} is a {type(setup).__name__}, not a muon_dist.harness.audit.Setup"
+            f"setup {spec!r} is a {type(setup).__name__}, not a muon_check.audit.Setup"
         )
     return setup
 
@@ -42,7 +42,7 @@ def as_setup(setup: Any) -> Setup:
     if isinstance(setup, Setup):
         return setup
     raise ValueError(
-        f"setup must be a muon_dist.harness.audit.Setup (class, instance or 'module:Name'), got {setup!r}"
+        f"setup must be a muon_check.audit.Setup (class, instance or 'module:Name'), got {setup!r}"
     )
 
 

@@ -66,7 +66,7 @@ class TorchtitanDistMuon(Adapter):
         )
 
         names = [f"p{i}" for i in range(len(params))]
-        # the mesh axis is named "fsdp" by the conformance workers (muon_dist/harness/adapters/workers.py)
+        # the mesh axis is named "fsdp" by the conformance workers (muon_check/adapters/workers.py)
         layouts = {
             n: ComputeLayout({"fsdp": Owned() if p.ndim == 2 else Shard(0)})
             for n, p in zip(names, params)

@@ -3,8 +3,8 @@
 Each restates one library's single-device update in eager PyTorch, in place, in the library's own
 operation order, WITHOUT using any muon_ref code: the presets are checked against these (and against the
 real torch.optim.Muon and KellerJordan's muon-optimizer, which are installed), so a restatement that
-borrowed muon_ref's functions would make the check circular. muon_dist/harness/adapters/origins.py wraps each
-as an optimizer behind the conformance check (`python -m muon_dist.harness.conformance --origins`).
+borrowed muon_ref's functions would make the check circular. muon_check/adapters/origins.py wraps each
+as an optimizer behind the conformance check (`python -m muon_check --origins`).
 
 Differences from the shipped code, on purpose and stated: Dion and xtuner run under torch.compile with
 hyperparameters wrapped as float32 0-dim tensors; compiled fusion changes bits, so only their eager op

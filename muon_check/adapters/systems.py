@@ -721,7 +721,7 @@ SYSTEMS = (
 
 
 def main() -> None:
-    """`python -m muon_dist.harness.adapters.systems`: each adapter's version (a checkout's commit) and claim, as
+    """`python -m muon_check.adapters.systems`: each adapter's version (a checkout's commit) and claim, as
     `make field` records them before the table."""
     for adapter in SYSTEMS:
         try:

@@ -10,8 +10,8 @@ install them beside the environment, without dependencies, so that no package ca
         triton-muon-adamw==1.0.0
     pip install --no-deps --target DIR absl-py==2.5.1 namex==0.1.0 rich==15.0.0 h5py==3.16.0 \
         optree==0.20.0 ml-dtypes==0.6.0        # keras's imports
-    PYTHONPATH=DIR python -m muon_dist.harness.conformance \
-        --adapter muon_dist.harness.adapters.public:PytorchOptimizerMuon --world-sizes 1
+    PYTHONPATH=DIR python -m muon_check \
+        --adapter muon_check.adapters.public:PytorchOptimizerMuon --world-sizes 1
 
 timm imports torchvision at package level; PyPI's torchvision is a CUDA build that does not load with a CPU
 torch, so TimmMuon imports timm.optim.muon without timm's package __init__ (stated in its docstring).

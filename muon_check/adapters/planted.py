@@ -1,5 +1,5 @@
 """Planted bugs: for each class of docs/field-bugs.md that a check can reach, a small Muon written
-here with exactly that defect, behind an adapter; `python -m muon_dist.harness.conformance --planted` runs them all
+here with exactly that defect, behind an adapter; `python -m muon_check --planted` runs them all
 and says which the check caught, by which families, and whether its diagnosis is the right one.
 
 Four small correct Muons carry the defects, one per way a candidate sees its parameters; each is muon_ref's three

@@ -1,7 +1,7 @@
 """Invariance families: the same training gives the same params whatever the layout, the world size or the
 gradient accumulation.
 
-    python -m muon_dist.harness.conformance --invariance MODULE:SETUP [--world-sizes 1 2 4] [--steps 2]
+    python -m muon_check --invariance MODULE:SETUP [--world-sizes 1 2 4] [--steps 2]
 
 A setup (audit.Setup) trains model.AuditModel for `steps` optimizer steps under each configuration (world size
 W, its sharding, k micro-batches) on the probe loss, whose step gradient is G_s bit for bit in every

@@ -1,10 +1,10 @@
 """The origins: each muon_ref preset against the implementation it names, through the conformance check.
 
-    python -m muon_dist.harness.conformance --origins        (what `make verify` runs first)
+    python -m muon_check --origins        (what `make verify` runs first)
 
 torch      torch.optim.Muon of the installed torch (shipped.TorchMuon), fp32 params
 keller     KellerJordan's SingleDeviceMuon, PyPI muon-optimizer 0.1.0 (shipped.KellerSingleDevice), 2-D and 3-D
-moonlight, dion, xtuner, emerging: the op-for-op restatements of muon_dist/harness/origins.py, as optimizers
+moonlight, dion, xtuner, emerging: the op-for-op restatements of muon_check/restatements.py, as optimizers
 Each claims its preset; its variants switch what its origin exposes (Nesterov, the lr scale, weight decay), and
 the families are those its origin supports (KellerJordan's conv4d crash is the shipped adapter's row, not a
 preset check). The contract is the check's: every step's params and the final momentum bit for bit.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .. import origins
+from .. import restatements
 from . import Adapter
 from .cases import FUSED_FAMILIES, MATRIX_FAMILIES
 from .shipped import KellerSingleDevice, TorchMuon
@@ -63,7 +63,7 @@ class RestatedAdapter(Adapter):
 
 class Moonlight(RestatedAdapter):
     name, preset, families = "Moonlight examples/toy_train.py", "moonlight", MATRIX_FAMILIES
-    restates = staticmethod(origins.moonlight_step)
+    restates = staticmethod(restatements.moonlight_step)
     names = {"lr": "lr", "weight_decay": "wd", "momentum": "momentum", "nesterov": "nesterov"}
     variants = ({}, {"nesterov": False})
 
@@ -77,7 +77,7 @@ DION_LR_SCALES = {
 class Dion(RestatedAdapter):
     name, preset, state_key = "microsoft/dion dion/muon.py", "dion", "momentum"
     families = MATRIX_FAMILIES | {"experts3d"}
-    restates = staticmethod(origins.dion_step)
+    restates = staticmethod(restatements.dion_step)
     names = {
         "lr": "lr",
         "weight_decay": "weight_decay",
@@ -92,14 +92,14 @@ class Dion(RestatedAdapter):
 class Xtuner(Dion):
     name = "InternLM/xtuner v1/optim/muon.py"
     preset, families = "xtuner", MATRIX_FAMILIES | FUSED_FAMILIES
-    restates = staticmethod(origins.xtuner_step)
+    restates = staticmethod(restatements.xtuner_step)
     names = {**Dion.names, "num_experts": "num_experts"}
     variants = ({}, {"nesterov": False})
 
 
 class Emerging(RestatedAdapter):
     name, preset, families = "NVIDIA-NeMo/Emerging-Optimizers muon.py", "emerging", MATRIX_FAMILIES
-    restates = staticmethod(origins.emerging_step)
+    restates = staticmethod(restatements.emerging_step)
     names = {
         "lr": "lr",
         "weight_decay": "weight_decay",

@@ -1,6 +1,6 @@
 """Correct controls: Muons on DTensor Shard(0) params (FSDP2's layout), written here independently of muon_ref and
 of muon_dist, one per way the field distributes Newton-Schulz. Each must conform to its claim (preset "torch") in
-every family and dtype; `python -m muon_dist.harness.conformance --planted` runs them beside the planted bugs and
+every family and dtype; `python -m muon_check --planted` runs them beside the planted bugs and
 prints the false positives (a control called non-conforming) next to the misses (a planted bug not caught).
 
 Every control does what an FSDP2 engine does, with torch's own ops on the rank's shard (the elementwise stages are

@@ -1,4 +1,4 @@
-"""Adapters: how `python -m muon_dist.harness.conformance` builds any Muon and what it claims to compute.
+"""Adapters: how `python -m muon_check` builds any Muon and what it claims to compute.
 
 An adapter is a small class. It builds the candidate optimizer from parameters and hyperparameters, and it
 states the claim the oracle checks:
@@ -9,12 +9,12 @@ states the claim the oracle checks:
 Shard(0) on a 1-D gloo mesh, torch.chunk boxes as FSDP2 makes them), "replicated" (the same plain tensor and the
 same reduced gradient on every rank: DDP style, after DDP's all-reduce) or "unreduced" (the same plain tensor on
 every rank and each rank's own gradient: a candidate that owns the reduction, DDP or ZeRO-1/2 style, and must step
-on the mean over ranks). `families` names the case families it supports (muon_dist/harness/adapters/cases.py);
+on the mean over ranks). `families` names the case families it supports (muon_check/adapters/cases.py);
 `hyperparameters` the ones it accepts (the others keep its defaults, which the claim must match); `variants` the
 option sets it is also checked under (each a dict of hyperparameters and muon_ref options that `build` receives and
 maps to its own arguments, and that the claim takes over; `({},)`: the defaults only).
 
-Write one (then `python -m muon_dist.harness.conformance --adapter mymodule:MyAdapter`):
+Write one (then `python -m muon_check --adapter mymodule:MyAdapter`):
 
     class MyAdapter(Adapter):
         name, preset, overrides = "my-muon", "moonlight", {"lr_scale": "spectral_norm"}
@@ -23,7 +23,7 @@ Write one (then `python -m muon_dist.harness.conformance --adapter mymodule:MyAd
 
 Or, without writing a class, for any optimizer class by import path (a local checkout included):
     ImportPath("path/to/dion_clone:dion.muon:Muon", preset="dion", hp_names={"momentum": "mu"})
-    python -m muon_dist.harness.conformance --adapter path/to/dion_clone:dion.muon:Muon --preset dion
+    python -m muon_check --adapter path/to/dion_clone:dion.muon:Muon --preset dion
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class ImportPath(Adapter):
     sys.path first; `hp_names` maps our hyperparameter names to the class's (None: it has no such argument; by
     default read from its signature, keyword_map); `kwargs` are passed as they are, and `group` keys go into the
     one param group it is given; `routing` is the rule by which it states it sends params elsewhere
-    (muon_dist/harness/adapters/routing.py)."""
+    (muon_check/adapters/routing.py)."""
 
     def __init__(
         self,

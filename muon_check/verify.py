@@ -1,11 +1,11 @@
 """The main job: DistributedMuon checked against muon_ref on a model-like parameter set, path by path.
 
-    python -m muon_dist.harness.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
-    python -m muon_dist.harness.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
-    torchrun --nproc-per-node N -m muon_dist.harness.verify --backend nccl      (one rank per GPU; gloo works too)
+    python -m muon_check.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
+    python -m muon_check.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
+    torchrun --nproc-per-node N -m muon_check.verify --backend nccl      (one rank per GPU; gloo works too)
 
-For each world size, gloo ranks (muon_dist.harness.launch.RankPool) train the Muon matrices of a scaled-down
-transformer with dense and MoE layers (muon_dist.harness.shapes.tiny_moe: attention, MLP, experts; its embeddings and
+For each world size, gloo ranks (muon_check.launch.RankPool) train the Muon matrices of a scaled-down
+transformer with dense and MoE layers (muon_check.shapes.tiny_moe: attention, MLP, experts; its embeddings and
 norms go to AdamW and are listed, not checked) for a few steps, in every preset, on every mesh that fits
 (fsdp: Shard(0) on a 1-D mesh; hsdp: (Replicate, Shard(0)); ddp: plain replicated tensors), in automatic
 mode, forcing each remainder path, with dispatch="batched", and across a checkpoint (torch.distributed.checkpoint
@@ -18,7 +18,7 @@ rank ever gathers a full tensor (DTensor.full_tensor of uneven shards segfaulted
 torch 2.11: docs/gpu.md).
 
 --device cuda: the ranks' params, gradients and optimizer live on CUDA (W ranks share the node's GPUs, gloo
-carrying CUDA tensors; muon_dist.harness.launch) and the reference runs on CUDA too: the same code as on CPU, with
+carrying CUDA tensors; muon_check.launch) and the reference runs on CUDA too: the same code as on CPU, with
 CUDA kernels. NCCL needs one GPU per rank: torchrun with --backend nccl.
 
 Contract checked: every path is bitwise (proofs/paths.md); a run that is not, or that crashes or hangs, is a
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 
 import muon_ref
+from muon_dist.kernels import direction_bytes as kernel_direction_bytes
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_ref.newton_schulz import input_cast
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
 
@@ -82,7 +82,7 @@ COLWISE, ROWWISE = (
     ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "router"),
     ("o_proj", "down_proj"),
 )
-HEADS = 3  # tiny_moe's query heads (muon_dist/harness/shapes.py): q and o orthogonalised per head on the tp mesh
+HEADS = 3  # tiny_moe's query heads (muon_check/shapes.py): q and o orthogonalised per head on the tp mesh
 
 
 def _role(spec: ParamSpec) -> str:
@@ -151,7 +151,7 @@ def gradients(run: Run, step: int, device: str = "cpu") -> list[torch.Tensor]:
 
 
 def placement(run: Run, spec: ParamSpec) -> tuple[str, str]:
-    """(placement, mesh kind) of a param of the run (muon_dist.harness.fixtures)."""
+    """(placement, mesh kind) of a param of the run (muon_check.fixtures)."""
     if run.mesh == "tp":
         role = _role(spec)
         return ("S0:2,S0" if role in COLWISE else "S0,S1" if role in ROWWISE else "S0,R"), "tp2"
@@ -285,12 +285,8 @@ def compare(run: Run, results: list[dict], want: list[torch.Tensor]) -> list[dic
 
 
 def direction_bytes(preset: str, param_dtype: torch.dtype) -> int:
-    """Bytes of a direction element that an owner must receive: the kernel's input cast where it reads its input
-    only through a narrower cast (muon_ref.newton_schulz.input_cast: the cast before the exchange gives the same
-    bits), else the param's dtype."""
-    cfg = group_config(preset_defaults(preset, {}))
-    sent = input_cast(param_dtype, cfg.ns_dtype, cfg.normalize_before_cast) or param_dtype
-    return torch.empty((), dtype=sent).element_size()
+    """muon_dist.kernels.direction_bytes of the preset's group config."""
+    return kernel_direction_bytes(group_config(preset_defaults(preset, {})), param_dtype)
 
 
 def lower_bound_per_rank(run: Run, path: str, params: list[int]) -> float:
