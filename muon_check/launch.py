@@ -146,6 +146,8 @@ def device_unavailable(device: str) -> str | None:
     return None
 
 
+# s the other ranks get after a rank's error before they count as blocked with it
+ERROR_GRACE_S = 3.0
 GRACE_IDLE_S = (
     0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
 )
@@ -435,12 +437,14 @@ class RankPool:
                     value += f"; its stderr: {printed}" if printed else ""
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
-                    deadline = min(deadline, time.monotonic() + 3.0)
-        why = (
-            f"no answer: none within {timeout} s (hung or dead)"
-            if busy.stalled_at is None
-            else f"no answer: no CPU used for {busy.window} s (blocked)"
-        )
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+        if busy.stalled_at is not None:
+            why = f"no answer: no CPU used for {busy.window} s (blocked)"
+        elif errors:  # the grace after another rank's error ran out, not `timeout`
+            first = min(errors)
+            why = f"no answer within {ERROR_GRACE_S:g} s of rank {first}'s error (blocked with it)"
+        else:
+            why = f"no answer: none within {timeout} s (hung or dead)"
         for rank in sorted(waiting):
             where = self.blocked_at(rank) if self.procs[rank].is_alive() else None
             errors[rank] = f"{why}; {where}" if where else why

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ("muon_ref", "muon_dist", "tests", "proofs", "notebooks", "benchmarks", "docs")
+TOP = ("muon_ref", "muon_dist", "muon_check", "tests", "proofs", "notebooks", "benchmarks", "docs")
 TEXT = (".py", ".md", ".toml", ".ipynb", ".cff", ".txt", ".json", ".cfg", ".yml", ".yaml")
 SIBLING = "../" + "shared"  # written in two pieces so that this file does not cite it
 OUTSIDE = re.compile(r"(?:\.\./)+(?:shared|peers)\b|(?<![\w.])/(?:work|home|root|tmp|Users)/[\w.-]")

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 API = json.loads((ROOT / "tests" / "data" / "torch_2_9_api.json").read_text())
 NAMES: dict[str, set[str]] = {module: set(names) for module, names in API["names"].items()}
-SCANNED = ("muon_ref", "muon_dist", "benchmarks", "proofs", "tests")
+SCANNED = ("muon_ref", "muon_dist", "muon_check", "benchmarks", "proofs", "tests")
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
