@@ -12,121 +12,101 @@ from .config import CONFIG_KEYS, MuonConfig
 from .functional import LAYOUT_DEFAULTS
 from .schedules import SCHEDULES, Schedule, get_schedule
 
+# What every preset sets unless it says otherwise: torch.optim.Muon's conventions (torch 2.13 torch/optim/_muon.py:
+# defaults lr 1e-3, wd 0.1, momentum 0.95, nesterov, eps 1e-7; EMA momentum, Nesterov by lerp, decay by mul, the
+# "original" scale with math.sqrt applied as add_'s alpha, Keller's coefficients in addmm form in bf16, the norm
+# clamped at eps). Each preset below names only where its origin differs.
+BASE: dict[str, Any] = dict(
+    lr=1e-3,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    momentum_style="ema",
+    nesterov_form="lerp",
+    weight_decay_form="mul",
+    lr_scale="original",
+    scale_sqrt="sqrt",
+    scale_apply="alpha",
+    schedule="keller",
+    eps=1e-7,
+    ns_dtype=torch.bfloat16,
+    step_form="addmm",
+    eps_mode="clamp",
+)
+
+
+def _preset(**differences: Any) -> dict[str, Any]:
+    """BASE with the origin's differences."""
+    return {**BASE, **differences}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # torch 2.13 torch/optim/_muon.py: Muon defaults (lr 1e-3, wd 0.1, momentum 0.95, nesterov, eps 1e-7)
-    "torch": dict(
-        lr=1e-3,
-        weight_decay=0.1,
-        momentum=0.95,
-        nesterov=True,
-        momentum_style="ema",
-        nesterov_form="lerp",
-        weight_decay_form="mul",
-        lr_scale="original",
-        scale_sqrt="sqrt",
-        scale_apply="alpha",
-        update_layout="kernel",  # _zeropower_via_newtonschulz returns `ortho_grad.T` for a tall matrix
-        schedule="keller",
-        eps=1e-7,
-        ns_dtype=torch.bfloat16,
-        step_form="addmm",
-        eps_mode="clamp",
-    ),
-    # KellerJordan/Muon muon.py (PyPI muon-optimizer 0.1.0): SingleDeviceMuon (lr 0.02, wd 0, momentum 0.95)
-    "keller": dict(
+    # torch 2.13 torch/optim/_muon.py: the base, and `_zeropower_via_newtonschulz` returns `ortho_grad.T` for a
+    # tall matrix (the update in the kernel's memory order)
+    "torch": _preset(update_layout="kernel"),
+    # KellerJordan/Muon muon.py (PyPI muon-optimizer 0.1.0): SingleDeviceMuon (lr 0.02, wd 0, momentum 0.95),
+    # `max(1, A / B) ** 0.5` multiplied into the update, Keller's `b*A + c*A@A` form, `X / (norm + eps)`
+    "keller": _preset(
         lr=0.02,
         weight_decay=0.0,
-        momentum=0.95,
-        nesterov=True,
-        momentum_style="ema",
-        nesterov_form="lerp",
-        weight_decay_form="mul",
-        lr_scale="original",
         scale_sqrt="pow",
         scale_apply="update",
-        schedule="keller",
-        eps=1e-7,
-        ns_dtype=torch.bfloat16,
         step_form="keller",
         eps_mode="add",
     ),
-    # MoonshotAI/Moonlight examples/toy_train.py (lr 1e-3, wd 0.1, momentum 0.95, nesterov, 5 steps)
-    "moonlight": dict(
-        lr=1e-3,
-        weight_decay=0.1,
-        momentum=0.95,
-        nesterov=True,
+    # MoonshotAI/Moonlight examples/toy_train.py (lr 1e-3, wd 0.1, momentum 0.95, nesterov, 5 steps): sum
+    # momentum, Nesterov `g + mu * buf`, 0.2 * sqrt(max(A, B)), Keller's form, `X / (norm + eps)`
+    "moonlight": _preset(
         momentum_style="sum",
         nesterov_form="add_alpha",
-        weight_decay_form="mul",
         lr_scale="match_rms_adamw",
-        scale_sqrt="sqrt",
-        scale_apply="alpha",
-        schedule="keller",
-        eps=1e-7,
-        ns_dtype=torch.bfloat16,
         step_form="keller",
         eps_mode="add",
     ),
     # microsoft/dion dion/muon.py at 0c205499 (lr 0.01, mu 0.95, wd 0.01, epsilon 1e-8, nesterov False,
     # adjust_lr "spectral_norm", zeropower_via_newtonschulz5 with the you5 list). Later Dion versions default
     # to Polar Express: schedule="polar_express_modded".
-    "dion": dict(
+    "dion": _preset(
         lr=0.01,
         weight_decay=0.01,
-        momentum=0.95,
         nesterov=False,
         momentum_style="sum",
         nesterov_form="mul_add",
-        weight_decay_form="mul",
         lr_scale="spectral_norm",
-        scale_sqrt="sqrt",
         scale_apply="update_lr",
         schedule="you5",
         eps=1e-8,
-        ns_dtype=torch.bfloat16,
         step_form="dion",
         eps_mode="add",
     ),
     # InternLM/xtuner xtuner/v1/optim/muon.py at 004bc257 (lr 0.01, mu 0.95, wd 0.01, epsilon 1e-8,
     # nesterov False, adjust_lr "rms_norm", you5); per-expert fan_out = rows // num_experts
-    "xtuner": dict(
+    "xtuner": _preset(
         lr=0.01,
         weight_decay=0.01,
-        momentum=0.95,
         nesterov=False,
         momentum_style="sum",
         nesterov_form="mul_add",
-        weight_decay_form="mul",
         lr_scale="rms_norm",
-        scale_sqrt="sqrt",
         scale_apply="update_lr_cast",
         schedule="you5",
         eps=1e-8,
-        ns_dtype=torch.bfloat16,
         step_form="dion",
         eps_mode="add",
     ),
     # NVIDIA-NeMo/Emerging-Optimizers orthogonalized_optimizers/muon.py + muon_utils.py (lr 3e-4,
     # momentum 0.95, wd 0.01 decoupled, nesterov False, "quintic" = you5, 5 steps, scale_mode "spectral",
     # fp32_matmul_prec "medium": F.normalize in fp32 with eps 1e-7, then bf16 steps, result back to fp32)
-    "emerging": dict(
+    "emerging": _preset(
         lr=3e-4,
         weight_decay=0.01,
-        momentum=0.95,
         nesterov=False,
-        momentum_style="ema",
-        nesterov_form="lerp",
         weight_decay_form="add_self",
         lr_scale="spectral",
         scale_sqrt="pow",
         scale_apply="update",
         update_dtype=torch.float32,
         schedule="you5",
-        eps=1e-7,
-        ns_dtype=torch.bfloat16,
-        step_form="addmm",
-        eps_mode="clamp",
         normalize_before_cast=True,
     ),
 }
