@@ -87,25 +87,38 @@ def resolve_options(
 
 
 class DistributedMuon(torch.optim.Optimizer):
-    """`DistributedMuon(params, preset=..., **overrides)`: muon_ref.Muon's arguments, presets, param-group keys
-    and state ("momentum_buffer", a DTensor like its param, for every param from construction on; checkpoints:
-    muon_dist/checkpoint.py; torch.optim.Muon's signature and state dicts as muon_ref.Muon takes
-    them), plus keyword-only options: `comm` (default TorchComm over torch.distributed, or a world of
-    one without a process group: default_comm),
-    `dispatch` ("global", the default: FLOP-balanced all-to-alls per shard group and dtype pair,
-    muon_dist/paths/global_all_to_all.py; or "batched": batches of W same-layout params, the default when
-    `remainder` or `force_path` is given), `remainder` ("agrs" | "padded_all_to_all": batched dispatch's
-    remainder path), `force_path`, `rounds` (the step's all-to-all traffic in about that many pipelined rounds:
-    muon_dist/plan.py) and
-    `ns_backend` (a name of muon_dist.kernels.BACKENDS: "torch" is muon_ref's kernel, bitwise; the others have a
-    tolerance) and `atomic`: False (default) writes the step in write groups, each after every rank agreed that its
-    local work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
-    neither its group nor the later ones, on every rank); True holds the whole step's and a failure writes
-    nothing (muon_dist/step.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
+    """Muon on DTensor / FSDP2 / TP shards: muon_ref.Muon's update, distributed.
+
+    Equation (per param, per step): M <- momentum(M, G); O <- NewtonSchulz(direction(M, G)) on each whole matrix
+    (each expert of a stack, each block of a split or per-head param), computed where the plan puts it (one owner
+    per matrix and shard group, or every rank of a replicated param); P <- decay(P) - lr * scale(shape) * O,
+    elementwise on each rank's shard.
 
     Contract: bitwise muon_ref.Muon(params, preset, **overrides, update_layout="contiguous") on the full tensors
-    (the layout it implements, UPDATE_LAYOUT; muon_ref's presets keep the kernel's layout, which differs in the last
-    bits of bf16 params of tall matrices on CPU: docs/distributed.md, "Update layout").
+    (the layout it implements, UPDATE_LAYOUT; muon_ref's presets keep the kernel's layout, which differs in the
+    last bits of bf16 params of tall matrices on CPU: docs/distributed.md, "Update layout"), with ns_backend
+    "torch"; the other backends have the tolerance of their docstrings (muon_dist/kernels/).
+
+    Args:
+        params: params or param groups, as muon_ref.Muon takes them (its param-group keys, presets and
+            torch.optim.Muon's signature and state dicts); DTensor params sharded on any mesh, or plain tensors.
+        preset, **overrides: muon_ref.Muon's preset and options (muon_ref/presets.py, muon_ref/config.py).
+        comm: where collectives run (muon_dist.comm): TorchComm over torch.distributed by default, or a world of
+            one without a process group (default_comm).
+        dispatch: "global" (the default: FLOP-balanced all-to-alls per shard group and dtype pair,
+            muon_dist/paths/global_all_to_all.py) or "batched" (batches of W same-layout params; the default when
+            `remainder` or `force_path` is given).
+        remainder: batched dispatch's remainder path, "agrs" or "padded_all_to_all".
+        force_path: one path of muon_dist.paths.PATHS for every matrix (checks and benchmarks).
+        rounds: the step's all-to-all traffic in about that many pipelined rounds (muon_dist/plan.py).
+        ns_backend: a name of muon_dist.kernels.BACKENDS ("torch", muon_ref's kernel, is bitwise).
+        atomic: False (the default) writes the step in write groups, each after every rank agreed that its local
+            work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
+            neither its group nor the later ones, on every rank); True holds the whole step's, and a failure
+            writes nothing (muon_dist/step.py).
+
+    State: "momentum_buffer", a DTensor like its param, for every param from construction on (checkpoints:
+    muon_dist/checkpoint.py). After each step, `last_report` is a StepReport and `last_plan` the step's Plan.
     """
 
     def __init__(
