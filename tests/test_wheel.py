@@ -67,9 +67,17 @@ def _link(dists: dict[str, metadata.Distribution], into: Path) -> None:
                 target.symlink_to(base / top)
 
 
+def _clean_env() -> dict[str, str]:
+    """The environment a user's shell gives the bare venv: no PYTHONPATH or other PYTHON* variables (a test run
+    may have set one to the checkout, which would import it instead of the wheel)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, float]:
     start = time.monotonic()
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_clean_env()
+    )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
@@ -93,12 +101,14 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         capture_output=True,
         text=True,
         check=True,
+        env=_clean_env(),
     ).stdout.strip()
     # ensurepip's own setuptools would shadow the declared closure's (torch requires a newer one)
     subprocess.run(
         [str(python), "-m", "pip", "uninstall", "-q", "-y", "setuptools"],
         capture_output=True,
         timeout=120,
+        env=_clean_env(),
     )
     linked = top / "linked"
     _link(_closure(_core_requirements(wheel)), linked)
@@ -108,6 +118,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         capture_output=True,
         text=True,
         timeout=300,
+        env=_clean_env(),
     )
     assert installed.returncode == 0, installed.stderr
     elsewhere = top / "elsewhere"
@@ -158,13 +169,12 @@ def test_both_installed_commands_pass_outside_the_checkout(bare) -> None:
     )
     assert code == 0, out
     assert "contract violations: 0" in out, out
-    where = subprocess.run(
+    code, where, _ = _run(
         [str(bare["bin"] / "python"), "-c", "import muon_check; print(muon_check.__file__)"],
-        cwd=bare["cwd"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+        bare["cwd"],
+        60,
+    )
+    assert code == 0, where
     assert str(ROOT) not in where, where
 
 
