@@ -44,7 +44,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from .adapters import HYPERPARAMETERS, Adapter, ImportPath, load_adapter
@@ -399,20 +399,58 @@ def check(
     build, with a hint), or, not declared distributed, calls torch.distributed (refused). pools: rank pools shared
     with other checks of a suite (Runner), closed by the caller."""
     runner = Runner(adapter, timeout, seed, pools)
-    started = time.monotonic()
-    outcomes: list[Outcome] = []
-    shrunk: list[dict[str, Any]] = []
-    cases: list[Case] = []
-    context = Context(search_budget_s=search_budget)
+    run = _CheckRun(adapter, device, seed, Context(search_budget_s=search_budget))
+    try:
+        run.cases = selected_cases(adapter, world_sizes, steps, families, dtypes, device)
+        if not run.cases:  # nothing selected is never a pass
+            return _unselected(adapter, device, run.started)
+        differences = probe_determinism(runner, run.cases)
+        if differences:
+            run.context = _tolerant(runner, differences, run.context)
+        for case in run.cases:
+            run.outcomes.append(runner.run(case))
+            log(_line(run.outcomes[-1]))
+            stopped = stop(adapter, run.outcomes[-1])
+            if stopped:
+                return run.report(False, stopped[1], stopped[0])
+            if progress:
+                progress(run.report(True, "partial: the run goes on", "partial"))
+        run.context = replace(run.context, stated_routing=getattr(adapter, "routing", None))
+        found = findings(run.outcomes, runner.preset, runner.overrides, run.context)
+        result = verdict(run.outcomes, adapter, any(f.kind == "not a Muon" for f in found))
+        diagnosis = _diagnosis_line(run.outcomes, found, run.context, adapter)
+        if (
+            result != "not a Muon"
+        ):  # a smaller case of an optimizer that orthogonalises nothing tells nothing
+            run.shrunk += _shrunk(runner, run.outcomes, shrink_budget)
+    finally:
+        runner.close()
+    return run.report(False, diagnosis, result, found)
 
-    def report(partial: bool, diagnosis: str, result: str, found: list | None = None) -> dict:
+
+@dataclass
+class _CheckRun:
+    """One adapter's check as it goes: its cases, outcomes, minimal failing cases and diagnosis context."""
+
+    adapter: Adapter
+    device: str
+    seed: int
+    context: Context
+    cases: list[Case] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+    shrunk: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def report(self, partial: bool, diagnosis: str, result: str, found: list | None = None) -> dict:
+        """The report as a dict (--json): the cases so far, the verdict and its diagnosis."""
+        adapter, outcomes = self.adapter, self.outcomes
         return {
             "adapter": adapter.name,
             "version": adapter.version(),
             "claim": adapter.describe(),
-            "device": device,
+            "device": self.device,
             "distributed": adapter.distributed,
-            "seed": seed,
+            "seed": self.seed,
             "hash_seeds": "PYTHONHASHSEED of rank r = 1 + 1000 * seed + r",
             "outcomes": [o.summary() for o in outcomes],
             "verdict": result,
@@ -428,41 +466,13 @@ def check(
                     if "not compared" not in label
                 }
             ),
-            "self_differences": context.self_differences or {},
-            "tolerance": context.tolerance,
-            "minimal_failing_cases": shrunk,
+            "self_differences": self.context.self_differences or {},
+            "tolerance": self.context.tolerance,
+            "minimal_failing_cases": self.shrunk,
             "partial": partial,
-            "cases_planned": len(cases),
-            "wall_s": round(time.monotonic() - started, 1),
+            "cases_planned": len(self.cases),
+            "wall_s": round(time.monotonic() - self.started, 1),
         }
-
-    try:
-        cases = selected_cases(adapter, world_sizes, steps, families, dtypes, device)
-        if not cases:  # nothing selected is never a pass
-            return _unselected(adapter, device, started)
-        stopped = None
-        differences = probe_determinism(runner, cases)
-        if differences:
-            context = _tolerant(runner, differences, context)
-        for case in cases:
-            outcomes.append(runner.run(case))
-            log(_line(outcomes[-1]))
-            stopped = stop(adapter, outcomes[-1])
-            if stopped:
-                return report(False, stopped[1], stopped[0])
-            if progress:
-                progress(report(True, "partial: the run goes on", "partial"))
-        context = replace(context, stated_routing=getattr(adapter, "routing", None))
-        found = findings(outcomes, runner.preset, runner.overrides, context)
-        result = verdict(outcomes, adapter, any(f.kind == "not a Muon" for f in found))
-        diagnosis = _diagnosis_line(outcomes, found, context, adapter)
-        if (
-            result != "not a Muon"
-        ):  # a smaller case of an optimizer that orthogonalises nothing tells nothing
-            shrunk += _shrunk(runner, outcomes, shrink_budget)
-    finally:
-        runner.close()
-    return report(False, diagnosis, result, found)
 
 
 def probe_determinism(runner: Runner, cases: list[Case]) -> dict[str, float]:
@@ -694,6 +704,7 @@ def _known_families() -> frozenset[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line: what to check, how to run it, what to report, and an import-path class's claim."""
     from muon_ref import PRESETS
 
     epilog = (
@@ -706,19 +717,26 @@ def _parser() -> argparse.ArgumentParser:
         "  case crashed or hung)"
     )
 
-    class Formatter(argparse.RawDescriptionHelpFormatter):
-        """Each option's default, where it has one worth saying (not None, False or empty)."""
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=_Formatter)
+    _what_to_check(p)
+    _how_to_run(p)
+    _what_to_report(p)
+    _import_path_claim(p)
+    return p
 
-        def _get_help_string(self, action: argparse.Action) -> str:
-            text = action.help or ""
-            if (
-                action.default not in (None, False, [], {}, argparse.SUPPRESS)
-                and "default" not in text
-            ):
-                text += " (default: %(default)s)"
-            return text
 
-    p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=Formatter)
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default, where it has one worth saying (not None, False or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, [], {}, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _what_to_check(p: argparse.ArgumentParser) -> None:
+    """The adapters, suites and setup modes."""
     p.add_argument(
         "--adapter", action="append", default=[], help="MODULE:NAME or CHECKOUT_DIR:MODULE:CLASS"
     )
@@ -759,6 +777,10 @@ def _parser() -> argparse.ArgumentParser:
         help="for --audit: one of the setup's layouts (its `shardings`: fsdp2, hsdp, ddp, an engine's zero0..zero3); "
         "default: the setup's own",
     )
+
+
+def _how_to_run(p: argparse.ArgumentParser) -> None:
+    """World sizes, steps, families, dtypes, timeouts, device, seed."""
     p.add_argument(
         "--world-sizes",
         type=int,
@@ -793,6 +815,10 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="seeds the ranks' PYTHONHASHSEED (1 + 1000 * seed + rank), recorded in the report (default: 0)",
     )
+
+
+def _what_to_report(p: argparse.ArgumentParser) -> None:
+    """The momentum key, the JSON and markdown outputs, the stated routing, the diagnosis budget."""
     p.add_argument(
         "--state-map",
         metavar="KEY",
@@ -819,6 +845,10 @@ def _parser() -> argparse.ArgumentParser:
         default=SEARCH_BUDGET_S,
         help="seconds of configuration search per adapter's diagnosis (pairs of options, the nearest)",
     )
+
+
+def _import_path_claim(p: argparse.ArgumentParser) -> None:
+    """The options of an optimizer class given by import path (no adapter class)."""
     g = p.add_argument_group("for an optimizer class given by import path")
     g.add_argument("--preset", default="torch")
     g.add_argument("--overrides", type=json.loads, default={}, help="muon_ref options, JSON")
@@ -833,7 +863,6 @@ def _parser() -> argparse.ArgumentParser:
         help='param-group keys the class needs, JSON (e.g. {"use_muon": true}): the params go in as one group',
     )
     g.add_argument("--distributed", choices=["dtensor", "replicated", "unreduced"], default=None)
-    return p
 
 
 def _planted_families(planted: Planted) -> tuple[str, ...]:
@@ -868,63 +897,17 @@ def _planted_suite(
     pools: dict[tuple, RankPool],
     device: str,
 ) -> dict[str, Any]:
+    """The correct controls, the planted bugs, the unreachable classes and the setup suite; their tally."""
     from .adapters.controls import CONTROLS
-    from .adapters.planted import PLANTED, UNREACHABLE, planted_verdict
-
-    started, verdicts, controls, absent = time.monotonic(), [], [], []
-    log(f"planted suite on {device}: {len(CONTROLS)} correct controls, {len(PLANTED)} planted bugs")
-    for control in CONTROLS:
-        report = check(
-            control(), (2, 3), steps, timeout, 0.0, device=device, log=lambda *_: None, pools=pools
-        )
-        controls.append(
-            {
-                "control": report["adapter"],
-                "conforms": report["conforms"],
-                "cases": len(report["outcomes"]),
-                "diagnosis": report["diagnosis"],
-            }
-        )
-        log(
-            f"control {report['adapter']:<40} {'conforms' if report['conforms'] else 'FALSE POSITIVE'} "
-            f"({len(report['outcomes'])} cases, {report['wall_s']} s)"
-        )
-        if not report["conforms"]:
-            log(f"     {report['diagnosis']}")
-    for planted in PLANTED:
-        missing = _trigger_missing(planted, device)
-        report = check(
-            planted.adapter,
-            planted.world_sizes,
-            steps,
-            timeout,
-            0.0,
-            families=_planted_families(planted),
-            device=device,
-            log=lambda *_: None,
-            pools=pools,
-        )
-        v = planted_verdict(planted, report, missing)
-        if missing:
-            absent.append(v)
-            right = "conforms, as a correct Muon must" if v["right"] else "FALSE POSITIVE"
-            log(
-                f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} absent with this torch ({missing}): "
-                f"{right} ({report['wall_s']} s)"
-            )
-            continue
-        verdicts.append(v)
-        caught = ", ".join(f"{f} ({'/'.join(s)})" for f, s in v["by"].items()) or "nothing"
-        right = "right" if v["right"] else f"WRONG ({'; '.join(v['wrong'])})"
-        log(
-            f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
-            f"({report['wall_s']} s)"
-        )
-        log(f"     {v['diagnosis']}")
-    for number, reason in UNREACHABLE.items():
-        log(f"#{number:<3} not reachable: {reason}")
+    from .adapters.planted import PLANTED, UNREACHABLE
     from .setup_checks import setup_suite
 
+    started = time.monotonic()
+    log(f"planted suite on {device}: {len(CONTROLS)} correct controls, {len(PLANTED)} planted bugs")
+    controls = _run_controls(CONTROLS, timeout, steps, log, pools, device)
+    verdicts, absent = _run_plants(PLANTED, timeout, steps, log, pools, device)
+    for number, reason in UNREACHABLE.items():
+        log(f"#{number:<3} not reachable: {reason}")
     setups = setup_suite(log)
     caught, right = (
         sum(v["caught"] for v in verdicts) + setups["caught"],
@@ -956,6 +939,73 @@ def _planted_suite(
         "total": total,
         "wall_s": wall,
     }
+
+
+def _run_controls(
+    controls: Any, timeout: float, steps: int, log: Callable[..., None], pools: dict, device: str
+) -> list[dict[str, Any]]:
+    """Each correct control at W = 2 and 3: it must conform (else a false positive)."""
+    rows = []
+    for control in controls:
+        report = check(
+            control(), (2, 3), steps, timeout, 0.0, device=device, log=lambda *_: None, pools=pools
+        )
+        rows.append(
+            {
+                "control": report["adapter"],
+                "conforms": report["conforms"],
+                "cases": len(report["outcomes"]),
+                "diagnosis": report["diagnosis"],
+            }
+        )
+        log(
+            f"control {report['adapter']:<40} {'conforms' if report['conforms'] else 'FALSE POSITIVE'} "
+            f"({len(report['outcomes'])} cases, {report['wall_s']} s)"
+        )
+        if not report["conforms"]:
+            log(f"     {report['diagnosis']}")
+    return rows
+
+
+def _run_plants(
+    plants: Any, timeout: float, steps: int, log: Callable[..., None], pools: dict, device: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each planted bug on its families: (the verdicts, the plants this torch lacks the cause of: those must
+    conform as correct Muons)."""
+    from .adapters.planted import planted_verdict
+
+    verdicts, absent = [], []
+    for planted in plants:
+        missing = _trigger_missing(planted, device)
+        report = check(
+            planted.adapter,
+            planted.world_sizes,
+            steps,
+            timeout,
+            0.0,
+            families=_planted_families(planted),
+            device=device,
+            log=lambda *_: None,
+            pools=pools,
+        )
+        v = planted_verdict(planted, report, missing)
+        if missing:
+            absent.append(v)
+            right = "conforms, as a correct Muon must" if v["right"] else "FALSE POSITIVE"
+            log(
+                f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} absent with this torch ({missing}): "
+                f"{right} ({report['wall_s']} s)"
+            )
+            continue
+        verdicts.append(v)
+        caught = ", ".join(f"{f} ({'/'.join(s)})" for f, s in v["by"].items()) or "nothing"
+        right = "right" if v["right"] else f"WRONG ({'; '.join(v['wrong'])})"
+        log(
+            f"#{v['field_bug']:<3} {v['source']:<34} {v['optimizer']:<24} caught by {caught}; diagnosis {right} "
+            f"({report['wall_s']} s)"
+        )
+        log(f"     {v['diagnosis']}")
+    return verdicts, absent
 
 
 def _trigger_missing(planted: Planted, device: str) -> str | None:
@@ -1049,29 +1099,52 @@ def _write_json(path: str, payload: Any) -> None:
     os.replace(tmp, path)
 
 
+class _Stop(Exception):
+    """A usage or import error of the command line: its message (printed after "error: ") and exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line: the setup modes, the planted suite, or the adapters' check (exit codes: EXIT)."""
     args = _parser().parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    unavailable = device_unavailable(args.device)
-    if unavailable:
-        print(f"error: --device {unavailable}", file=sys.stderr)
-        return 2
-    if args.audit or args.invariance:
-        return _setup_mode(args, argv)
-    if args.planted:
-        if args.adapter or args.all or args.origins:
-            print("error: --planted runs the planted suite alone", file=sys.stderr)
-            return 2
-        suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps, device=args.device)
-        if args.json:
-            _write_json(args.json, suite)
-        return 0 if suite["right"] == suite["total"] and not suite["false_positives"] else 1
+    try:
+        unavailable = device_unavailable(args.device)
+        if unavailable:
+            raise _Stop(2, f"--device {unavailable}")
+        if args.audit or args.invariance:
+            return _setup_mode(args, argv)
+        if args.planted:
+            return _planted_mode(args)
+        adapters = _adapters(args)
+        _prepare(adapters, args)
+        reports = _run_adapters(adapters, args, argv)
+        return _exit_code(reports, args)
+    except _Stop as stop:
+        print(f"error: {stop}", file=sys.stderr)
+        return stop.code
+
+
+def _planted_mode(args: argparse.Namespace) -> int:
+    """--planted: the planted suite alone; 0 when every plant is caught and diagnosed right, no false positive."""
+    if args.adapter or args.all or args.origins:
+        raise _Stop(2, "--planted runs the planted suite alone")
+    suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps, device=args.device)
+    if args.json:
+        _write_json(args.json, suite)
+    return 0 if suite["right"] == suite["total"] and not suite["false_positives"] else 1
+
+
+def _adapters(args: argparse.Namespace) -> list[Adapter]:
+    """The adapters the command names: --adapter (each loaded with the command's options), --all, --origins."""
     bad = _unknown_names(args)
     if bad:
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
+        raise _Stop(2, bad)
     try:
         adapters = [
             load_adapter(
@@ -1086,11 +1159,9 @@ def main(argv: list[str] | None = None) -> int:
             for spec in args.adapter
         ]
     except ImportError as e:
-        print(f"error: could not import the adapter: {e}", file=sys.stderr)
-        return 3
+        raise _Stop(3, f"could not import the adapter: {e}") from e
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise _Stop(2, str(e)) from e
     if args.all:
         from .adapters.shipped import SHIPPED
 
@@ -1100,51 +1171,63 @@ def main(argv: list[str] | None = None) -> int:
 
         adapters += [cls() for cls in ORIGINS.values()]
     if not adapters:
-        print("error: give --adapter MODULE:NAME (repeatable), --all or --origins", file=sys.stderr)
-        return 2
+        raise _Stop(2, "give --adapter MODULE:NAME (repeatable), --all or --origins")
+    return adapters
+
+
+def _prepare(adapters: list[Adapter], args: argparse.Namespace) -> None:
+    """The command's --state-map and --routing on every adapter, then the usage checks before any rank starts: a
+    plain adapter whose class takes distributed arguments, an adapter that cannot be pickled to the ranks, and
+    --families that select no case."""
     state_key = _state_map(args.state_map)
     if args.routing:
         try:
             parse_rule(args.routing)
         except ValueError as e:
-            print(f"error: --routing {args.routing!r}: {e}", file=sys.stderr)
-            return 2
+            raise _Stop(2, f"--routing {args.routing!r}: {e}") from e
     for adapter in adapters:
         if state_key is not False:
             adapter.state_key = state_key
         if args.routing:
             adapter.routing = args.routing
-        if adapter.distributed is None:
-            try:
-                declared = _distributed_arguments(adapter)
-            except ImportError as e:
-                print(f"error: could not import {adapter.name}: {e}", file=sys.stderr)
-                return 3
-            if declared:
-                print(
-                    f"error: {adapter.name} takes {', '.join(declared)}: it looks distributed; rerun "
-                    "with --distributed dtensor, replicated or unreduced",
-                    file=sys.stderr,
-                )
-                return 2
-        try:
-            pickle.dumps(adapter)
-        except Exception as e:  # noqa: BLE001 - any pickling failure is the same usage error
-            print(
-                f"error: adapter {adapter.name!r} cannot be sent to the ranks ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); define it at module level, under the name "
-                "--adapter gives",
-                file=sys.stderr,
-            )
-            return 2
+        _check_sendable(adapter)
     supported = frozenset().union(*(a.families for a in adapters))
     if args.families and not supported & frozenset(args.families):
-        print(
-            f"error: --families {' '.join(args.families)} selects no case of these adapters; "
+        raise _Stop(
+            2,
+            f"--families {' '.join(args.families)} selects no case of these adapters; "
             f"valid: {', '.join(sorted(supported))}",
-            file=sys.stderr,
         )
-        return 2
+
+
+def _check_sendable(adapter: Adapter) -> None:
+    """A plain adapter must not take distributed arguments, and every adapter must pickle (the ranks get it)."""
+    if adapter.distributed is None:
+        try:
+            declared = _distributed_arguments(adapter)
+        except ImportError as e:
+            raise _Stop(3, f"could not import {adapter.name}: {e}") from e
+        if declared:
+            raise _Stop(
+                2,
+                f"{adapter.name} takes {', '.join(declared)}: it looks distributed; rerun "
+                "with --distributed dtensor, replicated or unreduced",
+            )
+    try:
+        pickle.dumps(adapter)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the same usage error
+        raise _Stop(
+            2,
+            f"adapter {adapter.name!r} cannot be sent to the ranks ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); define it at module level, under the name "
+            "--adapter gives",
+        ) from e
+
+
+def _run_adapters(
+    adapters: list[Adapter], args: argparse.Namespace, argv: list[str] | None
+) -> list[dict[str, Any]]:
+    """The provenance lines, then each adapter's check and report in turn (the JSON rewritten as they go)."""
     origin = {**provenance(argv), "seed": args.seed}
     for key in ("project", "commit", "torch", "cpu_capability", "gpu", "python", "date", "command"):
         _print(f"{key + ':':<16}{origin.get(key)}")
@@ -1157,12 +1240,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(current: dict[str, Any] | None = None) -> None:
         if args.json:
             done = reports + ([current] if current else [])
-            payload = {
-                "provenance": origin,
-                "partial": current is not None or len(done) < len(adapters),
-                "reports": done,
-            }
-            _write_json(args.json, payload)
+            partial = current is not None or len(done) < len(adapters)
+            _write_json(args.json, {"provenance": origin, "partial": partial, "reports": done})
 
     planned = [
         len(
@@ -1183,32 +1262,37 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{done}/{sum(planned)} cases in {elapsed:.0f} s; about {left:.0f} s left at this pace]"
             )
         _print(f"{adapter.describe()}: {planned[i]} cases")
-        reports.append(
-            check(
-                adapter,
-                tuple(args.world_sizes),
-                args.steps,
-                args.timeout or 300.0,
-                args.shrink_budget,
-                args.families,
-                args.dtypes,
-                device=args.device,
-                seed=args.seed,
-                progress=lambda r: save(r),
-                search_budget=args.search_budget,
-            )
-        )
+        reports.append(_check_one(adapter, args, save))
         print_report(reports[-1])
         save()
+    return reports
+
+
+def _check_one(adapter: Adapter, args: argparse.Namespace, save: Callable[..., None]) -> dict:
+    return check(
+        adapter,
+        tuple(args.world_sizes),
+        args.steps,
+        args.timeout or 300.0,
+        args.shrink_budget,
+        args.families,
+        args.dtypes,
+        device=args.device,
+        seed=args.seed,
+        progress=lambda r: save(r),
+        search_budget=args.search_budget,
+    )
+
+
+def _exit_code(reports: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    """The markdown table if asked, the summary line of several adapters, and the worst verdict's exit code."""
     if args.markdown:
         print(markdown([r for r in reports if r["conforms"] is not None]))
     judged = [r for r in reports if r["conforms"] is not None]
     if not judged:
-        print(
-            "error: no case of the selected families, dtypes and world sizes applies to these adapters",
-            file=sys.stderr,
+        raise _Stop(
+            2, "no case of the selected families, dtypes and world sizes applies to these adapters"
         )
-        return 2
     if len(reports) > 1:
         cases = [o for r in reports for o in r["outcomes"]]
         _print(

@@ -149,24 +149,7 @@ def invariance(
     rows = []
     try:
         for what, config, against in tested:
-            row = {
-                "invariance": what,
-                "config": config.words(),
-                "against": against.words(),
-                "status": "bitwise" if not tolerance else "within",
-            }
-            try:
-                diff = _difference(run(config), run(against), tolerance)
-            except (
-                RankFailure
-            ) as e:  # a configuration that raised or hung: named, never a traceback
-                row.update(status="could not run", error=_failure_line(e))
-                rows.append(row)
-                continue
-            if diff:
-                step, names, worst = diff
-                row.update(status="differs", step=step, params=names, relative=worst)
-            rows.append(row)
+            rows.append(_compare(what, config, against, run, tolerance, RankFailure))
     finally:
         for pool in pools.values():
             pool.close()
@@ -186,6 +169,28 @@ def invariance(
         "could_not_run": unrun,
         "verdict": verdict,
     }
+
+
+def _compare(
+    what: str, config: Config, against: Config, run: Any, tolerance: float, failure: type
+) -> dict[str, Any]:
+    """One row: a configuration against its reference (bitwise, within the tolerance, differs, or could not run:
+    a configuration that raised or hung is named, never a traceback)."""
+    row = {
+        "invariance": what,
+        "config": config.words(),
+        "against": against.words(),
+        "status": "bitwise" if not tolerance else "within",
+    }
+    try:
+        diff = _difference(run(config), run(against), tolerance)
+    except failure as e:
+        row.update(status="could not run", error=_failure_line(e))
+        return row
+    if diff:
+        step, names, worst = diff
+        row.update(status="differs", step=step, params=names, relative=worst)
+    return row
 
 
 def _failure_line(e: Any) -> str:
