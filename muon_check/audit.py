@@ -578,37 +578,56 @@ def _row(
         ranks[view.box].add(rank)
     row = Row(name, shape, claim, optimizer, _seen_words(counts), len(calls), "-")
     changed = any(res["changed"][name] for res in results)
+    if _routing_findings(row, route, keys, bool(calls), changed):
+        return row
+    expected = [tuple((s.start, s.stop) for s in b) for b in _boxes(shape, "claimed", keys, 1)]
+    partial = _block_findings(row, calls, counts, expected)
+    _path_findings(row, setup, counts, ranks, expected, partial, replicas, distributed, W)
+    return row
+
+
+def _routing_findings(
+    row: Row, route: tuple | None, keys: dict | None, called: bool, changed: bool
+) -> bool:
+    """Unrouted, orthogonalised elsewhere, never orthogonalised, silent fallback; True when the row is complete
+    (a param claimed for another optimizer, or a claimed matrix Newton-Schulz never saw)."""
     if route is None:
         row.findings.append(("unrouted", "a trainable param in no optimizer"))
     if keys is None:
-        if calls:
+        if called:
             row.findings.append(
                 (
                     "orthogonalised elsewhere",
                     f"claimed for another optimizer; Newton-Schulz saw {row.seen}",
                 )
             )
-        return row
-    if not calls:
-        if route is not None and route[4]:
-            row.findings.append(
-                (
-                    "never orthogonalised",
-                    f"in a Muon group ({row.optimizer}) but no Newton-Schulz call"
-                    + ("" if changed else "; not updated"),
-                )
+        return True
+    if called:
+        return False
+    updated = "" if changed else "; not updated"
+    if route is not None and route[4]:
+        row.findings.append(
+            (
+                "never orthogonalised",
+                f"in a Muon group ({row.optimizer}) but no Newton-Schulz call{updated}",
             )
-        elif route is not None:
-            row.findings.append(
-                (
-                    "silent fallback",
-                    f"a matrix claimed for Muon is stepped by the other optimizer ({row.optimizer})"
-                    + ("" if changed else "; not updated"),
-                )
+        )
+    elif route is not None:
+        row.findings.append(
+            (
+                "silent fallback",
+                f"a matrix claimed for Muon is stepped by the other optimizer ({row.optimizer}){updated}",
             )
-        return row
+        )
+    return True
+
+
+def _block_findings(
+    row: Row, calls: list[tuple[View, int]], counts: dict, expected: list[tuple]
+) -> bool:
+    """Partial gradient (a call on a rank's or a micro-batch's part) and wrong blocks (Newton-Schulz saw other
+    blocks of G than the claim's); whether any call was on a partial gradient."""
     claimed_boxes = {v.box for v, _ in calls if v.label == "claimed" and v.source == "G"}
-    expected = [tuple((s.start, s.stop) for s in b) for b in _boxes(shape, "claimed", keys, 1)]
     other = [(k, b) for k, b in counts.items() if k != ("claimed", "G")]
     partial = [k for k in counts if k[1] != "G"]
     if partial:
@@ -626,6 +645,22 @@ def _row(
                 + _seen_words({("claimed", "G"): {b: 1 for b in expected}}),
             )
         )
+    return bool(partial)
+
+
+def _path_findings(
+    row: Row,
+    setup: Setup,
+    counts: dict,
+    ranks: dict,
+    expected: list[tuple],
+    partial: bool,
+    replicas: int,
+    distributed: bool,
+    W: int,
+) -> None:
+    """The path the calls show (tensor parallel, every rank, one owner per matrix and replica group), and the
+    findings against the claimed path: calls per step, fallback."""
     per_block = [counts.get(("claimed", "G"), {}).get(b, 0) for b in expected]
     on_ranks = [len(ranks[b]) for b in expected]
     sharded = shard_size(setup.sharding, W) > 1
@@ -653,7 +688,6 @@ def _row(
                 "claims one owner per matrix",
             )
         )
-    return row
 
 
 # ------------------------------------------------------------------------------------------------ running
