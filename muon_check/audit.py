@@ -41,6 +41,7 @@ and group it went to, the blocks Newton-Schulz saw and its calls per optimizer s
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -272,6 +273,11 @@ def audit_rank(setup: Setup, world_size: int, micro_batches: int, seed: int) -> 
     }
 
 
+_TRACE_FILE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "trace.py"
+)  # the instrument's frames
+
+
 def _error_line(e: BaseException) -> str:
     """The exception's type and first line, and the innermost frame outside torch that raised it."""
     import traceback
@@ -279,7 +285,7 @@ def _error_line(e: BaseException) -> str:
     frames = [
         f
         for f in traceback.extract_tb(e.__traceback__)
-        if "/torch/" not in f.filename and not f.filename.endswith("harness/trace.py")
+        if "/torch/" not in f.filename and f.filename != _TRACE_FILE
     ]
     where = (
         f" ({frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno})"

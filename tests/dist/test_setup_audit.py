@@ -225,6 +225,26 @@ def test_a_step_that_raises_is_a_crash_finding_and_the_routing_is_still_read() -
     assert rows["layers.0.mlp.up.weight"]["optimizer"] == "MuonWithAdamW group 2 (algorithm='muon')"
 
 
+class _OpRaisesInStep(setups.MuonWithAdamWSingle):
+    """A setup whose step raises inside a torch op (a matmul of mismatched shapes), which the trace's dispatch mode
+    runs for it."""
+
+    name = "an op raises in its step"
+
+    def train_step(self, model, optimizers, probes) -> None:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_inside_a_traced_op_is_located_in_the_code_that_called_it() -> None:
+    """The crash finding names the frame that called the op (here this test file), never the audit's own
+    instrument (trace.py's dispatch), through which every op of the step runs."""
+    rep = audit(_OpRaisesInStep(), 1, 1)
+    (finding,) = rep["findings"]
+    assert finding["kind"] == "crash", finding
+    assert "test_setup_audit.py:" in finding["text"] and "trace.py" not in finding["text"], finding
+
+
 class _RefusedOnOneRank(setups.DistributedMuonFSDP):
     """A setup whose own builder refuses on rank 1 only (as an engine refuses a configuration)."""
 
