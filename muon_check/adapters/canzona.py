@@ -11,33 +11,10 @@ import torch
 from torch import Tensor
 
 from .cases import MATRIX_FAMILIES
-from .systems import FromCheckout, import_without_package_inits
+from .systems import FromCheckout, LocalShardStep, import_without_package_inits
 
 CANZONA_CHECKOUT_ENV = "MUON_CANZONA_CHECKOUT"
 CANZONA_MUON_MODULE = "matrix_based_optimizer.optimizers.muon"
-
-
-class _ShardStep(torch.optim.Optimizer):
-    """Canzona's Muon stepping the check's params as FSDP shards: each DTensor param's local box is handed to
-    Canzona as a plain Parameter over the same storage, with the box's gradient as its grad (Canzona's FSDP
-    contract: local shards plus shape metadata); plain params (one device) pass through."""
-
-    def __init__(
-        self, inner: torch.optim.Optimizer, params: list[Tensor], shards: list[Tensor]
-    ) -> None:
-        super().__init__(params, {})
-        self.inner, self.params, self.shards = inner, params, shards
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for p, shard in zip(self.params, self.shards):
-            if shard is p:
-                continue
-            grad = p.grad
-            shard.grad = (
-                None if grad is None else (grad.to_local() if hasattr(grad, "to_local") else grad)
-            )
-        self.inner.step()
 
 
 class CanzonaMuon(FromCheckout):
@@ -117,11 +94,11 @@ class CanzonaMuon(FromCheckout):
             ],
             **hp,
         )
-        return _ShardStep(inner, params, shards)
+        return LocalShardStep(inner, params, shards)
 
     def momentum(self, opt: torch.optim.Optimizer, p: Tensor) -> Tensor | None:
         inner, shard = opt, p
-        if isinstance(opt, _ShardStep):
+        if isinstance(opt, LocalShardStep):
             inner = opt.inner
             shard = next(s for q, s in zip(opt.params, opt.shards) if q is p)
         buf = inner.state.get(shard, {}).get("momentum_buffer")

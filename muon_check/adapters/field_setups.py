@@ -21,9 +21,7 @@ systems.py's DeepSpeedMuon.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -34,6 +32,7 @@ from .systems import (
     checkout_path,
     deepspeed_on_cpu,
     import_without_package_inits,
+    package_from_checkout,
 )
 
 ZERO_STAGES = ("zero0", "zero1", "zero2", "zero3")
@@ -278,25 +277,6 @@ class LlamaFactoryZero3Setup(LlamaFactorySetup):
     train_step = DeepSpeedSetup.train_step
 
 
-@contextlib.contextmanager
-def _package_from(src: str, package: str) -> Iterator[None]:
-    """While open, `package` and its submodules are the ones under the folder `src` (a checkout): modules of that
-    name imported from elsewhere in this process (the llamafactory wheel, v0) are set aside, and put back after in
-    place of the checkout's. The optimizer a builder returns holds its own classes."""
-    import sys
-
-    def ours(name: str) -> bool:
-        return name == package or name.startswith(package + ".")
-
-    others = {k: sys.modules.pop(k) for k in list(sys.modules) if ours(k)}
-    try:
-        yield
-    finally:
-        for k in [k for k in sys.modules if ours(k)]:
-            del sys.modules[k]
-        sys.modules.update(others)
-
-
 class LlamaFactoryV1Setup(Setup):
     """LlamaFactory's v1 trainer with its documented Muon example, examples/v1/train_full/train_full_muon.yaml of
     the checkout ($MUON_LLAMAFACTORY_CHECKOUT, read from the checkout, not restated): `optim_config` {name: muon,
@@ -329,7 +309,7 @@ class LlamaFactoryV1Setup(Setup):
         with open(os.path.join(root, self.example)) as f:
             example = yaml.safe_load(f)
         src = os.path.join(root, "src")
-        with _package_from(src, "llamafactory"):
+        with package_from_checkout(src, "llamafactory"):
             arg_utils = import_without_package_inits(src, "llamafactory.v1.config.arg_utils")
             plugin = import_without_package_inits(
                 src, "llamafactory.v1.plugins.trainer_plugins.optimizers.optimizer"

@@ -20,9 +20,11 @@ Checkouts (never installed; their folders are passed as environment variables):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -103,6 +105,24 @@ def import_without_package_inits(root: str, *modules: str) -> Any:
                     f"not from {folder}"
                 )
     return [importlib.import_module(m) for m in modules][0]
+
+
+@contextlib.contextmanager
+def package_from_checkout(src: str, package: str) -> Iterator[None]:
+    """While open, `package` and its submodules are the ones under the folder `src` (a checkout): modules of that
+    name imported from elsewhere in this process (the llamafactory wheel, v0) are set aside, and put back after in
+    place of the checkout's. The optimizer a builder returns holds its own classes."""
+
+    def ours(name: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    others = {k: sys.modules.pop(k) for k in list(sys.modules) if ours(k)}
+    try:
+        yield
+    finally:
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(others)
 
 
 class FromCheckout(Adapter):
@@ -244,6 +264,9 @@ class XtunerMuon(FromCheckout):
     state_key = "momentum"
 
     checkout_env = XTUNER_CHECKOUT_ENV
+    muon_kwargs: dict[
+        str, Any
+    ] = {}  # constructor keywords over MuonConfig.build's (its other paths)
 
     def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
         root = self.root("xtuner/v1/optim/muon.py")
@@ -254,15 +277,10 @@ class XtunerMuon(FromCheckout):
         if experts > 1:
             group["num_experts"] = experts
         options.setdefault("nesterov", True)
-        return muon.Muon(
-            [group],
-            flatten=True,
-            adjust_lr="rms_norm",
-            use_triton=False,
-            epsilon=1e-8,
-            enable_all2all=True,
-            **options,
+        built = dict(
+            flatten=True, adjust_lr="rms_norm", use_triton=False, epsilon=1e-8, enable_all2all=True
         )
+        return muon.Muon([group], **{**built, **self.muon_kwargs, **options})
 
 
 def _emerging_on_python_311(root: str) -> Any:
@@ -524,11 +542,11 @@ class DeepSpeedMuonGram(DeepSpeedMuonZero2):
     ns_method = "gram"
 
 
-class _TensorParallelStep(torch.optim.Optimizer):
-    """Megatron's TensorParallelMuon stepping the check's params as tensor-parallel shards: each DTensor param's
-    local box is handed to Megatron as a plain Parameter over the same storage, tagged as Megatron's layers tag a
-    column-parallel weight (`partition_dim = 0`, `tensor_model_parallel = True`), with the box's gradient as its
-    grad; plain params (one device) pass through untagged (Megatron's non-TP path)."""
+class LocalShardStep(torch.optim.Optimizer):
+    """A system's optimizer stepping the check's params through their local boxes: each DTensor param's box is
+    handed to the system as a plain Parameter over the same storage (`shards`, made by the adapter, which tags them
+    as the system needs: Megatron's `partition_dim`, Canzona's shape metadata), and `step` gives each box its
+    gradient's box as its grad, then steps the system's optimizer; a plain param (one device) is its own shard."""
 
     def __init__(
         self, inner: torch.optim.Optimizer, params: list[Tensor], shards: list[Tensor]
@@ -539,6 +557,8 @@ class _TensorParallelStep(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         for p, shard in zip(self.params, self.shards):
+            if shard is p:
+                continue
             grad = p.grad
             shard.grad = (
                 None if grad is None else (grad.to_local() if hasattr(grad, "to_local") else grad)
@@ -610,7 +630,7 @@ class MegatronTensorParallelMuon(Adapter):
             tp_mode=self.tp_mode,
             **hp,
         )
-        return _TensorParallelStep(inner, params, shards)
+        return LocalShardStep(inner, params, shards)
 
     def momentum(self, opt: torch.optim.Optimizer, p: Tensor) -> Tensor | None:
         shard = next((w for q, w in zip(opt.params, opt.shards) if q is p), p)
@@ -685,6 +705,7 @@ __all__ = [
     "DeepSpeedMuonZero3InMemory",
     "EmergingMuon",
     "FromCheckout",
+    "LocalShardStep",
     "LlamaFactoryV0Muon",
     "LlamaFactoryV1Muon",
     "MegatronTensorParallelMuon",
@@ -697,6 +718,7 @@ __all__ = [
     "checkout_path",
     "import_without_package_inits",
     "load_file_as",
+    "package_from_checkout",
 ]
 
 

@@ -38,26 +38,10 @@ from .systems import XtunerMuon, import_without_package_inits
 
 
 class _XtunerPath(XtunerMuon):
-    """XtunerMuon with `muon_kwargs` over MuonConfig.build's constructor keywords (config/optim.py:198-211:
-    nesterov=True, flatten=True, adjust_lr from its field "rms_norm", use_triton=False, epsilon 1e-8,
-    enable_all2all True)."""
+    """XtunerMuon (MuonConfig.build's constructor keywords, config/optim.py:198-211) with `muon_kwargs` over them,
+    on the dtensor families and xtuner's fused expert layout."""
 
-    muon_kwargs: dict[str, Any] = {}
     families = DIST_FAMILIES | FUSED_DIST_FAMILIES
-
-    def build(self, params: list[Tensor], **hp: Any) -> torch.optim.Optimizer:
-        root = self.root("xtuner/v1/optim/muon.py")
-        muon = import_without_package_inits(root, "xtuner.v1.optim.muon", "xtuner.v1.utils.dtensor")
-        options = {"mu" if k == "momentum" else k: v for k, v in hp.items()}
-        experts = options.pop("num_experts", 1)
-        group = {"params": params, "clip_grad": False}
-        if experts > 1:
-            group["num_experts"] = experts
-        options.setdefault("nesterov", True)
-        kwargs = dict(
-            flatten=True, adjust_lr="rms_norm", use_triton=False, epsilon=1e-8, enable_all2all=True
-        )
-        return muon.Muon([group], **{**kwargs, **self.muon_kwargs, **options})
 
 
 class XtunerPadAll2All(_XtunerPath):
