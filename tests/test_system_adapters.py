@@ -38,10 +38,10 @@ from muon_check.adapters.systems import (
     MegatronTensorParallelMuon,
     VeomniMuon,
     XtunerMuon,
-    checkout_path,
 )
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
+from tests.system_checks import require_checkout, run_families
 
 ADAPTERS = list(SYSTEMS)
 INSTALL = {
@@ -71,25 +71,10 @@ def _package(module: str) -> None:
 
 def _checkout(env: str, inner: str) -> str:
     """Skip, naming the variable and what it should hold, when $env is unset or wrong."""
-    try:
-        return checkout_path(env, None, inner)
-    except ValueError as e:
-        pytest.skip(f"{e}: {CHECKOUTS[env]} (make field sets it)")
+    return require_checkout(env, inner, f"{CHECKOUTS[env]} (make field sets it)")
 
 
-def _run(adapter: Adapter, families: tuple[str, ...], world_sizes: tuple[int, ...]) -> list[dict]:
-    """Two float32 steps of `families` through `python -m muon_check`'s check."""
-    report = conformance.check(
-        adapter,
-        world_sizes,
-        steps=2,
-        timeout=240.0,
-        shrink_budget=0.0,
-        families=families,
-        dtypes=("float32",),
-        log=lambda *_: None,
-    )
-    return report["outcomes"]
+_run = run_families  # two float32 steps of the families through `python -m muon_check`'s check
 
 
 def _statuses(outcomes: list[dict]) -> list[str]:
@@ -98,6 +83,7 @@ def _statuses(outcomes: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.__name__)
 def test_each_system_adapter_claims_a_valid_muon_ref_configuration(adapter: type[Adapter]) -> None:
+    """Each adapter's claim (preset and options) builds a MuonConfig, and its families are the check's."""
     preset, overrides = claim_of(adapter())
     values = preset_defaults(preset, overrides)  # raises ValueError on an unknown option or value
     MuonConfig(**{k: values[k] for k in CONFIG_KEYS})
@@ -112,6 +98,9 @@ def _crash(family: str, error: str) -> Outcome:
 def test_a_crash_that_only_gloo_refuses_is_named_could_not_run_on_gloo_with_its_collective() -> (
     None
 ):
+    """A crash that is gloo refusing a collective NCCL takes (all_to_all of unequal shapes, reduce_scatter_tensor's
+    first-dimension check) is named "could not run on gloo" with the collective, never "bug"; any other crash stays
+    a crash (negative control)."""
     all_to_all = (
         "RuntimeError: ProcessGroupGloo::alltoall: invalid tensor size at index 1 (expected (2, 3)"
     )
@@ -139,6 +128,7 @@ def test_a_crash_that_only_gloo_refuses_is_named_could_not_run_on_gloo_with_its_
 def test_a_checkout_adapter_without_its_checkout_names_the_environment_variable(
     monkeypatch,
 ) -> None:
+    """Without its checkout, a checkout adapter raises a ValueError naming the environment variable to set."""
     monkeypatch.delenv(XTUNER_CHECKOUT_ENV, raising=False)
     with pytest.raises(ValueError, match=XTUNER_CHECKOUT_ENV):
         XtunerMuon().build([])
@@ -146,6 +136,7 @@ def test_a_checkout_adapter_without_its_checkout_names_the_environment_variable(
 
 @pytest.mark.timeout(240)
 def test_llamafactory_v0_muon_steps_bitwise_like_moonlight() -> None:
+    """llamafactory 0.9.5's Muon is bitwise equal to preset moonlight on tall and wide matrices."""
     _package("llamafactory")
     assert _statuses(_run(LlamaFactoryV0Muon(), ("tall", "wide"), (1,))) == ["bitwise"] * 2
 
@@ -154,6 +145,8 @@ def test_llamafactory_v0_muon_steps_bitwise_like_moonlight() -> None:
 def test_llamafactory_v1_muon_is_bitwise_on_uneven_shards_and_loses_its_momentum_on_a_dcp_resume() -> (
     None
 ):
+    """The v1 plugin is bitwise on uneven FSDP2 shards at W = 2, and a DCP resume departs with its momentum lost (its
+    state holds only `use_muon` at construction, so DCP's template has no buffer to load into)."""
     _checkout(LLAMAFACTORY_CHECKOUT_ENV, LlamaFactoryV1Muon.module_path)
     outcomes = _run(LlamaFactoryV1Muon(), ("uneven", "checkpoint"), (2,))
     by_family = {o["family"]: o for o in outcomes}
@@ -176,6 +169,7 @@ def _bitwise_on_one_refused_by_gloo_on_other(
 
 @pytest.mark.timeout(300)
 def test_veomni_muon_is_bitwise_on_even_shards_and_gloo_refuses_its_uneven_all_to_all() -> None:
+    """VeOmni's Muon is bitwise on even shards at W = 2; on uneven ones gloo refuses its list-form all_to_all."""
     _package("veomni")
     _bitwise_on_one_refused_by_gloo_on_other(
         _run(VeomniMuon(), ("even", "uneven"), (2,)), "even", "uneven", "ProcessGroupGloo::alltoall"
@@ -200,6 +194,8 @@ def test_veomni_muon_crashes_on_expert_stacks_split_unevenly() -> None:
 def test_deepspeed_muon_built_by_deepspeed_initialize_steps_bitwise_like_keller(
     adapter: type[DeepSpeedMuon],
 ) -> None:
+    """Built by deepspeed.initialize at each ZeRO stage, DeepSpeed's Muon is bitwise equal to its claim (keller,
+    scale_sqrt sqrt) on even and partition-straddling params at W = 2."""
     _package("deepspeed")
     assert _statuses(_run(adapter(), ("even", "straddle"), (2,))) == ["bitwise"] * 2
 
@@ -229,6 +225,8 @@ def test_deepspeed_resumes_bitwise_through_its_engine_and_loses_the_muon_momentu
 def test_xtuner_muon_is_bitwise_with_its_tensor_lr_and_its_reduce_scatter_is_refused_by_gloo() -> (
     None
 ):
+    """xtuner's Muon is bitwise under its claim (scale_apply update_lr) on uneven shards at W = 2; its remainder
+    batches' reduce-scatter is refused by gloo."""
     _checkout(XTUNER_CHECKOUT_ENV, "xtuner/v1/optim/muon.py")
     _bitwise_on_one_refused_by_gloo_on_other(
         _run(XtunerMuon(), ("uneven", "remainder"), (2,)), "uneven", "remainder", "ProcessGroupGloo"
@@ -237,6 +235,7 @@ def test_xtuner_muon_is_bitwise_with_its_tensor_lr_and_its_reduce_scatter_is_ref
 
 @pytest.mark.timeout(240)
 def test_emerging_muon_steps_bitwise_like_its_preset_with_eps_1e_15() -> None:
+    """Emerging-Optimizers' Muon is bitwise equal to preset emerging with eps 1e-15 on every matrix family."""
     _checkout(EMERGING_CHECKOUT_ENV, "emerging_optimizers")
     _package_absl()
     families = tuple(sorted(MATRIX_FAMILIES))
@@ -245,6 +244,7 @@ def test_emerging_muon_steps_bitwise_like_its_preset_with_eps_1e_15() -> None:
 
 @pytest.mark.timeout(300)
 def test_megatron_tensor_parallel_muon_steps_bitwise_on_even_tp_shards() -> None:
+    """megatron-core's TensorParallelMuon (duplicated mode) is bitwise equal to preset emerging on even TP shards."""
     _checkout(MEGATRON_PATH_ENV, "megatron/core/optimizer")
     _package_absl()
     assert _statuses(_run(MegatronTensorParallelMuon(), ("even",), (2,))) == ["bitwise"]

@@ -7,27 +7,21 @@ needs it skips, naming the variable."""
 
 from __future__ import annotations
 
-import pytest
-
-from muon_check import conformance
 from muon_check.adapters.canzona import CANZONA_CHECKOUT_ENV, CanzonaMuon
 from muon_check.adapters.cases import DIST_FAMILIES, MATRIX_FAMILIES
 from muon_check.adapters.oracle import claim_of
-from muon_check.adapters.systems import checkout_path
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
+from tests.system_checks import by_family, require_checkout, run_families
 
 
 def _adapter() -> CanzonaMuon:
     """The adapter over the checkout; skips naming the variable when it is unset or wrong."""
-    try:
-        root = checkout_path(
-            CANZONA_CHECKOUT_ENV, None, "matrix_based_optimizer/optimizers/muon.py"
-        )
-    except ValueError as e:
-        pytest.skip(
-            f"{e}: a folder holding the matrix_based_optimizer package of liangyuwang/FSDP-Canzona at 13a92059"
-        )
+    root = require_checkout(
+        CANZONA_CHECKOUT_ENV,
+        "matrix_based_optimizer/optimizers/muon.py",
+        "a folder holding the matrix_based_optimizer package of liangyuwang/FSDP-Canzona at 13a92059",
+    )
     return CanzonaMuon(root)
 
 
@@ -53,18 +47,8 @@ def test_canzona_conforms_on_uniform_shards_and_crashes_when_a_gradient_is_missi
     """At W = 2, fp32, 2 steps: tall single-device and even FSDP shards are bitwise under the claim; asym_none
     (param 0 has no gradient on rank 1 at step 1) crashes in gloo's all-to-all, whose sizes the ranks no longer agree
     on ("Received data size doesn't match expected size")."""
-    report = conformance.check(
-        _adapter(),
-        (2,),
-        2,
-        240.0,
-        0.0,
-        ("tall", "even", "asym_none"),
-        ("float32",),
-        log=lambda *_: None,
-    )
-    by_family = {o["family"]: o for o in report["outcomes"]}
-    assert by_family["tall"]["status"] == "bitwise", by_family["tall"]
-    assert by_family["even"]["status"] == "bitwise", by_family["even"]
-    asym = by_family["asym_none"]
+    outcomes = by_family(run_families(_adapter(), ("tall", "even", "asym_none"), (2,)))
+    assert outcomes["tall"]["status"] == "bitwise", outcomes["tall"]
+    assert outcomes["even"]["status"] == "bitwise", outcomes["even"]
+    asym = outcomes["asym_none"]
     assert asym["status"] == "crash" and "doesn't match expected size" in asym["error"], asym

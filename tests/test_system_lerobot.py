@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muon_check import conformance
 from muon_check.adapters.cases import DIST_FAMILIES, SINGLE_FAMILIES
 from muon_check.adapters.lerobot import (
     LEROBOT_CHECKOUT_ENV,
@@ -18,21 +17,20 @@ from muon_check.adapters.lerobot import (
     LerobotDistributedMuon,
 )
 from muon_check.adapters.oracle import claim_of
-from muon_check.adapters.systems import checkout_path
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
+from tests.system_checks import by_family, require_checkout, run_families
 
 HP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 
 
 def _adapter() -> LerobotDistributedMuon:
     """The adapter over the checkout; skips naming the variable when it is unset or wrong."""
-    try:
-        root = checkout_path(LEROBOT_CHECKOUT_ENV, None, LEROBOT_MUON_PATH)
-    except ValueError as e:
-        pytest.skip(
-            f"{e}: a folder holding src/lerobot/optim/muon.py of huggingface/lerobot at 85b2fd6c (the file PR 4658 adds)"
-        )
+    root = require_checkout(
+        LEROBOT_CHECKOUT_ENV,
+        LEROBOT_MUON_PATH,
+        "a folder holding src/lerobot/optim/muon.py of huggingface/lerobot at 85b2fd6c (the file PR 4658 adds)",
+    )
     return LerobotDistributedMuon(root)
 
 
@@ -50,21 +48,13 @@ def test_lerobot_conforms_on_uneven_shards_and_loses_momentum_on_a_checkpoint_re
     """At W = 2, fp32, 2 steps: uneven FSDP2 shards are bitwise (the padded all-gather rebuilds torch.chunk's boxes
     there); a DCP save and resume leaves the params equal but the momentum departs (CombinedOptimizer drops it on
     load); a checkpoint whose last param never stepped cannot be loaded (state created lazily: "Missing key")."""
-    report = conformance.check(
-        _adapter(),
-        (2,),
-        2,
-        240.0,
-        0.0,
-        ("uneven", "checkpoint", "checkpoint_unstepped"),
-        ("float32",),
-        log=lambda *_: None,
+    outcomes = by_family(
+        run_families(_adapter(), ("uneven", "checkpoint", "checkpoint_unstepped"), (2,))
     )
-    by_family = {o["family"]: o for o in report["outcomes"]}
-    assert by_family["uneven"]["status"] == "bitwise", by_family["uneven"]
-    assert by_family["checkpoint"]["status"] == "differs", by_family["checkpoint"]
-    assert by_family["checkpoint"]["stage"] == "momentum", by_family["checkpoint"]
-    unstepped = by_family["checkpoint_unstepped"]
+    assert outcomes["uneven"]["status"] == "bitwise", outcomes["uneven"]
+    assert outcomes["checkpoint"]["status"] == "differs", outcomes["checkpoint"]
+    assert outcomes["checkpoint"]["stage"] == "momentum", outcomes["checkpoint"]
+    unstepped = outcomes["checkpoint_unstepped"]
     assert unstepped["status"] == "crash" and "Missing key" in unstepped["error"], unstepped
 
 
@@ -111,16 +101,6 @@ def test_lerobot_rebuilds_the_wrong_rows_where_fsdp2_chunks_differ_from_its_rule
     unpadded by the rule "the first rows % W ranks hold ceil(rows / W)" (3, 2, 2: muon.py's mega-batch): the
     gathered matrix is wrong and the update departs with no error (badly_scaled, fp32, 1 step); uneven at W = 3
     ((5, 5): chunk 2, 2, 1 equals the rule) is bitwise."""
-    report = conformance.check(
-        _adapter(),
-        (3,),
-        1,
-        240.0,
-        0.0,
-        ("badly_scaled", "uneven"),
-        ("float32",),
-        log=lambda *_: None,
-    )
-    by_family = {o["family"]: o for o in report["outcomes"]}
-    assert by_family["uneven"]["status"] == "bitwise", by_family["uneven"]
-    assert by_family["badly_scaled"]["status"] == "differs", by_family["badly_scaled"]
+    outcomes = by_family(run_families(_adapter(), ("badly_scaled", "uneven"), (3,), steps=1))
+    assert outcomes["uneven"]["status"] == "bitwise", outcomes["uneven"]
+    assert outcomes["badly_scaled"]["status"] == "differs", outcomes["badly_scaled"]

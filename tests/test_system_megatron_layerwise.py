@@ -9,26 +9,25 @@ import importlib.util
 
 import pytest
 
-from muon_check import conformance
 from muon_check.adapters import Adapter
 from muon_check.adapters.megatron_layerwise import (
     MegatronLayerWiseMuon,
     MegatronLayerWiseMuonStep,
 )
 from muon_check.adapters.oracle import claim_of
-from muon_check.adapters.systems import MEGATRON_PATH_ENV, checkout_path
+from muon_check.adapters.systems import MEGATRON_PATH_ENV
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
+from tests.system_checks import by_family, require_checkout, run_families
 
 
 def _megatron() -> None:
     """Skip, naming the variable and what it should hold, when megatron-core is not there."""
-    try:
-        checkout_path(MEGATRON_PATH_ENV, None, "megatron/core/optimizer")
-    except ValueError as e:
-        pytest.skip(
-            f"{e}: a folder holding megatron-core 0.19.2 and emerging-optimizers 0.3.0 (make field sets it)"
-        )
+    require_checkout(
+        MEGATRON_PATH_ENV,
+        "megatron/core/optimizer",
+        "a folder holding megatron-core 0.19.2 and emerging-optimizers 0.3.0 (make field sets it)",
+    )
     if importlib.util.find_spec("absl") is None:
         pytest.skip(
             "absl-py is not installed (Emerging-Optimizers imports it): pip install absl-py"
@@ -37,17 +36,7 @@ def _megatron() -> None:
 
 def _run(adapter: Adapter, families: tuple[str, ...], world_sizes: tuple[int, ...]) -> dict:
     """Two float32 steps of `families` through the check: {family: outcome}."""
-    report = conformance.check(
-        adapter,
-        world_sizes,
-        steps=2,
-        timeout=240.0,
-        shrink_budget=0.0,
-        families=families,
-        dtypes=("float32",),
-        log=lambda *_: None,
-    )
-    return {o["family"]: o for o in report["outcomes"]}
+    return by_family(run_families(adapter, families, world_sizes))
 
 
 @pytest.mark.parametrize("adapter", [MegatronLayerWiseMuon, MegatronLayerWiseMuonStep])

@@ -13,11 +13,9 @@ import types
 import pytest
 import torch
 
-from muon_check import conformance
 from muon_check.adapters import Adapter
 from muon_check.adapters.cases import DIST_FAMILIES
 from muon_check.adapters.oracle import claim_of
-from muon_check.adapters.systems import checkout_path
 from muon_check.adapters.torchtitan import (
     MODULE_PATH,
     TORCHTITAN_CHECKOUT_ENV,
@@ -27,34 +25,24 @@ from muon_check.adapters.torchtitan import (
 )
 from muon_ref.config import CONFIG_KEYS, MuonConfig
 from muon_ref.presets import preset_defaults
+from tests.system_checks import by_family, require_checkout, run_families
 
 MISSING = "DistributedMuon requires every configured gradient before step()"
 
 
 def _checkout() -> None:
     """Skip, naming the variable and what it should hold, when $MUON_TORCHTITAN_CHECKOUT is unset or wrong."""
-    try:
-        checkout_path(TORCHTITAN_CHECKOUT_ENV, None, MODULE_PATH)
-    except ValueError as e:
-        pytest.skip(
-            f"{e}: a checkout of pytorch/torchtitan at PR 4060's merge commit "
-            "bb90ff9c23c95f966d0d584a3ccb7b5448286def (the folder holding `torchtitan`)"
-        )
+    require_checkout(
+        TORCHTITAN_CHECKOUT_ENV,
+        MODULE_PATH,
+        "a checkout of pytorch/torchtitan at PR 4060's merge commit "
+        "bb90ff9c23c95f966d0d584a3ccb7b5448286def (the folder holding `torchtitan`)",
+    )
 
 
 def _run(adapter: Adapter, families: tuple[str, ...]) -> dict[str, dict]:
     """Two float32 steps of `families` at W = 2 through the conformance check; outcome by family."""
-    report = conformance.check(
-        adapter,
-        (2,),
-        steps=2,
-        timeout=120.0,
-        shrink_budget=0.0,
-        families=families,
-        dtypes=("float32",),
-        log=lambda *_: None,
-    )
-    return {o["family"]: o for o in report["outcomes"]}
+    return by_family(run_families(adapter, families, (2,), timeout=120.0))
 
 
 @pytest.mark.parametrize("adapter", [TorchtitanDistributedMuon, TorchtitanDistributedMuonDefaults])
