@@ -43,8 +43,8 @@ def lr_scale(name: str, fan_out: int, fan_in: int, sqrt: str = "sqrt") -> float:
     """The shape scale, evaluated as each origin does it in Python floats.
 
     `sqrt` picks the square root's evaluation: "sqrt" (math.sqrt: torch, Moonlight, Dion, xtuner) or
-    "pow" (x ** 0.5: KellerJordan, Emerging). They differ in the last bit for many ratios (measured:
-    652 of 897,000 ratios i/j), and the update inherits that bit.
+    "pow" (x ** 0.5: KellerJordan, Emerging). They differ in the last bit for some ratios (e.g. 145 / 9; how
+    often: docs/conventions.md, "What changes bits"), and the update inherits that bit.
 
     original:         sqrt(max(1, fan_out / fan_in))   torch "original" (math.sqrt(max(1, A / B)))
     match_rms_adamw:  0.2 * sqrt(max(fan_out, fan_in))  torch "match_rms_adamw", Dion/xtuner "rms_norm"
@@ -83,7 +83,7 @@ class MuonConfig:
                    "update":    P <- P.add(O * s, alpha=-lr)           (Keller; Emerging with update_dtype fp32)
                    "update_lr": P <- P - O * (lr * s)                  (Dion: out-of-place _foreach_mul)
                    "update_lr_cast": P <- P - O * cast(lr * s, O.dtype) (xtuner: in-place _foreach_mul_
-                         on bf16 rounds the Python scalar to bf16 first; measured on torch 2.13 CPU)
+                         on bf16 rounds the Python scalar to bf16 first; docs/conventions.md, "What changes bits")
     update_layout  "kernel":     O in the memory order Newton-Schulz returns it: for a single tall matrix the
                                  transposed view of its (fan_in, fan_out) iterate (torch/optim/_muon.py
                                  `_zeropower_via_newtonschulz` returns `ortho_grad.T`; every origin's kernel does)

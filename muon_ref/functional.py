@@ -154,16 +154,7 @@ def matrix_layout(
             with BlockShard(dim=0, block_size=head_dim): heads by their size, rows only.
     """
     shape = tuple(shape)
-    if len(shape) < 2:
-        raise ValueError(
-            f"{name} of shape {shape} is not a matrix: Muon needs ndim >= 2 (route it to AdamW)"
-        )
-    if any(d == 0 for d in shape):
-        raise ValueError(f"{name} of shape {shape} is empty")
-    if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
-        raise ValueError(
-            f"num_experts must be a positive int, got {num_experts!r} for {name} of shape {shape}"
-        )
+    _check_param_shape(shape, num_experts, name)
     if split_sizes is not None or num_heads is not None or split_dim != 0:
         return _separate_layout(
             shape,
@@ -174,6 +165,27 @@ def matrix_layout(
             num_heads,
             split_dim,
         )
+    return _experts_layout(shape, num_experts, flatten, name)
+
+
+def _check_param_shape(shape: tuple[int, ...], num_experts: int | None, name: str) -> None:
+    """ValueError naming the param for a shape Muon cannot step (ndim < 2, empty) or a bad num_experts."""
+    if len(shape) < 2:
+        raise ValueError(
+            f"{name} of shape {shape} is not a matrix: Muon needs ndim >= 2 (route it to AdamW)"
+        )
+    if any(d == 0 for d in shape):
+        raise ValueError(f"{name} of shape {shape} is empty")
+    if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
+        raise ValueError(
+            f"num_experts must be a positive int, got {num_experts!r} for {name} of shape {shape}"
+        )
+
+
+def _experts_layout(
+    shape: tuple[int, ...], num_experts: int | None, flatten: bool, name: str
+) -> MatrixLayout:
+    """The shared layout of a checked shape: one matrix, flattened, a 3-D or fused expert stack (validated)."""
     if flatten and len(shape) >= 3:
         if num_experts not in (None, 1):
             raise ValueError(
@@ -224,7 +236,7 @@ def _slab_layout(
     """Blocks that are consecutive slabs of `sizes` along `dim`: shared and each read as `matrix` (fan_out,
     fan_in), or (matrix None) separate and each read as its 2-D box. Cached, as a param's layout is asked for
     at every step (muon_ref.Muon; muon_dist's ParamLayout.matrices, several times) and an expert stack has one
-    Block per expert (measured on an x86 CPU: 2.5 ms to build the 128 blocks of a (128, 16, 16) stack)."""
+    Block per expert (its build time: docs/gpu.md, "Host work per param")."""
     boxes = _slabs(shape, dim, sizes)
     if matrix is None:
         return MatrixLayout(
@@ -392,11 +404,7 @@ def apply_update(
     param or out) P' is computed as without out and copied into out.
     """
     if out is not None:
-        if out.shape != param.shape or out.dtype != param.dtype:
-            raise ValueError(
-                f"apply_update: out of shape {tuple(out.shape)} and dtype {out.dtype} differs from the "
-                f"param's {tuple(param.shape)} and {param.dtype}"
-            )
+        _check_out(param, out)
         if layout.separate or not (param.is_contiguous() and out.is_contiguous()):
             return out.copy_(apply_update(param, update, layout, cfg))
     if layout.separate:
@@ -404,35 +412,55 @@ def apply_update(
             lambda b, p, u: (apply_update(p, u, b.as_param(), cfg),), layout, param, update
         )[0]
     ratio = lr_scale(cfg.lr_scale, layout.fan_out, layout.fan_in, cfg.scale_sqrt)
+    O = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
+    new = _scaled_step(param, O, ratio, cfg, out)
+    return new if out is not None else new.to(param.dtype)
+
+
+def _check_out(param: Tensor, out: Tensor) -> None:
+    """ValueError unless `out` has param's shape and dtype (apply_update's out=)."""
+    if out.shape != param.shape or out.dtype != param.dtype:
+        raise ValueError(
+            f"apply_update: out of shape {tuple(out.shape)} and dtype {out.dtype} differs from the "
+            f"param's {tuple(param.shape)} and {param.dtype}"
+        )
+
+
+def _lr_step(cfg: MuonConfig, ratio: float) -> float | Tensor:
+    """lr * s with s = ratio, times scale_factor only when it is not 1 (a float, or 0-d when lr is a Tensor)."""
+    return cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
+
+
+def _scaled_step(
+    param: Tensor, O: Tensor, ratio: float, cfg: MuonConfig, out: Tensor | None
+) -> Tensor:
+    """P' = decay(P) - lr * s * O in cfg.scale_apply's form (MuonConfig), s = ratio: written into `out` and
+    returned when out is given, else returned in the ops' dtype (apply_update casts it to param's)."""
     # The update's scaling before the decay (independent ops: their order changes no bits), so that with `out`
     # the update's temporaries exist before the first write into out (the param itself, in muon_dist).
-    O = update if cfg.update_dtype is None else update.to(cfg.update_dtype)
     if cfg.scale_apply == "alpha":
-        step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
+        step = _lr_step(cfg, ratio)
         p = decay(param, cfg, out)
         if out is not None:
             return torch.add(p, O, alpha=-step, out=out)
-        new = p.add(O, alpha=-step)
-    elif cfg.scale_apply == "update":
+        return p.add(O, alpha=-step)
+    if cfg.scale_apply == "update":
         O = O * ratio
         if cfg.scale_factor != 1.0:
             O = O * cfg.scale_factor
         p = decay(param, cfg, out)
         if out is not None:
             return torch.add(p, O, alpha=-cfg.lr, out=out)
-        new = p.add(O, alpha=-cfg.lr)
-    else:
-        step = cfg.lr * ratio if cfg.scale_factor == 1.0 else cfg.lr * ratio * cfg.scale_factor
-        if cfg.scale_apply == "update_lr_cast":
-            step = torch.tensor(
-                step, dtype=O.dtype
-            )  # the scalar rounded to O's dtype, as _foreach_mul_ does
-        scaled = O * step
-        p = decay(param, cfg, out)
-        if out is not None:
-            return torch.sub(p, scaled, out=out)
-        new = p.sub(scaled)
-    return new.to(param.dtype)
+        return p.add(O, alpha=-cfg.lr)
+    step = _lr_step(cfg, ratio)
+    if cfg.scale_apply == "update_lr_cast":
+        # the scalar rounded to O's dtype, as _foreach_mul_ does
+        step = torch.tensor(step, dtype=O.dtype)
+    scaled = O * step
+    p = decay(param, cfg, out)
+    if out is not None:
+        return torch.sub(p, scaled, out=out)
+    return p.sub(scaled)
 
 
 def check_gradient(grad: Tensor, param: Tensor, name: str) -> None:

@@ -21,9 +21,8 @@ z = a + b r + c r^2 > a > 1 and r <- r z^2 grow until Q blows up. Restarts bound
 Restart schedule of Dao-AILab/gram-newton-schulz 0.1.6 (PyPI; gram_newton_schulz.py, restart_autotune.py):
 `GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])`, "a restart after the 2nd iteration", with its
 POLAR_EXPRESS_COEFFICIENTS (the paper's first 5 Polar Express steps, safety 1.05: muon_ref's
-"polar_express_dao"); its Muon autotunes one restart by minimising the largest max|q|/min|q| over the steps of
-the scalar model q <- q z, r <- r z^2 started at r = x^2 - 4e-4, x in logspace(0, -10, 10000): it picks [2]
-for both shipped coefficient sets (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS = "you5"; run on an x86 CPU).
+"polar_express_dao"); its restart autotuner picks the same [2] for both coefficient sets it ships (its criterion
+and run: docs/schedules.md, "Gram Newton-Schulz").
 Its numerics: X / (||X||_F + 1e-7) in float32 (eps_mode "add", normalize before the cast), then float16; a
 square matrix takes standard Newton-Schulz there (Gram NS would cost 1.2x its FLOPs). This module runs Gram NS
 on every shape, in `dtype` (bfloat16 by default, like newton_schulz); dtype=torch.float16 and
@@ -33,7 +32,7 @@ normalize_before_cast=True give the package's dtype and normalisation order (for
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -138,37 +137,41 @@ def gram_newton_schulz(
     Contract: in exact arithmetic equal to newton_schulz(G, schedule, steps=steps, eps=eps, dtype=dtype,
     eps_mode=eps_mode, safety=safety, normalize_before_cast=normalize_before_cast) (NS11); with a restart after
     every step, bitwise equal to it with step_form="addmm"; a zero matrix maps to zero; G is never written.
-    Measured in float64: within 2.4e-11 of newton_schulz over 18,000 random Gaussian matrices up to 24 x 24 (every
-    Frobenius schedule, random restarts; tests/test_gram.py asserts 1e-9).
+    Tolerance (otherwise the two differ by rounding only): tests/test_gram.py asserts 1e-9 in float64 (up to
+    24 x 24, every Frobenius schedule, random restarts) and, for the bfloat16 defaults on Gaussians with n / m in
+    [2, 8], signed singular values in [0.80, 1.22]. In float16 and bfloat16 the rounding of A grows within a
+    segment, so other inputs can leave that band (docs/schedules.md, "Gram Newton-Schulz").
 
     Defaults are Dao-AILab/gram-newton-schulz's: schedule "polar_express_dao" (its POLAR_EXPRESS_COEFFICIENTS),
     a restart after step 2, eps 1e-7 added to the norm; dtype bfloat16 as newton_schulz (the package: float16).
     eps, safety and steps resolve as in newton_schulz (resolve_ns_options). Schedules with the AOL preconditioner
-    are refused (ValueError): Gram NS here starts from the Frobenius-normalised X_0.
-
-    Cost (GEMM FLOPs, X_0 m x n with m <= n, no symmetric products): standard NS, 4 m^2 n + 2 m^3 per step; a
-    Gram segment of L steps, 4 m^2 n + 2 m^3 (4 L - 3). Five steps restarted after step 2 (L = 2, 3):
-    8 m^2 n + 28 m^3 against 20 m^2 n + 10 m^3, i.e. fewer FLOPs iff n > 1.5 m: 1.20x at n = m, 0.67x at
-    n = 4 m, 0.54x at n = 8 m, 0.4x as n / m grows.
-
-    Float behaviour, measured on an x86 CPU with polar_express_dao (notebooks/gram_newton_schulz.ipynb; the
-    Gaussian band: 1,500 random matrices, asserted by tests/test_gram.py with margin):
-        float32: newton_schulz's band to 1e-3 on the Gaussians there and its largest singular value on the
-            hard inputs, with or without restarts.
-        bfloat16, restart after step 2 (the defaults): Gaussians with n / m in [2, 8], signed singular values in
-            [0.826, 1.188] (newton_schulz: [0.833, 1.126]); square and ill-conditioned inputs reach a largest
-            singular value of 1.33 and 1.41 (newton_schulz: 1.12). Restarts (1, 3): at most 1.13 on every input.
-        no restart, float16 or bfloat16: blows up where the Gram has eigenvalues near the rounding floor (bf16:
-            66 on a square Gaussian, 1.2e7 on rank 4 + noise, 2.8e13 on rank 1); Gaussians with n >= 2m hold.
-        8-step polar_express, bfloat16: one restart blows up, (1, 3) reaches 4.4, (2, 4, 6) holds.
+    are refused (ValueError): Gram NS here starts from the Frobenius-normalised X_0. It costs fewer GEMM FLOPs
+    than newton_schulz only for n > 1.5 m (docs/schedules.md).
     """
     _check_matrices(G, eps_mode, "gram_newton_schulz")
+    kernel = _matrix_kernel(
+        schedule, steps, restarts, eps, dtype, eps_mode, safety, normalize_before_cast
+    )
+    return _map_matrices(kernel, G, G.dtype if dtype is None else dtype)
+
+
+def _matrix_kernel(
+    schedule: str | Schedule,
+    steps: int | None,
+    restarts: Iterable[int],
+    eps: float | None,
+    dtype: torch.dtype | None,
+    eps_mode: EpsMode,
+    safety: float | None,
+    normalize_before_cast: bool,
+) -> Callable[[Tensor], Tensor]:
+    """gram_newton_schulz_matrix with the options resolved (ValueError for an AOL schedule or a bad restart)."""
     options = resolve_ns_options(schedule, steps, eps, safety)
     if options.precondition is not None:
         raise ValueError(
             f"schedule {schedule!r} uses the {options.precondition!r} preconditioner: not supported here"
         )
-    kernel = functools.partial(
+    return functools.partial(
         gram_newton_schulz_matrix,
         coefficients=options.coefficients,
         segments=restart_segments(len(options.coefficients), restarts),
@@ -178,4 +181,3 @@ def gram_newton_schulz(
         safety=options.safety,
         normalize_before_cast=normalize_before_cast,
     )
-    return _map_matrices(kernel, G, G.dtype if dtype is None else dtype)
