@@ -481,41 +481,12 @@ def report(
 ) -> dict[str, Any]:
     """The audit's rows and findings from every rank's result (a setup that could not be built on some rank: no
     rows, one "crash" finding naming the construction's error)."""
-    refused = sorted(
-        {
-            (res["construction_error"], res["rank"])
-            for res in results
-            if res.get("construction_error")
-        }
-    )
     if any("construction_error" in res for res in results):
-        ranks = ", ".join(str(r) for _, r in refused)
-        text = f"the setup's construction raised on rank {ranks}: {refused[0][0]}"
-        return {
-            **_header(setup, world_size, micro_batches),
-            "rows": [],
-            "findings": [{"param": "-", "kind": "crash", "text": text}],
-            "dtensor_grams": [],
-            "collectives_per_rank": [],
-        }
+        return _refused_report(setup, results, world_size, micro_batches)
     claims = setup.claimed()
     shard = shard_size(setup.sharding, world_size)
     views = catalogue(claims, world_size, micro_batches, shard, seed)
-    per_param: dict[str, list[tuple[View, int]]] = defaultdict(list)
-    unattributed: list[str] = []
-    distributed: set[str] = set()
-    for res in results:
-        for inputs, dtype, grams, dist_ns in res["calls"]:
-            for X in inputs:
-                view, cos = attribute(X, views)
-                if view is None:
-                    unattributed.append(
-                        f"rank {res['rank']}: {tuple(X.shape)} in {dtype} (best |cos| {cos:.3f})"
-                    )
-                    continue
-                per_param[view.name].append((view, res["rank"]))
-                if dist_ns:
-                    distributed.add(view.name)
+    per_param, unattributed, distributed = _attributed_calls(results, views)
     replicas = world_size // shard if setup.sharding else world_size
     rows = []
     for name, shape in shapes().items():
@@ -532,6 +503,68 @@ def report(
                 world_size,
             )
         )
+    findings = _report_findings(rows, unattributed, results)
+    dt = sorted({s for res in results for s in res["dtensor_grams"]})
+    return {
+        **_header(setup, world_size, micro_batches),
+        "rows": [r.__dict__ for r in rows],
+        "findings": [{"param": p, "kind": k, "text": t} for p, k, t in findings],
+        "dtensor_grams": [list(s) for s in dt],
+        "collectives_per_rank": [res["collectives"] for res in results],
+    }
+
+
+def _refused_report(
+    setup: Setup, results: list[dict[str, Any]], world_size: int, micro_batches: int
+) -> dict[str, Any]:
+    """The report of a setup whose construction raised on some rank: no rows, one "crash" finding naming the
+    ranks and the first error."""
+    refused = sorted(
+        {
+            (res["construction_error"], res["rank"])
+            for res in results
+            if res.get("construction_error")
+        }
+    )
+    ranks = ", ".join(str(r) for _, r in refused)
+    text = f"the setup's construction raised on rank {ranks}: {refused[0][0]}"
+    return {
+        **_header(setup, world_size, micro_batches),
+        "rows": [],
+        "findings": [{"param": "-", "kind": "crash", "text": text}],
+        "dtensor_grams": [],
+        "collectives_per_rank": [],
+    }
+
+
+def _attributed_calls(
+    results: list[dict[str, Any]], views: dict[tuple[int, int], list[tuple[View, Tensor]]]
+) -> tuple[dict[str, list[tuple[View, int]]], list[str], set[str]]:
+    """Every rank's Newton-Schulz inputs attributed to a view: (the views and ranks per param, a line per input
+    no view matches, the params orthogonalised by a distributed call)."""
+    per_param: dict[str, list[tuple[View, int]]] = defaultdict(list)
+    unattributed: list[str] = []
+    distributed: set[str] = set()
+    for res in results:
+        for inputs, dtype, grams, dist_ns in res["calls"]:
+            for X in inputs:
+                view, cos = attribute(X, views)
+                if view is None:
+                    unattributed.append(
+                        f"rank {res['rank']}: {tuple(X.shape)} in {dtype} (best |cos| {cos:.3f})"
+                    )
+                    continue
+                per_param[view.name].append((view, res["rank"]))
+                if dist_ns:
+                    distributed.add(view.name)
+    return per_param, unattributed, distributed
+
+
+def _report_findings(
+    rows: list[Row], unattributed: list[str], results: list[dict[str, Any]]
+) -> list[tuple[str, str, str]]:
+    """The rows' findings, then the unattributed calls, as (param, kind, text); where the step raised, a first
+    "crash" (or "could not run on gloo") finding and no finding the step did not reach."""
     findings = [(r.name, kind, text) for r in rows for kind, text in r.findings]
     findings += [("-", "unattributed", t) for t in unattributed]
     crashed = sorted({(res["error"], res["rank"]) for res in results if res.get("error")})
@@ -545,14 +578,7 @@ def report(
         # what the step did not reach says nothing: only the construction-time routing stays
         findings = [f for f in findings if f[1] not in ("never orthogonalised", "calls per step")]
         findings.insert(0, ("-", kind, f"the step raised on rank {ranks}: {crashed[0][0]}{what}"))
-    dt = sorted({s for res in results for s in res["dtensor_grams"]})
-    return {
-        **_header(setup, world_size, micro_batches),
-        "rows": [r.__dict__ for r in rows],
-        "findings": [{"param": p, "kind": k, "text": t} for p, k, t in findings],
-        "dtensor_grams": [list(s) for s in dt],
-        "collectives_per_rank": [res["collectives"] for res in results],
-    }
+    return findings
 
 
 def _row(

@@ -12,11 +12,14 @@ that change the update across configurations must break the invariance they brea
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .adapters import import_module_as_python_m
 from .audit import Setup, audit, print_audit
 from .invariance import invariance, print_invariance
+
+if TYPE_CHECKING:
+    from .adapters.planted_setups import PlantedSetup
 
 
 def load_setup(spec: str) -> Setup:
@@ -83,7 +86,6 @@ def setup_suite(log: Callable[..., Any] = print) -> dict[str, Any]:
     from .adapters.planted_setups import CONTROL_SETUPS, PLANTED_SETUPS
 
     started = time.monotonic()
-    controls: list[dict[str, Any]] = []
     own = {
         "DistributedMuonFSDP": (setups.DistributedMuonFSDP, 4, 2),
         "DistributedMuonHSDP": (setups.DistributedMuonHSDP, 4, 1),
@@ -91,6 +93,25 @@ def setup_suite(log: Callable[..., Any] = print) -> dict[str, Any]:
         "MuonWithAdamWDDP": (setups.MuonWithAdamWDDP, 2, 2),
         **CONTROL_SETUPS,
     }
+    controls = _audited_controls(own, log) + _invariant_controls(own, log)
+    planted = [_planted_row(name, plant, log) for name, plant in PLANTED_SETUPS.items()]
+    return {
+        "controls": controls,
+        "false_positives": sum(not c["right"] for c in controls),
+        "planted": planted,
+        "caught": sum(p["caught"] for p in planted),
+        "right": sum(p["caught"] and p["right"] for p in planted),
+        "total": len(planted),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def _audited_controls(
+    own: dict[str, tuple[type[Setup], int, int]], log: Callable[..., Any]
+) -> list[dict[str, Any]]:
+    """One audit per control setup (class, world size, micro-batches), each right when it draws no finding;
+    logs a line per control and one per finding."""
+    controls: list[dict[str, Any]] = []
     for name, (cls, w, k) in own.items():
         rep = audit(cls(), w, k)
         ok = not rep["findings"]
@@ -102,6 +123,15 @@ def setup_suite(log: Callable[..., Any] = print) -> dict[str, Any]:
         )
         for f in rep["findings"]:
             log(f"     [{f['kind']}] {f['param']}: {f['text']}")
+    return controls
+
+
+def _invariant_controls(
+    own: dict[str, tuple[type[Setup], int, int]], log: Callable[..., Any]
+) -> list[dict[str, Any]]:
+    """The invariance check (W = 1, 2, 4) of two control setups, each right when nothing is broken; logs a line
+    per control."""
+    controls: list[dict[str, Any]] = []
     for name in ("DistributedMuonFSDP", "ReducingMuon"):
         cls = own[name][0]
         inv = invariance(cls(), (1, 2, 4), 2, 2)
@@ -112,39 +142,34 @@ def setup_suite(log: Callable[..., Any] = print) -> dict[str, Any]:
         log(
             f"setup control {name:<22} invariance: {inv['verdict']}{'' if ok else ' (FALSE POSITIVE)'}"
         )
-    planted: list[dict[str, Any]] = []
-    for name, plant in PLANTED_SETUPS.items():
-        rep = audit(plant.setup(), plant.world_size, plant.micro_batches)
-        kinds = sorted({f["kind"] for f in rep["findings"]})
-        row = {
-            "planted": name,
-            "field_bug": plant.field_bug,
-            "source": plant.source,
-            "expected": plant.finding,
-            "found": kinds,
-            "caught": bool(kinds),
-            "right": plant.finding in kinds,
-        }
-        if plant.breaks:
-            inv = invariance(plant.setup(), (1, 2, 4), 2, 2)
-            row["invariance"] = inv["verdict"]
-            row["right"] = row["right"] and plant.breaks in inv["broken"]
-        planted.append(row)
-        wrong = f" (WRONG: expected {plant.finding}" + (
-            f" and {plant.breaks} broken)" if plant.breaks else ")"
-        )
-        log(
-            f"#{plant.field_bug:<3} {plant.source:<34} setup {name:<20} audit W={plant.world_size} "
-            f"k={plant.micro_batches}: {', '.join(kinds) or 'nothing'}"
-            + (f"; invariance: {row['invariance']}" if "invariance" in row else "")
-            + ("" if row["right"] else wrong)
-        )
-    return {
-        "controls": controls,
-        "false_positives": sum(not c["right"] for c in controls),
-        "planted": planted,
-        "caught": sum(p["caught"] for p in planted),
-        "right": sum(p["caught"] and p["right"] for p in planted),
-        "total": len(planted),
-        "wall_s": round(time.monotonic() - started, 1),
+    return controls
+
+
+def _planted_row(name: str, plant: PlantedSetup, log: Callable[..., Any]) -> dict[str, Any]:
+    """A planted setup bug's audit (and invariance, where it breaks one): the finding kinds drawn, right when
+    they include the expected one (and the expected invariance is broken); logs one line."""
+    rep = audit(plant.setup(), plant.world_size, plant.micro_batches)
+    kinds = sorted({f["kind"] for f in rep["findings"]})
+    row = {
+        "planted": name,
+        "field_bug": plant.field_bug,
+        "source": plant.source,
+        "expected": plant.finding,
+        "found": kinds,
+        "caught": bool(kinds),
+        "right": plant.finding in kinds,
     }
+    if plant.breaks:
+        inv = invariance(plant.setup(), (1, 2, 4), 2, 2)
+        row["invariance"] = inv["verdict"]
+        row["right"] = row["right"] and plant.breaks in inv["broken"]
+    wrong = f" (WRONG: expected {plant.finding}" + (
+        f" and {plant.breaks} broken)" if plant.breaks else ")"
+    )
+    log(
+        f"#{plant.field_bug:<3} {plant.source:<34} setup {name:<20} audit W={plant.world_size} "
+        f"k={plant.micro_batches}: {', '.join(kinds) or 'nothing'}"
+        + (f"; invariance: {row['invariance']}" if "invariance" in row else "")
+        + ("" if row["right"] else wrong)
+    )
+    return row

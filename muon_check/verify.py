@@ -437,6 +437,42 @@ def verify_world(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring): exit 0 when every run matches muon_ref bit for bit, 1 on a contract
+    violation, 2 when the device or backend asked for is not available."""
+    args = _parser().parse_args(argv)
+    args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
+    if not _device_ready(args):
+        return 2
+    torch.set_num_threads(1)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_main(args)
+    specs = tiny_moe()
+    print(
+        f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
+        f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors, on {args.device}"
+    )
+    print("routed to AdamW, not checked: " + ", ".join(s.name for s in specs if not s.is_muon))
+    refs: dict = {}
+    rows, violations = [], []
+    for W in args.world_sizes:
+        got_rows, got_violations = verify_world(
+            W, args.steps, refs, args.timeout, args.presets, args.device
+        )
+        print_table(W, got_rows)
+        rows += got_rows
+        violations += got_violations
+    paths_seen = sorted({r["path"] for r in rows})
+    print(f"\npaths exercised: {', '.join(paths_seen)}; contract violations: {len(violations)}")
+    for v in violations[:20]:
+        print("  " + v)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "violations": violations}, f, indent=1)
+    return 1 if violations else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (--help shows the module docstring)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -470,8 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         "the resume run (default: a temporary directory made by rank 0; one node only)",
     )
     parser.add_argument("--json", metavar="FILE", help="write every row and violation as JSON")
-    args = parser.parse_args(argv)
-    args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
+    return parser
+
+
+def _device_ready(args: argparse.Namespace) -> bool:
+    """Whether the device the run needs (CUDA for --backend nccl, else --device) is available; prints the error
+    to stderr where it is not."""
     from .launch import device_unavailable
 
     unavailable = device_unavailable("cuda" if args.backend == "nccl" else args.device)
@@ -480,33 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --backend nccl needs CUDA: {unavailable} (gloo)", file=sys.stderr)
         else:
             print(f"error: --device {unavailable}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return torchrun_main(args)
-    specs = tiny_moe()
-    print(
-        f"muon_dist verification: {sum(s.is_muon for s in specs)} Muon matrices of a {len(specs)}-param "
-        f"model (tiny_moe), {args.steps} steps, against muon_ref on the full tensors, on {args.device}"
-    )
-    print("routed to AdamW, not checked: " + ", ".join(s.name for s in specs if not s.is_muon))
-    refs: dict = {}
-    rows, violations = [], []
-    for W in args.world_sizes:
-        got_rows, got_violations = verify_world(
-            W, args.steps, refs, args.timeout, args.presets, args.device
-        )
-        print_table(W, got_rows)
-        rows += got_rows
-        violations += got_violations
-    paths_seen = sorted({r["path"] for r in rows})
-    print(f"\npaths exercised: {', '.join(paths_seen)}; contract violations: {len(violations)}")
-    for v in violations[:20]:
-        print("  " + v)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "violations": violations}, f, indent=1)
-    return 1 if violations else 0
+        return False
+    return True
 
 
 def torchrun_main(args: argparse.Namespace) -> int:

@@ -394,19 +394,45 @@ def findings(
     disagree = [o for o in departing if o.replicas or o.resumed]
     search = Search(context.search_budget_s)
     if departing and not out:
-        found, unexplained, configs = _explain(
-            [o for o in outcomes if o not in disagree], preset, overrides, search
+        out += _departures(outcomes, disagree, preset, overrides, search)
+    out += _disagreements(outcomes, departing)
+    out += _failures(outcomes)
+    out += _routing(outcomes, context.stated_routing)
+    out += _unsupported(outcomes)
+    out += _non_deterministic(context)
+    return out
+
+
+def _departures(
+    outcomes: list[Outcome],
+    disagree: list[Outcome],
+    preset: str | None,
+    overrides: dict[str, Any],
+    search: Search,
+) -> list[Finding]:
+    """The convention that explains the departures (for all cases or by partition), then where each departure
+    it leaves unexplained is located; the outcomes whose replicas or resume disagree are left out."""
+    out: list[Finding] = []
+    found, unexplained, configs = _explain(
+        [o for o in outcomes if o not in disagree], preset, overrides, search
+    )
+    _relocate(unexplained, [(c, *config) for (_, c), config in zip(found, configs)])
+    if found and found[0][0] == "all cases":
+        out.append(Finding("convention", found[0][1]))
+    elif found:
+        out.append(
+            Finding("convention", "by partition: " + "; ".join(f"{w}: {c}" for w, c in found))
         )
-        _relocate(unexplained, [(c, *config) for (_, c), config in zip(found, configs)])
-        if found and found[0][0] == "all cases":
-            out.append(Finding("convention", found[0][1]))
-        elif found:
-            out.append(
-                Finding("convention", "by partition: " + "; ".join(f"{w}: {c}" for w, c in found))
-            )
-        out += _located(
-            outcomes, [o for o in unexplained if o not in disagree], preset, overrides, search
-        )
+    out += _located(
+        outcomes, [o for o in unexplained if o not in disagree], preset, overrides, search
+    )
+    return out
+
+
+def _disagreements(outcomes: list[Outcome], departing: list[Outcome]) -> list[Finding]:
+    """A bug where the replicas of a departing case disagree, and one where the resume changes its optimizer
+    state, each with the families it happens on."""
+    out: list[Finding] = []
     if any(o.replicas for o in departing):
         out.append(
             Finding(
@@ -421,28 +447,36 @@ def findings(
                 + by_family(outcomes, lambda o: bool(o.resumed)),
             )
         )
-    out += _failures(outcomes)
-    out += _routing(outcomes, context.stated_routing)
-    unsupported = [o for o in outcomes if o.status == "unsupported"]
-    if unsupported:
-        errors = sorted({o.error or "" for o in unsupported})
-        out.append(
-            Finding(
-                "unsupported input",
-                f"refused at construction on {by_family(outcomes, _status('unsupported'))} "
-                f"({'; '.join(errors)[:300]}): not run",
-            )
-        )
-    if context.self_differences:
-        diffs = ", ".join(f"{d:.3g} ({dt})" for dt, d in sorted(context.self_differences.items()))
-        out.append(
-            Finding(
-                "non-deterministic",
-                f"two runs on the same inputs differ by up to {diffs}; compared at tolerance "
-                f"{context.tolerance:.3g} (twice its own difference) instead of bits",
-            )
-        )
     return out
+
+
+def _unsupported(outcomes: list[Outcome]) -> list[Finding]:
+    """The cases the candidate refused at construction (with their errors), where there are any."""
+    unsupported = [o for o in outcomes if o.status == "unsupported"]
+    if not unsupported:
+        return []
+    errors = sorted({o.error or "" for o in unsupported})
+    return [
+        Finding(
+            "unsupported input",
+            f"refused at construction on {by_family(outcomes, _status('unsupported'))} "
+            f"({'; '.join(errors)[:300]}): not run",
+        )
+    ]
+
+
+def _non_deterministic(context: Context) -> list[Finding]:
+    """Where the candidate differs from itself: its run-to-run differences and the tolerance it is compared at."""
+    if not context.self_differences:
+        return []
+    diffs = ", ".join(f"{d:.3g} ({dt})" for dt, d in sorted(context.self_differences.items()))
+    return [
+        Finding(
+            "non-deterministic",
+            f"two runs on the same inputs differ by up to {diffs}; compared at tolerance "
+            f"{context.tolerance:.3g} (twice its own difference) instead of bits",
+        )
+    ]
 
 
 def _relocate(

@@ -551,60 +551,97 @@ def compare(
     policy, crash = _policy(case, segments)
     if crash:
         return Outcome(case, "crash", error=crash, results=segments)
-    run = reference[policy]
-    bitwise, diffs, ulps, state_diff = True, [0.0] * case.steps, 0.0, None
-    momentum_diffs: list[float | None] = [None] * case.steps
-    for world, results in segments:
-        for rank, r in enumerate(results):
-            first = r["first_step"]
-            checked = [(first + k, got) for k, got in enumerate(r["params"])]
-            if "loaded" in r and first > 0:
-                checked.append((first - 1, r["loaded"]))
-            for s, got_step in checked:
-                for i, (got, want) in enumerate(zip(got_step, run.params[s])):
-                    if i in view.routed:
-                        continue
-                    want = local_box(want, case, rank, world)
-                    bitwise &= same_bits(got, want)
-                    diffs[s] = max(diffs[s], max_abs_diff(got, want))
-                    ulps = max(ulps, max_ulps(got, want))
-            for s in r.get("recorded", {}):
-                for i in range(len(case.shapes)):
-                    got = None if i in view.routed else view.momentum(r, i, s)
-                    if got is not None:
-                        want = local_box(run.momenta[s][i], case, rank, world)
-                        d = 0.0 if same_bits(got, want) else max(max_abs_diff(got, want), 1e-300)
-                        momentum_diffs[s] = max(momentum_diffs[s] or 0.0, d)
-    world, results = segments[-1]
-    for rank, r in enumerate(results):
-        for i, want in enumerate(run.final_momenta):
-            got = None if i in view.routed else view.momentum(r, i)
-            if got is not None:
-                want = local_box(want, case, rank, world)
-                bitwise &= same_bits(got, want)
-                state_diff = max(state_diff or 0.0, max_abs_diff(got, want))
+    tally = _Tally.of(case, segments, reference[policy], view)
     replicas = _disagreement(case, segments)
     resumed = _state_change(case, segments)
-    bitwise &= not replicas and not resumed
+    bitwise = tally.bitwise and not replicas and not resumed
     status = "bitwise" if bitwise else "differs"
-    close = max([*diffs, state_diff or 0.0]) <= view.tolerance if view.tolerance else False
+    close = (
+        max([*tally.diffs, tally.state_diff or 0.0]) <= view.tolerance if view.tolerance else False
+    )
     if status == "differs" and close and not replicas and not resumed:
         status = "close"
     answer = _policy_label(policy, segments, bitwise) if case.family == "asym_none" else None
     return Outcome(
         case,
         status,
-        tuple(diffs),
-        state_diff,
+        tuple(tally.diffs),
+        tally.state_diff,
         results=segments,
         replicas=replicas,
         policy=answer,
         resumed=resumed,
-        max_ulps=ulps,
-        momentum_diffs=tuple(momentum_diffs),
+        max_ulps=tally.ulps,
+        momentum_diffs=tuple(tally.momentum_diffs),
         routed=dict(view.routed),
         tolerance=view.tolerance,
     )
+
+
+@dataclass
+class _Tally:
+    """What compare() gathers over the ranks' results against the reference's run (routed params left out):
+    whether every compared tensor has its bits, the largest |d| of the params per step and in units in the last
+    place, of the momentum per recorded step (None: none compared) and of the final momentum (None: none)."""
+
+    case: Case
+    run: RefRun
+    view: View
+    diffs: list[float]
+    momentum_diffs: list[float | None]
+    bitwise: bool = True
+    ulps: float = 0.0
+    state_diff: float | None = None
+
+    @staticmethod
+    def of(case: Case, segments: list[Segment], run: RefRun, view: View) -> _Tally:
+        """The tally of every segment's ranks: their params and recorded momenta, and the last segment's final
+        momenta."""
+        tally = _Tally(case, run, view, [0.0] * case.steps, [None] * case.steps)
+        for world, results in segments:
+            for rank, r in enumerate(results):
+                tally.add_params(r, rank, world)
+                tally.add_recorded_momenta(r, rank, world)
+        world, results = segments[-1]
+        for rank, r in enumerate(results):
+            tally.add_final_momenta(r, rank, world)
+        return tally
+
+    def add_params(self, r: dict, rank: int, world: int) -> None:
+        """A rank's params after each step it ran (and the ones it loaded, as of the step before its first)
+        against the reference's: bits, |d| and units in the last place."""
+        first = r["first_step"]
+        checked = [(first + k, got) for k, got in enumerate(r["params"])]
+        if "loaded" in r and first > 0:
+            checked.append((first - 1, r["loaded"]))
+        for s, got_step in checked:
+            for i, (got, want) in enumerate(zip(got_step, self.run.params[s])):
+                if i in self.view.routed:
+                    continue
+                want = local_box(want, self.case, rank, world)
+                self.bitwise &= same_bits(got, want)
+                self.diffs[s] = max(self.diffs[s], max_abs_diff(got, want))
+                self.ulps = max(self.ulps, max_ulps(got, want))
+
+    def add_recorded_momenta(self, r: dict, rank: int, world: int) -> None:
+        """A rank's momentum after each step it recorded against the reference's: |d| only (at least 1e-300
+        where the bits differ)."""
+        for s in r.get("recorded", {}):
+            for i in range(len(self.case.shapes)):
+                got = None if i in self.view.routed else self.view.momentum(r, i, s)
+                if got is not None:
+                    want = local_box(self.run.momenta[s][i], self.case, rank, world)
+                    d = 0.0 if same_bits(got, want) else max(max_abs_diff(got, want), 1e-300)
+                    self.momentum_diffs[s] = max(self.momentum_diffs[s] or 0.0, d)
+
+    def add_final_momenta(self, r: dict, rank: int, world: int) -> None:
+        """A rank's momentum at the end against the reference's final momentum: bits and |d|."""
+        for i, want in enumerate(self.run.final_momenta):
+            got = None if i in self.view.routed else self.view.momentum(r, i)
+            if got is not None:
+                want = local_box(want, self.case, rank, world)
+                self.bitwise &= same_bits(got, want)
+                self.state_diff = max(self.state_diff or 0.0, max_abs_diff(got, want))
 
 
 def _policy_label(policy: str, segments: list[Segment], bitwise: bool) -> str:

@@ -245,13 +245,29 @@ def _param(
     P_new = apply_update(P, O, layout, cfg)
     if not _differs(P_cand, P_new, tolerance):
         return None
+    named = _exact_departure(P, P_cand, G, M_new, D, O, cfg, layout)
+    if named is not None:
+        return Located(named[0], s + 1, i, named[1], exact=True)
+    stage, detail = _nearest_departure(P, P_cand, P_new, G, M_new, D, O, cfg, layout)
+    return Located(stage, s + 1, i, detail)
+
+
+def _exact_departure(
+    P: Tensor,
+    P_cand: Tensor,
+    G: Tensor,
+    M_new: Tensor,
+    D: Tensor,
+    O: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+) -> tuple[str, str] | None:
+    """(stage, what) where the candidate's params are, bit for bit, the param left as it is, a named variant of
+    the shape scale, the decay or the application, or an alternative of the direction's stages; else None."""
     if same_bits(P_cand, P):
-        return Located(
+        return (
             "application",
-            s + 1,
-            i,
             "the param is left as it is (no update, no decay): the candidate does not step it; the claim does",
-            exact=True,
         )
     for stage, variants in (
         ("shape scale", _scale_variants(cfg, P.dtype)),
@@ -260,43 +276,56 @@ def _param(
     ):
         for text, alt in variants:
             if same_bits(P_cand, apply_update(P, O, layout, alt)):
-                return Located(stage, s + 1, i, text, exact=True)
-    named = _direction_named(P, P_cand, G, M_new, D, cfg, layout)
-    if named is not None:
-        return Located(named[0], s + 1, i, named[1], exact=True)
+                return stage, text
+    return _direction_named(P, P_cand, G, M_new, D, cfg, layout)
+
+
+def _nearest_departure(
+    P: Tensor,
+    P_cand: Tensor,
+    P_new: Tensor,
+    G: Tensor,
+    M_new: Tensor,
+    D: Tensor,
+    O: Tensor,
+    cfg: MuonConfig,
+    layout: Any,
+) -> tuple[str, str]:
+    """(stage, what) of a departure no variant reproduces: a rounding within one unit in the last place, else a
+    least-squares fit of the step or the decay, else the closest alternative, else the distance from the claim."""
     ulp = _spacing(P_new)
     ratio = ((P_cand.double() - P_new.double()).abs() / ulp).max().item()
     if ratio <= 1.0:
-        return Located(
+        return (
             "application",
-            s + 1,
-            i,
             f"a rounding: within {ratio:.2g} unit in the last place of {_dtype(P_new)} (the update's ops, "
             f"their dtype or memory order, or a difference before them too small to show in {_dtype(P_new)})",
         )
     fit = _fit(P, P_cand, P_new, O)
     c, a = _factors(cfg, layout)
     if fit is not None:
-        alpha, beta, norm_p, norm_o = fit
-        if abs(beta) * norm_o >= abs(alpha) * norm_p:
-            return Located(
-                "shape scale",
-                s + 1,
-                i,
-                f"the update is applied with a step of about {a - beta:.6g} where the claim's lr * scale is "
-                f"{a:.6g} (a least-squares fit)",
-            )
-        return Located(
-            "weight decay",
-            s + 1,
-            i,
-            f"the params are scaled by about {c + alpha:.7g} where the claim's 1 - lr * wd is {c:.7g} (a "
-            "least-squares fit)",
-        )
+        return _fitted(fit, c, a)
     closest = _closest(P, P_cand, P_new, G, M_new, D, cfg, layout)
     if closest is not None:
-        return Located(closest[0], s + 1, i, closest[1])
-    return Located("orthogonalised direction", s + 1, i, _distance(P, P_cand, O, c, a))
+        return closest[0], closest[1]
+    return "orthogonalised direction", _distance(P, P_cand, O, c, a)
+
+
+def _fitted(fit: tuple[float, float, float, float], c: float, a: float) -> tuple[str, str]:
+    """(stage, what) a least-squares fit (_fit) names: the step where its update term outweighs its param term,
+    else the decay, each against the claim's factor (c, a: _factors)."""
+    alpha, beta, norm_p, norm_o = fit
+    if abs(beta) * norm_o >= abs(alpha) * norm_p:
+        return (
+            "shape scale",
+            f"the update is applied with a step of about {a - beta:.6g} where the claim's lr * scale is "
+            f"{a:.6g} (a least-squares fit)",
+        )
+    return (
+        "weight decay",
+        f"the params are scaled by about {c + alpha:.7g} where the claim's 1 - lr * wd is {c:.7g} (a "
+        "least-squares fit)",
+    )
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
