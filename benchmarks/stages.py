@@ -94,19 +94,19 @@ def _collective(op: str, path_at: int) -> Callable[..., str]:
 @contextmanager
 def instrumented(clock: StageClock) -> Iterator[None]:
     """The step's functions wrapped by `clock` (restored on exit)."""
-    from muon_dist import comm, optim, step
+    from muon_dist import agreement, comm, elementwise, optim, step
     from muon_dist.paths import agrs, exchange
 
     targets = [
         (step, "plan", "plan"),
-        (step, "write_groups", "plan"),
-        (step, "local_flags", "nonfinite"),
-        (step, "nonfinite", "nonfinite"),
+        (agreement, "write_groups", "plan"),
+        (agreement, "local_flags", "nonfinite"),
+        (agreement, "nonfinite", "nonfinite"),
         (optim.DistributedMuon, "_write_buffer", "write"),
         (optim.DistributedMuon, "_collect", "collect"),
-        (step, "momentum_direction", "momentum"),
-        (step, "apply_update", "apply"),
-        (step, "run_stage", "shard pad"),
+        (elementwise, "momentum_direction", "momentum"),
+        (elementwise, "apply_update", "apply"),
+        (elementwise, "run_stage", "shard pad"),
         (exchange, "pack", "pack/unpack"),
         (exchange, "unpack", "pack/unpack"),
         (exchange, "join", "pack/unpack"),

@@ -8,9 +8,8 @@ path module named by `path` states and checks the invariants that path needs (mu
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -19,29 +18,6 @@ from .geometry import Box, Geometry
 
 # orthogonalise the whole blocks of a param that lie inside `box`, given x = the param's part in that box
 Kernel = Callable[[Tensor, Box], Tensor]
-
-# A path's run as a generator (a path whose module says PIPELINED): it yields right after issuing a collective
-# (which then runs while the caller computes) and returns the updates; run_to_end runs it without pausing. Every
-# rank resumes its generators in the same order (muon_dist/step.py), so collectives are issued in one order.
-Steps = Generator[None, None, Any]
-
-
-def run_to_end(steps: Steps) -> Any:
-    """The value a Steps generator returns, resumed until it ends."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
-def blocking(steps: Callable[..., Steps]) -> Callable[..., Any]:
-    """A PIPELINED path's run from its steps: the same arguments, the Steps run to their end."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return run_to_end(steps(*args, **kwargs))
-
-    return run
 
 
 @dataclass(frozen=True)
@@ -81,8 +57,8 @@ class Batch:
 
 @dataclass
 class FailureFlag:
-    """A write group's failure check carried by its last data collective (muon_dist/step.py, step 5), by the paths
-    whose module says CARRIES_FLAG: `local()` says whether this rank's work has failed so far in the step; it is
+    """A write group's failure check carried by its last data collective (muon_dist/agreement.py), by the paths
+    whose record says carries_flag: `local()` says whether this rank's work has failed so far in the step; it is
     read right before the path's last collective, which carries it as one more element per piece, logged under
     `name`; `failed` is then set to the global ranks of the group whose flag was set. The step uses it only
     where the group is the whole world, so every rank learns every rank's flag."""

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from muon_ref.functional import Block
+from muon_ref.functional import Block, MatrixLayout
 
 
 def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:
@@ -66,6 +66,20 @@ class Box:
 
 def whole(shape: Sequence[int]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
+
+
+def blocks_in(matrices: MatrixLayout, box: Box) -> MatrixLayout:
+    """The layout of the whole blocks inside `box`, in the box's coordinates (the box holds whole blocks)."""
+    if box.shape == matrices.shape:  # the whole param
+        return matrices
+    inside = [b for b in matrices.blocks if box.intersect(b) == Box(b.offsets, b.shape)]
+    shifted = tuple(
+        type(b)(tuple(o - q for o, q in zip(b.offsets, box.offsets)), b.shape, b.fan_out, b.fan_in)
+        for b in inside
+    )
+    if matrices.separate:
+        return MatrixLayout(len(shifted), None, None, shifted, separate=True)
+    return MatrixLayout(len(shifted), matrices.fan_out, matrices.fan_in, shifted)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ if every component of members that share a block holds exactly that one block, "
 all-to-all family over the whole shard group (proofs/paths.md#expert-fallback). E % ep != 0 needs no special
 case: the boxes say which case it is.
 
-dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (GLOBAL_DISPATCH: the
+dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (Path.global_dispatch: the
 all-to-all family) into one "global_all_to_all" batch per (shard groups, direction dtype, update dtype), each
 param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
 param index and rank), cut into Options.rounds rounds (muon_dist.balance.rounds: each owner gets about
@@ -38,7 +38,7 @@ from .geometry import parse_placement
 from .layout import ParamLayout
 from .paths import PATHS
 
-REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.REMAINDER)
+REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.remainder)
 # DistributedMuon's default: global dispatch in this many rounds (docs/benchmarks.md: the dense set at W = 2 and
 # 4 with 1, 2, 4 and 8 rounds)
 ROUNDS = 4
@@ -222,7 +222,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                     chunk,
                     (geometry,) * len(chunk),
                     PATHS[path].owners(len(chunk), geometry.group_size),
-                    first.sent_dtype if PATHS[path].MOVES_DIRECTIONS else first.layout.dtype,
+                    first.sent_dtype if PATHS[path].moves_directions else first.layout.dtype,
                     first.update_dtype,
                 )
             )
@@ -238,7 +238,7 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> lis
     dropped)."""
     kept, merged = [], {}
     for batch in batches:
-        if not PATHS[batch.path].GLOBAL_DISPATCH or batch.group_size == 1:
+        if not PATHS[batch.path].global_dispatch or batch.group_size == 1:
             kept.append(batch)  # (a group of one moves nothing: its batches stay one param each)
             continue
         key = (batch.geometries[0].groups, batch.direction_dtype, batch.update_dtype)

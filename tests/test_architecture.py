@@ -19,9 +19,11 @@ CORE = (
     "geometry",
     "layout",
     "batch",
+    "runtime",
     "balance",
     "paths",
     "plan",
+    "agreement",
     "elementwise",
     "kernels",
     "step",
@@ -37,8 +39,14 @@ RULES: dict[str, set[str]] = {
     "muon_dist.geometry": {"muon_ref"},
     "muon_dist.layout": {"muon_ref", "muon_dist.geometry"},
     "muon_dist.batch": {"muon_dist.geometry"},
+    "muon_dist.runtime": set(),
     "muon_dist.balance": set(),
-    "muon_dist.paths": {"muon_dist.batch", "muon_dist.comm", "muon_dist.geometry"},
+    "muon_dist.paths": {
+        "muon_dist.batch",
+        "muon_dist.comm",
+        "muon_dist.geometry",
+        "muon_dist.runtime",
+    },
     "muon_dist.plan": {
         "muon_dist.balance",
         "muon_dist.batch",
@@ -46,10 +54,18 @@ RULES: dict[str, set[str]] = {
         "muon_dist.layout",
         "muon_dist.paths",
     },
-    "muon_dist.elementwise": {"muon_dist.geometry"},
+    "muon_dist.agreement": {
+        "muon_ref",
+        "muon_dist.batch",
+        "muon_dist.comm",
+        "muon_dist.geometry",
+        "muon_dist.plan",
+    },
+    "muon_dist.elementwise": {"muon_ref", "muon_dist.geometry"},
     "muon_dist.kernels": {"muon_ref"},
     "muon_dist.step": {
         "muon_ref",
+        "muon_dist.agreement",
         "muon_dist.batch",
         "muon_dist.comm",
         "muon_dist.elementwise",
@@ -57,6 +73,7 @@ RULES: dict[str, set[str]] = {
         "muon_dist.kernels",
         "muon_dist.plan",
         "muon_dist.paths",
+        "muon_dist.runtime",
     },
     "muon_dist.optim": {
         "muon_ref",
@@ -163,6 +180,9 @@ FORBIDDEN = [  # negative controls: one forbidden import per rule of the issue
     ("from .paths import PATHS", "muon_dist.comm"),  # ... and no path
     ("from ..optim import DistributedMuon", "muon_dist.paths.agrs"),  # paths import no optimizer
     ("from .. import step", "muon_dist.paths.agrs"),  # ... nor the step
+    ("from .step import ParamInput", "muon_dist.agreement"),  # the protocol knows no step
+    ("from .paths import PATHS", "muon_dist.runtime"),  # the runtime knows no path
+    ("from .agreement import guarded", "muon_dist.elementwise"),  # box work knows no protocol
 ]
 
 

@@ -21,14 +21,8 @@ from torch import Tensor
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
 from ..geometry import whole
+from .interface import Path
 from .shards import cut, join
-
-NAME = "agrs"
-GLOBAL_DISPATCH = True
-REMAINDER = True
-CARRIES_FLAG = False
-PIPELINED = False
-MOVES_DIRECTIONS = True
 
 # What non-owners contribute to the sum: x + (-0.0) == x for every x; +0.0 would turn an owner's -0.0 into +0.0.
 ADDITIVE_IDENTITY = -0.0
@@ -53,7 +47,7 @@ def run(
     send = directions[0].new_zeros(R, width)
     for k, d in enumerate(directions):
         send[k, : sizes[me]] = d.reshape(-1)
-    gathered = comm.all_gather(send, group, NAME).reshape(W, R, width)
+    gathered = comm.all_gather(send, group, "agrs").reshape(W, R, width)
     contrib = send.new_full((W, R, width), ADDITIVE_IDENTITY, dtype=batch.update_torch_dtype)
     if me < R:
         frame = whole(geometry.global_shape)
@@ -62,7 +56,7 @@ def run(
             cut(kernels[me](full, frame).to(batch.update_torch_dtype), geometry)
         ):
             contrib[j, me, : sizes[j]] = box
-    mine = comm.reduce_scatter_sum(contrib, group, NAME).reshape(R, width)
+    mine = comm.reduce_scatter_sum(contrib, group, "agrs").reshape(R, width)
     return [mine[k, : sizes[me]].reshape(geometry.boxes[me].shape) for k in range(R)]
 
 
@@ -70,3 +64,14 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     moved = (batch.group_size - 1) * len(batch.params) * max(batch.geometries[0].sizes)
     both = moved * (itemsizes[batch.direction_dtype] + itemsizes[batch.update_dtype])
     return both, both
+
+
+PATH = Path(
+    name="agrs",
+    run=run,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    global_dispatch=True,
+    remainder=True,
+)

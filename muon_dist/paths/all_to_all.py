@@ -17,15 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..batch import Batch, blocking
+from ..batch import Batch
+from ..runtime import blocking
 from .exchange import batch_steps, exchange_bytes
-
-NAME = "all_to_all"
-GLOBAL_DISPATCH = True  # dispatch="global" merges its batches into global_all_to_all
-REMAINDER = False  # takes full batches only
-CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
-PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
-MOVES_DIRECTIONS = True
+from .interface import Path
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -38,7 +33,7 @@ def check(batch: Batch) -> None:
     ), batch
 
 
-steps = batch_steps(NAME)  # the interface's steps: the exchange of the batch as planned
+steps = batch_steps("all_to_all")  # the interface's steps: the exchange of the batch as planned
 run = blocking(steps)  # the interface's run: the Steps without pausing
 
 
@@ -46,3 +41,16 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     return exchange_bytes(
         batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
     )
+
+
+PATH = Path(
+    name="all_to_all",
+    run=run,
+    steps=steps,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    global_dispatch=True,  # dispatch="global" merges its batches into global_all_to_all
+    remainder=False,  # takes full batches only
+    carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
+)

@@ -21,20 +21,15 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry
 from .exchange import pack, unpack
+from .interface import Path
 from .shards import join
-
-NAME = "blocks"
-GLOBAL_DISPATCH = False
-REMAINDER = False
-CARRIES_FLAG = False
-PIPELINED = False
-MOVES_DIRECTIONS = True
 
 
 @dataclass(frozen=True)
@@ -82,41 +77,65 @@ def run(
     me, W, dtype = group.ranks.index(comm.rank), group.size, batch.update_torch_dtype
     todo = [(k, u) for k, g in enumerate(batch.geometries) for u in units(g)]
     mine = [g.boxes[me] for g in batch.geometries]
-
-    def piece_of(k: int, unit: Unit, local: Tensor) -> Tensor:
-        return local[unit.pieces[me].within(mine[k]).index].reshape(-1)
-
-    if not exchanges(
-        batch
-    ):  # every block lies whole on its owner: orthogonalise what this member owns
+    if not exchanges(batch):
+        # every block lies whole on its owner: orthogonalise what this member owns
         outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
         for k, u in todo:
             if u.owner == me:
-                piece = directions[k][u.frame.within(mine[k]).index]
-                outs[k][u.frame.within(mine[k]).index] = kernels[k](piece.contiguous(), u.frame).to(
-                    dtype
-                )
+                here = u.frame.within(mine[k]).index
+                outs[k][here] = kernels[k](directions[k][here].contiguous(), u.frame).to(dtype)
         return outs
     owned = [[(k, u) for k, u in todo if u.owner == j] for j in range(W)]
-    held = [
-        (k, u) for k, u in todo if u.pieces[me] is not None
-    ]  # the units I hold a piece of, in order
     to_owner = [sum(u.pieces[me].numel for k, u in owned[j] if u.pieces[me]) for j in range(W)]
     from_member = [sum(u.pieces[j].numel for _, u in owned[me] if u.pieces[j]) for j in range(W)]
-
     send = pack(
-        [[piece_of(k, u, directions[k]) for k, u in owned[j] if u.pieces[me]] for j in range(W)],
+        [
+            [
+                directions[k][u.pieces[me].within(mine[k]).index].reshape(-1)
+                for k, u in owned[j]
+                if u.pieces[me]
+            ]
+            for j in range(W)
+        ],
         directions[0].new_empty(0),
     )
     recv = unpack(
-        comm.all_to_all(send, from_member, to_owner, group, NAME),
+        comm.all_to_all(send, from_member, to_owner, group, "blocks"),
         [[u.pieces[j].numel for _, u in owned[me] if u.pieces[j]] for j in range(W)],
     )
-    back: list[list[Tensor]] = [
-        [] for _ in range(W)
-    ]  # back[j]: member j's pieces of my units' updates, in order
+    back = _orthogonalise_owned(owned[me], recv, kernels, W, dtype)
+    returned = unpack(
+        comm.all_to_all(
+            pack(back, directions[0].new_empty(0, dtype=dtype)),
+            to_owner,
+            from_member,
+            group,
+            "blocks",
+        ),
+        [[u.pieces[me].numel for _, u in owned[j] if u.pieces[me]] for j in range(W)],
+    )
+    held = [(k, u) for k, u in todo if u.pieces[me] is not None]  # the units I hold a piece of
+    outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
+    cursor = [0] * W
+    for k, u in held:
+        piece = returned[u.owner][cursor[u.owner]]
+        cursor[u.owner] += 1
+        outs[k][u.pieces[me].within(mine[k]).index] = piece.reshape(u.pieces[me].shape)
+    return outs
+
+
+def _orthogonalise_owned(
+    owned: list[tuple[int, Unit]],
+    recv: list[list[Tensor]],
+    kernels: list[Kernel],
+    W: int,
+    dtype: torch.dtype,
+) -> list[list[Tensor]]:
+    """The owner's part: each owned unit joined exactly from its members' pieces (recv[j]: member j's pieces, in
+    order), its kernel run on the unit's frame; back[j]: member j's pieces of the updates, in order."""
+    back: list[list[Tensor]] = [[] for _ in range(W)]
     taken = [0] * W
-    for k, u in owned[me]:
+    for k, u in owned:
         members = [j for j in range(W) if u.pieces[j]]
         parts = []
         for j in members:
@@ -125,19 +144,7 @@ def run(
         update = kernels[k](join(parts, [u.pieces[j] for j in members], u.frame), u.frame).to(dtype)
         for j in members:
             back[j].append(update[u.pieces[j].within(u.frame).index].reshape(-1))
-    returned = unpack(
-        comm.all_to_all(
-            pack(back, directions[0].new_empty(0, dtype=dtype)), to_owner, from_member, group, NAME
-        ),
-        [[u.pieces[me].numel for _, u in owned[j] if u.pieces[me]] for j in range(W)],
-    )
-    outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
-    cursor = [0] * W
-    for k, u in held:
-        piece = returned[u.owner][cursor[u.owner]]
-        cursor[u.owner] += 1
-        outs[k][u.pieces[me].within(mine[k]).index] = piece.reshape(u.pieces[me].shape)
-    return outs
+    return back
 
 
 def expected_bytes(
@@ -156,3 +163,12 @@ def expected_bytes(
             else:
                 sent, received = sent + piece * b_dir, received + piece * b_upd
     return sent, received
+
+
+PATH = Path(
+    name="blocks",
+    run=run,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+)

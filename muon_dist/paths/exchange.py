@@ -6,7 +6,7 @@ Forward: member j sends owner o its boxes of the params o owns, concatenated in 
 runs that param's kernel on it. Back: the update's boxes, in the same order.
 
 Equation, on every member r and for every param k:  exchange_steps(...)[k] == box_r(kernel_k(full(D_k)))
-(the value the generator returns; muon_dist.batch.run_to_end runs it without pausing)
+(the value the generator returns; muon_dist.runtime.run_to_end runs it without pausing)
 (proofs/paths.md#a2a, #global): the owner joins exactly the global tensor (the boxes tile it) and runs the param's
 own kernel on it; the exchanges only move bits. Traffic of param k, for member r with box b_r of k's S elements:
 the owner receives S - b_owner direction elements and sends as many update elements back; any other member sends
@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, Steps
+from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
 from ..geometry import Geometry, whole
+from ..runtime import Steps
 from .shards import cut, join
 
 
@@ -55,7 +56,7 @@ def exchange_steps(
     name: str,
     flag: FailureFlag | None = None,
 ) -> Steps:
-    """The exchange as Steps (muon_dist/batch.py): it yields right after issuing each of its two all-to-alls, so the
+    """The exchange as Steps (muon_dist/runtime.py): it yields right after issuing each of its two all-to-alls, so the
     caller can compute while they run, and returns this member's box of every param's update (module docstring);
     collectives logged under `name`. A group of one owns every param whole: the kernels run on the directions as
     they are, with no exchange (and no yield). `flag`: the update's all-to-all also carries every member's
@@ -63,19 +64,13 @@ def exchange_steps(
     directions only until they are packed."""
     W, me = group.size, group.ranks.index(comm.rank)
     if W == 1:
-        return [
-            kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
-            for d, kernel, g in zip(directions, kernels, geometries)
-        ]
-    sizes = [g.sizes for g in geometries]  # sizes[k][j]: member j's box of param k
-    owned = [
-        [k for k, o in enumerate(owners) if o == j] for j in range(W)
-    ]  # owned[j]: params of member j
-    to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]  # my boxes, by owner
-    from_member = [
-        sum(sizes[k][j] for k in owned[me]) for j in range(W)
-    ]  # member j's boxes of my params
-
+        return _orthogonalise_whole(directions, kernels, geometries, update_dtype)
+    # sizes[k][j]: member j's box of param k; owned[j]: the params of member j; to_owner[j]: my boxes of member
+    # j's params; from_member[j]: member j's boxes of my params
+    sizes = [g.sizes for g in geometries]
+    owned = [[k for k, o in enumerate(owners) if o == j] for j in range(W)]
+    to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]
+    from_member = [sum(sizes[k][j] for k in owned[me]) for j in range(W)]
     empty = directions[0].new_empty(0)
     send = pack([[directions[k] for k in owned[j]] for j in range(W)], empty)
     num_params = len(directions)
@@ -83,17 +78,10 @@ def exchange_steps(
     pending = comm.all_to_all(send, from_member, to_owner, group, name, async_op=True)
     del send
     yield
-    recv = unpack(
-        pending.wait(), [[sizes[k][j] for k in owned[me]] for j in range(W)]
-    )  # recv[j][i]: member j's box of owned[me][i]
-    boxes = []  # boxes[i][j]: member j's box of my i-th param's update
-    for i, k in enumerate(owned[me]):
-        frame = whole(geometries[k].global_shape)
-        full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
-        boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
+    # recv[j][i]: member j's box of owned[me][i]
+    recv = unpack(pending.wait(), [[sizes[k][j] for k in owned[me]] for j in range(W)])
+    rows = _orthogonalise_owned(recv, owned[me], geometries, kernels, update_dtype)
     del recv
-
-    rows = [[b[j] for b in boxes] for j in range(W)]
     lengths = [[sizes[k][me] for k in owned[j]] for j in range(W)]
     if flag is not None:
         # one element more per piece, each way: the sender's flag (0 or 1, exact in any dtype)
@@ -102,27 +90,52 @@ def exchange_steps(
         lengths = [row + [1] for row in lengths]
         to_owner, from_member = [n + 1 for n in to_owner], [n + 1 for n in from_member]
     send = pack(rows, empty.new_empty(0, dtype=update_dtype))
-    del rows, boxes
-    pending = comm.all_to_all(
-        send,
-        to_owner,
-        from_member,
-        group,
-        name,
-        flag.name if flag is not None else None,
-        async_op=True,
-    )
+    del rows
+    flag_name = flag.name if flag is not None else None
+    pending = comm.all_to_all(send, to_owner, from_member, group, name, flag_name, async_op=True)
     del send
     yield
     back = unpack(pending.wait(), lengths)
     if flag is not None:
         marks = torch.cat([row.pop()[-1:] for row in back]).tolist()  # one device-to-host copy
         flag.failed = [group.ranks[j] for j, m in enumerate(marks) if m != 0]
-    updates: list[Tensor | None] = [None] * num_params
+    # back[j]: my boxes of member j's params' updates, in its order
+    updates: dict[int, Tensor] = {}
     for j in range(W):
         for k, box in zip(owned[j], back[j]):
             updates[k] = box.reshape(geometries[k].boxes[me].shape)
-    return updates  # type: ignore[return-value]
+    return [updates[k] for k in range(num_params)]
+
+
+def _orthogonalise_whole(
+    directions: list[Tensor],
+    kernels: Sequence[Kernel],
+    geometries: Sequence[Geometry],
+    update_dtype: torch.dtype,
+) -> list[Tensor]:
+    """A group of one: every param is whole here, its kernel runs on its direction as it is."""
+    return [
+        kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
+        for d, kernel, g in zip(directions, kernels, geometries)
+    ]
+
+
+def _orthogonalise_owned(
+    recv: list[list[Tensor]],
+    mine: list[int],
+    geometries: Sequence[Geometry],
+    kernels: Sequence[Kernel],
+    update_dtype: torch.dtype,
+) -> list[list[Tensor]]:
+    """The owner's part: each of its params (`mine`) joined exactly from every member's box (recv[j][i]: member
+    j's box of mine[i]) and its kernel run on it; rows[j]: member j's boxes of the updates, in param order."""
+    W = len(recv)
+    boxes = []  # boxes[i][j]: member j's box of my i-th param's update
+    for i, k in enumerate(mine):
+        frame = whole(geometries[k].global_shape)
+        full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
+        boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
+    return [[b[j] for b in boxes] for j in range(W)]
 
 
 def batch_steps(name: str) -> Callable[..., Steps]:

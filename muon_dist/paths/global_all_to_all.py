@@ -19,15 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..batch import Batch, blocking
+from ..batch import Batch
+from ..runtime import blocking
 from .exchange import batch_steps, exchange_bytes
-
-NAME = "global_all_to_all"
-GLOBAL_DISPATCH = False  # it is the merged batch
-REMAINDER = False
-CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
-PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
-MOVES_DIRECTIONS = True
+from .interface import Path
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -38,7 +33,9 @@ def check(batch: Batch) -> None:
     assert len(batch.owners) == len(batch.params), batch
 
 
-steps = batch_steps(NAME)  # the interface's steps: the exchange of the batch as planned
+steps = batch_steps(
+    "global_all_to_all"
+)  # the interface's steps: the exchange of the batch as planned
 run = blocking(steps)  # the interface's run: the Steps without pausing
 
 
@@ -46,3 +43,15 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     return exchange_bytes(
         batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
     )
+
+
+PATH = Path(
+    name="global_all_to_all",
+    run=run,
+    steps=steps,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    global_dispatch=False,  # it is the merged batch
+    carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
+)

@@ -17,13 +17,7 @@ from torch import Tensor
 
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-
-NAME = "local"
-GLOBAL_DISPATCH = False
-REMAINDER = False
-CARRIES_FLAG = False
-PIPELINED = False
-MOVES_DIRECTIONS = False  # the directions stay where they are
+from .interface import Path
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -48,3 +42,13 @@ def run(
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> None:
     return None  # no collective
+
+
+PATH = Path(
+    name="local",
+    run=run,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    moves_directions=False,  # the directions stay where they are
+)

@@ -16,16 +16,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, Steps, blocking
+from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
+from ..runtime import Steps, blocking
 from .exchange import exchange_bytes, exchange_steps
-
-NAME = "padded_all_to_all"
-GLOBAL_DISPATCH = True
-REMAINDER = True  # takes any batch size up to W
-CARRIES_FLAG = True  # run(..., flag=) carries the write group's failure flag in its last collective
-PIPELINED = True  # steps(...): run as Steps that yield after issuing each collective
-MOVES_DIRECTIONS = True
+from .interface import Path
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -66,7 +61,7 @@ def steps(
         directions + zeros,
         list(kernels) + [kernels[0]] * extra,
         batch.update_torch_dtype,
-        NAME,
+        "padded_all_to_all",
         flag,
     )
     return updates[:real]
@@ -79,3 +74,16 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     return exchange_bytes(
         *padded(batch), member, itemsizes, batch.direction_dtype, batch.update_dtype
     )
+
+
+PATH = Path(
+    name="padded_all_to_all",
+    run=run,
+    steps=steps,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    global_dispatch=True,
+    remainder=True,  # takes any batch size up to W
+    carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
+)

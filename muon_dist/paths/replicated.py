@@ -17,13 +17,7 @@ from torch import Tensor
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
 from ..geometry import whole
-
-NAME = "replicated"
-GLOBAL_DISPATCH = False
-REMAINDER = False
-CARRIES_FLAG = False
-PIPELINED = False
-MOVES_DIRECTIONS = False  # the directions stay where they are
+from .interface import Path
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -46,10 +40,20 @@ def run(
         mine = kernels[me](directions[me], whole(shape)).to(batch.update_torch_dtype).reshape(-1)
     else:
         mine = directions[0].new_zeros(numel, dtype=batch.update_torch_dtype)
-    gathered = comm.all_gather(mine, group, NAME).reshape(group.size, numel)
+    gathered = comm.all_gather(mine, group, "replicated").reshape(group.size, numel)
     return [gathered[k].reshape(shape) for k in range(len(directions))]
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
     moved = (batch.group_size - 1) * batch.numel(0) * itemsizes[batch.update_dtype]
     return moved, moved
+
+
+PATH = Path(
+    name="replicated",
+    run=run,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+    moves_directions=False,  # the directions stay where they are
+)

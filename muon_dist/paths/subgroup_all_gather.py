@@ -24,14 +24,8 @@ from torch import Tensor
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry
+from .interface import Path
 from .shards import join
-
-NAME = "subgroup_all_gather"
-GLOBAL_DISPATCH = False
-REMAINDER = False
-CARRIES_FLAG = False
-PIPELINED = False
-MOVES_DIRECTIONS = True
 
 
 def owners(num_params: int, group_size: int) -> tuple[int, ...]:
@@ -78,7 +72,7 @@ def run(
     for k, d in enumerate(directions):
         send[k, : d.numel()] = d.reshape(-1)
     sub = subs[tuple(group.ranks[j] for j in component)]
-    gathered = comm.all_gather(send, sub, NAME).reshape(len(component), R, width)
+    gathered = comm.all_gather(send, sub, "subgroup_all_gather").reshape(len(component), R, width)
     out = []
     for k in range(R):
         full = join([gathered[q, k, : boxes[q].numel] for q in range(len(component))], boxes, frame)
@@ -97,3 +91,12 @@ def expected_bytes(
     moved = (len(component) - 1) * len(batch.params) * max(geometry.sizes[j] for j in component)
     moved *= itemsizes[batch.direction_dtype]
     return moved, moved
+
+
+PATH = Path(
+    name="subgroup_all_gather",
+    run=run,
+    owners=owners,
+    check=check,
+    expected_bytes=expected_bytes,
+)

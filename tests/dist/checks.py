@@ -8,7 +8,7 @@ import math
 import torch
 
 from muon_check.fixtures import axis_codes, bits, box_of, mesh_shape, same_bits
-from muon_dist.step import CHECKS
+from muon_dist.agreement import CHECKS
 
 from .conftest import get_pool, record_paths
 from .workers import Case, distributed_steps, reference_steps

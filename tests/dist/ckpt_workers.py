@@ -269,19 +269,19 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
     ("momentum") while the other ranks are in (or about to enter) the step's collectives. The error each rank
     raised, how long its step took, whether anything was written; then step 1 again without the fault, and the
     params against muon_ref."""
-    import muon_dist.step as step_module
+    import muon_dist.elementwise as elementwise
     from muon_dist.kernels import Backend
 
     params, opt = _setup(case)
     _set_grads(case, params, 0, (), 0)
     opt.step()
     before = _locals(params, opt)
-    real_backend, real_stage = opt.backend, step_module.run_stage
+    real_backend, real_stage = opt.backend, elementwise.run_stage
     if where == "kernel":
         opt.backend = Backend("torch", lambda d, layout, cfg: (_raise_on(failing_rank, where),
                                                                real_backend.orthogonalize(d, layout, cfg))[1], True)
     else:  # the first run_stage call of the step is param 0's momentum
-        step_module.run_stage = lambda stage, inputs, shape, box: (_raise_on(failing_rank, where),
+        elementwise.run_stage = lambda stage, inputs, shape, box: (_raise_on(failing_rank, where),
                                                                    real_stage(stage, inputs, shape, box))[1]
     _set_grads(case, params, 1, (), 0)
     error, start = "no error", time.monotonic()
@@ -290,7 +290,7 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
     except RuntimeError as e:
         error = str(e)
     finally:
-        opt.backend, step_module.run_stage = real_backend, real_stage
+        opt.backend, elementwise.run_stage = real_backend, real_stage
     seconds = time.monotonic() - start
     after = _locals(params, opt)
     unchanged = all(torch.equal(_bits(a), _bits(b)) for k in ("params", "buffers") for a, b in zip(before[k], after[k]))

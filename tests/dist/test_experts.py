@@ -22,7 +22,7 @@ from muon_dist import Entry, Group, Options, ThreadComm, ThreadWorld, expected_b
 from muon_dist.comm import run_threads
 from muon_check.fixtures import same_bits
 from muon_dist.paths import PATHS
-from muon_dist.step import CHECKS
+from muon_dist.agreement import CHECKS
 from muon_ref.presets import PRESETS
 from tests.conftest import examples
 

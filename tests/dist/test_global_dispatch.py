@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from muon_dist import Entry, Options, plan
 from muon_dist.balance import lpt, ns_flops
 from muon_check.fixtures import box_of
-from muon_dist.step import CHECKS
+from muon_dist.agreement import CHECKS
 
 from tests.conftest import examples
 

@@ -22,7 +22,7 @@ import muon_ref
 from muon_dist import DistributedMuon, ThreadComm, ThreadWorld, expected_bytes
 from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.comm import run_threads
-from muon_dist.step import CHECKS
+from muon_dist.agreement import CHECKS
 from muon_ref.presets import PRESETS
 
 from muon_check.fixtures import same_bits, seeded

@@ -4,6 +4,7 @@ exactly when what the ranks must agree on changes."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -86,7 +87,7 @@ mixed = st.lists(st.tuples(st.sampled_from([(5, 3), (4, 4), (1, 7)]), st.sampled
 @given(W=st.integers(1, 6), spec=mixed, remainder=st.sampled_from(["agrs", "padded_all_to_all"]))
 def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_pair_with_lpt_owners(
         W: int, spec: list, remainder: str) -> None:
-    """plan.py's docstring: every batch of a GLOBAL_DISPATCH path merged into one global_all_to_all batch per
+    """plan.py's docstring: every batch of a global_dispatch path merged into one global_all_to_all batch per
     (shard groups, direction dtype, update dtype), after the other batches, params in param-group order, owners by
     LPT on each param's Newton-Schulz FLOPs; the other batches stay as they are."""
     entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
@@ -94,11 +95,11 @@ def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_
     batched = plan(entries, Options(remainder, rounds=1))
     merged = plan(entries, Options(remainder, dispatch="global", rounds=1))
     # (a shard group of one moves nothing: its batches stay as they are)
-    kept = [b for b in batched.batches if not PATHS[b.path].GLOBAL_DISPATCH or b.group_size == 1]
+    kept = [b for b in batched.batches if not PATHS[b.path].global_dispatch or b.group_size == 1]
     assert list(merged.batches[:len(kept)]) == kept
     runs: dict[tuple, list[int]] = {}
     for b in batched.batches:
-        if PATHS[b.path].GLOBAL_DISPATCH and b.group_size > 1:
+        if PATHS[b.path].global_dispatch and b.group_size > 1:
             runs.setdefault((b.geometries[0].groups, b.direction_dtype, b.update_dtype), []).extend(b.params)
     assert len(merged.batches) == len(kept) + len(runs)
     for b, ((groups, direction, update), params) in zip(merged.batches[len(kept):], runs.items()):
@@ -262,8 +263,21 @@ def test_the_blocks_ledger_balances_on_a_group_of_300_ranks_with_owners_past_256
 
 
 @pytest.mark.parametrize("name", sorted(PATHS))
-def test_a_path_is_pipelined_exactly_where_it_provides_steps(name: str) -> None:
-    """step.py runs a PIPELINED path's steps(...) (it yields after issuing each collective) and any other path's
-    run(...): the flag and the module agree, so no path's steps are dead code and none is run without them."""
-    module = PATHS[name]
-    assert module.PIPELINED == callable(getattr(module, "steps", None)), name
+def test_every_path_is_a_record_named_as_registered(name: str) -> None:
+    """PATHS maps each name to its module's frozen Path record: the record's name is its key, it is the module's
+    own PATH (followable from the registry to the code), its functions are the module's, and a path carries the
+    failure flag only where it runs as Steps (the flag travels in steps(..., flag=))."""
+    path = PATHS[name]
+    module = importlib.import_module(f"muon_dist.paths.{name}")
+    assert path.name == name and module.PATH is path
+    assert path.run is module.run and path.owners is module.owners and path.check is module.check
+    assert path.steps is getattr(module, "steps", None)
+    assert not path.carries_flag or path.pipelined
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        path.name = "other"  # type: ignore[misc]
+
+
+def test_a_record_that_carries_a_flag_without_steps_is_refused() -> None:
+    """Negative control of the record's own invariant: carries_flag without steps cannot be declared."""
+    with pytest.raises(AssertionError, match="a flag travels in steps"):
+        dataclasses.replace(PATHS["agrs"], carries_flag=True)

@@ -24,7 +24,8 @@ from muon_dist import Entry, Options, ParamLayout, ThreadComm, ThreadWorld, expe
 from muon_dist.comm import run_threads
 from muon_dist.kernels import Backend, backend
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_dist.step import CHECKS, ParamInput, execute, prepare
+from muon_dist.agreement import CHECKS
+from muon_dist.step import ParamInput, execute, prepare
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
 

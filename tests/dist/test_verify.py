@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -31,9 +33,10 @@ def _dropping(comm, group, batch, directions, kernels):
 
 @pytest.mark.timeout(240)
 def test_verify_exits_non_zero_when_a_path_drops_its_updates(monkeypatch, capsys):
-    from muon_dist.paths import agrs
+    from muon_dist.paths import PATHS
 
-    monkeypatch.setattr(agrs, "run", _dropping)  # the forked ranks inherit the broken path
+    broken = dataclasses.replace(PATHS["agrs"], run=_dropping)
+    monkeypatch.setitem(PATHS, "agrs", broken)  # the forked ranks inherit the broken path
     assert verify.main(["--world-sizes", "2", "--steps", "1"]) == 1
     assert "contract violations: 0" not in capsys.readouterr().out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -57,14 +58,14 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
             return muon_ref.newton_schulz(torch.cat([direction, pad]), **cfg.ns_kwargs())[: direction.shape[0]]
         opt.backend = Backend("torch", padded, bitwise=False)
     elif how == "drop_remainder":  # a remainder batch that is never orthogonalised
-        from muon_dist.paths import agrs
+        from muon_dist.paths import PATHS
 
-        real_run = agrs.run
+        real_path = PATHS["agrs"]
 
         def dropped(comm, group, batch, directions, kernels):
             return [torch.zeros_like(d, dtype=batch.update_torch_dtype) for d in directions]
-        agrs.run = dropped
-        opt._restore = lambda: setattr(agrs, "run", real_run)
+        PATHS["agrs"] = dataclasses.replace(real_path, run=dropped)
+        opt._restore = lambda: PATHS.__setitem__("agrs", real_path)
     elif how == "wrong_slice":  # the subgroup path keeps the mirror member's rows of the gathered expert
         from muon_dist.paths import subgroup_all_gather as sub
 
@@ -91,11 +92,11 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
         exchange.pack = reversed_forward
         opt._restore = lambda: setattr(exchange, "pack", real_pack)
     elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
-        import muon_dist.step as step_module
+        import muon_dist.elementwise as elementwise
 
-        real_stage = step_module.run_stage
-        step_module.run_stage = lambda stage, inputs, global_shape, box: stage(*inputs)
-        opt._restore = lambda: setattr(step_module, "run_stage", real_stage)
+        real_stage = elementwise.run_stage
+        elementwise.run_stage = lambda stage, inputs, global_shape, box: stage(*inputs)
+        opt._restore = lambda: setattr(elementwise, "run_stage", real_stage)
 
 
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:

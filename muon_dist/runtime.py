@@ -1,0 +1,79 @@
+"""The step's pipeline runtime: paths as Steps (generators that pause after issuing each collective), and the
+schedule that interleaves them.
+
+A path's Steps yields right after issuing a collective (which then runs while the caller computes) and returns
+its updates. staggered() runs the Steps of consecutive batches as a software pipeline in an order that is a pure
+function of the batches, so every rank resumes the same Steps in the same order and issues the same collectives
+in the same order (a mismatch would be a hang, not an error).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, TypeVar
+
+# A path's run as a generator: None at each pause, the path's updates as its return value.
+Steps = Generator[None, None, Any]
+
+# batches whose Steps are in flight at once in the step: one issuing its directions, one running its kernels,
+# one receiving its updates
+PIPELINE_DEPTH = 3
+
+Item = TypeVar("Item")
+
+
+def run_to_end(steps: Steps) -> Any:
+    """The value a Steps generator returns, resumed until it ends."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def blocking(steps: Callable[..., Steps]) -> Callable[..., Any]:
+    """A pipelined path's run from its steps: the same arguments, the Steps run to their end."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return run_to_end(steps(*args, **kwargs))
+
+    return run
+
+
+class _Running:
+    """One item's Steps in the pipeline: resumed one segment at a time until it returns its value."""
+
+    def __init__(self, item: Any, steps: Steps) -> None:
+        self.item, self.steps, self.finished, self.value = item, steps, False, None
+
+    def advance(self) -> None:
+        try:
+            next(self.steps)
+        except StopIteration as end:
+            self.finished, self.value = True, end.value
+
+    def finish(self) -> tuple[Any, Any]:
+        while not self.finished:
+            self.advance()
+        return self.item, self.value
+
+
+def staggered(
+    items: Sequence[Item], start: Callable[[Item], Steps], depth: int
+) -> Iterator[tuple[Item, Any]]:
+    """(item, start(item)'s value) for every item, in order, with the Steps of up to `depth` items interleaved:
+    when item n starts, its first segment runs (up to its first yield: it issues its first collective), then the
+    next segment of each older unfinished item, newest first (n - 1 waits for its directions and runs its
+    kernels, n - 2 waits for its updates); the oldest item runs to its end once `depth` items are in flight.
+    A pure function of the items' segment counts: every rank issues the same collectives in the same order."""
+    window: deque[_Running] = deque()  # oldest first
+    for item in items:
+        window.append(_Running(item, start(item)))
+        for running in reversed(window):
+            if not running.finished:
+                running.advance()
+        while window and (window[0].finished or len(window) >= depth):
+            yield window.popleft().finish()
+    while window:
+        yield window.popleft().finish()
