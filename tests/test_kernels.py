@@ -6,7 +6,10 @@ muon_ref.gram_newton_schulz is tests/test_gram.py; the same contracts on CUDA ar
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import muon_dist.kernels.reference as reference
+import muon_ref
 from muon_dist.kernels import BACKENDS, backend
 from muon_dist.kernels.contracts import KINDS, measure
 from muon_ref import MuonConfig, matrix_layout, newton_schulz, orthogonalize
@@ -35,22 +39,107 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_registered_backend_is_named_as_registered_and_only_torch_claims_bits():
+    """backend(name) returns a record called `name`; only the reference claims muon_ref's bits."""
     for name in (
         "torch",
         "gram",
     ):  # "triton" imports triton: its module is checked in tests/test_triton_kernel.py
         assert backend(name).name == name
-    assert BACKENDS["triton"] == "muon_dist.kernels.triton_ns"
     assert [backend(name).bitwise for name in ("torch", "gram")] == [True, False]
+
+
+def _backend_modules() -> dict[str, Path]:
+    """name -> file of every module under muon_dist/kernels that declares `BACKEND = Backend("name", ...)`, read
+    with ast (no import: triton's module needs triton)."""
+    found = {}
+    for path in sorted((ROOT / "muon_dist" / "kernels").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["BACKEND"]
+                and isinstance(node.value, ast.Call)
+            ):
+                found[node.value.args[0].value] = path
+    return found
+
+
+def test_the_registry_holds_exactly_the_backends_the_modules_declare():
+    """Every BACKEND declared in muon_dist/kernels is registered under its own name, and nothing else is."""
+    assert set(_backend_modules()) == set(BACKENDS)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_backend_module_states_its_reference_equation_and_contract(name):
-    source = importlib.util.find_spec(BACKENDS[name]).loader.get_source(
-        BACKENDS[name]
-    )  # read: triton not imported
-    docstring = source.split('"""')[1]
+    docstring = ast.get_docstring(ast.parse(_backend_modules()[name].read_text()))
     assert "Reference equation" in docstring and "Contract" in docstring
+
+
+def _keywords(fn) -> dict[str, object]:
+    """A function's keyword parameters (all but the input) with their defaults."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return {p.name: p.default for p in params}
+
+
+MIRRORS = [  # (module, function, muon_ref's function it mirrors, keywords it refuses, keywords of its own)
+    ("reference", "newton_schulz_batched", "newton_schulz", {"step_form"}, set()),
+    (
+        "triton_ns",
+        "newton_schulz_triton",
+        "newton_schulz",
+        {"step_form", "precondition"},
+        {"block", "block_k", "num_warps", "num_stages"},
+    ),
+    ("gram_ns", "gram_newton_schulz_batched", "gram_newton_schulz", set(), set()),
+]
+
+
+def _mirror_differences(fn, ref, refused: set[str], own: set[str]) -> dict[str, tuple]:
+    """{keyword: (its default in fn, in ref)} where fn's keywords differ from ref's less `refused` plus `own`."""
+    mine, theirs = _keywords(fn), _keywords(ref)
+    want = {k: v for k, v in theirs.items() if k not in refused}
+    got = {k: v for k, v in mine.items() if k not in own}
+    return {
+        k: (got.get(k, "absent"), want.get(k, "absent"))
+        for k in want.keys() | got.keys()
+        if got.get(k, "absent") != want.get(k, "absent")
+    }
+
+
+@pytest.mark.parametrize(
+    "module, function, reference, refused, own", MIRRORS, ids=[m[1] for m in MIRRORS]
+)
+def test_every_backend_kernel_takes_muon_refs_keywords_less_those_it_refuses(
+    module, function, reference, refused, own
+):
+    """The kernel signature is declared once, by muon_ref's kernel: each backend's own Newton-Schulz function takes
+    the same keywords with the same defaults, less the ones it refuses (and its tiles), so a user swaps one for the
+    other. Read from the source for triton (no import)."""
+    if module == "triton_ns":
+        pytest.importorskip("triton")
+    fn = getattr(importlib.import_module(f"muon_dist.kernels.{module}"), function)
+    assert _mirror_differences(fn, getattr(muon_ref, reference), refused, own) == {}
+
+
+def test_a_mirror_with_another_default_is_caught():
+    """Negative control: a kernel whose eps_mode default differs from muon_ref's is reported."""
+
+    def drifted(
+        G,
+        schedule="keller",
+        *,
+        steps=None,
+        eps=None,
+        dtype=torch.bfloat16,
+        eps_mode="add",
+        safety=None,
+        normalize_before_cast=False,
+        precondition=None,
+    ):
+        return G
+
+    assert _mirror_differences(drifted, muon_ref.newton_schulz, {"step_form"}, set()) == {
+        "eps_mode": ("add", "clamp")
+    }
 
 
 # "torch": the batch is chosen at runtime (muon_dist/kernels/reference.py docstring: static rule, oneDNN, probe)

@@ -1,23 +1,28 @@
 """Orthogonalisation backends: a registry of kernels with one signature, each checked against muon_ref.
 
-A backend orthogonalises every block of a param: `orthogonalize(direction, layout, cfg)` with
-muon_ref.functional.orthogonalize's signature and meaning (layout: muon_ref's MatrixLayout, cfg: MuonConfig). Its
-contract is bitwise (muon_ref's own kernel) or a measured tolerance, stated in its module's docstring.
-BACKENDS maps a name to the module that defines it (`BACKEND = Backend(...)`); modules are imported when first
-used, so an optional dependency (triton) is needed only by its backend. Add one with register(name, module).
+A backend is a frozen record (Backend) whose orthogonalize has the one signature every backend implements
+(Orthogonalize: muon_ref.functional.orthogonalize's, declared here once) and meaning. Its contract is bitwise
+(muon_ref's own kernel) or a tolerance, stated in its module's docstring with the command that measures it
+(`python -m muon_dist.kernels.contracts`, muon_dist/kernels/README.md). BACKENDS maps a name to the function that
+imports its module and returns its BACKEND, so an optional dependency (triton) is needed only by its backend;
+register(name, load) adds one.
 
-    torch    muon_dist.kernels.reference   muon_ref's newton_schulz (a stack batched where a runtime check shows it bitwise): bitwise
+    torch    muon_dist.kernels.reference   muon_ref's newton_schulz (a stack batched where a runtime check shows
+                                           it bitwise): bitwise
     triton   muon_dist.kernels.triton_ns   Triton GEMMs, autotuned tiles, one triangle of the symmetric products:
                                            a tolerance
     gram     muon_dist.kernels.gram_ns     Gram Newton-Schulz, batched torch ops: another algorithm, a tolerance
-`python -m muon_dist.kernels.contracts` measures every backend's contract the same way (muon_dist/kernels/README.md).
+
+Each module's own Newton-Schulz function (newton_schulz_batched, newton_schulz_triton, gram_newton_schulz_batched)
+takes muon_ref's kernel's keyword arguments (muon_ref.newton_schulz, muon_ref.gram_newton_schulz), less those it
+refuses: muon_ref declares them, tests/test_kernels.py checks every mirror against it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -25,21 +30,20 @@ from torch import Tensor
 from muon_ref import MatrixLayout, MuonConfig, map_blocks
 from muon_ref.newton_schulz import input_cast
 
-Orthogonalize = Callable[[Tensor, MatrixLayout, MuonConfig], Tensor]
 
-BACKENDS: dict[str, str] = {
-    "torch": "muon_dist.kernels.reference",
-    "triton": "muon_dist.kernels.triton_ns",
-    "gram": "muon_dist.kernels.gram_ns",
-}
+class Orthogonalize(Protocol):
+    """Every block of `direction` (laid out by `layout`) orthogonalised under `cfg`, as
+    muon_ref.functional.orthogonalize(direction, layout, cfg) does: the one kernel signature of every backend."""
+
+    def __call__(self, direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> Tensor: ...
 
 
 @dataclass(frozen=True)
 class Backend:
-    """name; orthogonalize (muon_ref.functional.orthogonalize's signature); bitwise: whether it returns muon_ref's
-    bits (else its module's docstring states the tolerance); reads_through_cast: whether it reads a direction
-    only through muon_ref's input cast (muon_ref.newton_schulz.input_cast), so a direction cast to that dtype
-    first gives the same result (the paths then move it in that dtype)."""
+    """name; orthogonalize (Orthogonalize); bitwise: whether it returns muon_ref's bits (else its module's
+    docstring states the tolerance); reads_through_cast: whether it reads a direction only through muon_ref's
+    input cast (muon_ref.newton_schulz.input_cast), so a direction cast to that dtype first gives the same
+    result (the paths then move it in that dtype)."""
 
     name: str
     orthogonalize: Orthogonalize
@@ -47,16 +51,37 @@ class Backend:
     reads_through_cast: bool = False
 
 
-def register(name: str, module: str) -> None:
-    """Make `module` (which defines BACKEND) the backend called `name`."""
-    BACKENDS[name] = module
+def _torch() -> Backend:
+    from .reference import BACKEND
+
+    return BACKEND
+
+
+def _triton() -> Backend:
+    from .triton_ns import BACKEND  # imports triton
+
+    return BACKEND
+
+
+def _gram() -> Backend:
+    from .gram_ns import BACKEND
+
+    return BACKEND
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {"torch": _torch, "triton": _triton, "gram": _gram}
+
+
+def register(name: str, load: Callable[[], Backend]) -> None:
+    """Make the backend that load() returns (its name must be `name`) the backend called `name`."""
+    BACKENDS[name] = load
 
 
 def backend(name: str) -> Backend:
     """The backend called `name`; ValueError naming the known ones otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"ns_backend must be one of {tuple(BACKENDS)}, got {name!r}")
-    found = importlib.import_module(BACKENDS[name]).BACKEND
+    found = BACKENDS[name]()
     assert found.name == name, (found.name, name)
     return found
 

@@ -15,51 +15,44 @@ its matrices share a shape), each segment between restarts is
     X <- Q X                                       bmm (a one-step segment: baddbmm(X, Z, X, beta=a))
 the operation order of muon_ref.gram_segment, matrix by matrix. No Python loop over the E matrices and no
 data-dependent control flow (the segments depend only on the step count and the restarts), so the function can
-be wrapped in torch.compile; the tests run it eagerly. Checked once here (bf16, a [4, 32, 96] stack):
-torch.compile(fullgraph=True) captures it in one graph; backend "aot_eager" gave the eager bits, "inductor" on
-CPU differed by up to 3.1e-2 (it fuses the elementwise epilogues): the contract below is for eager execution.
+be wrapped in torch.compile (fullgraph=True captures it in one graph). The contracts below are for eager
+execution, as the tests run it: inductor fuses the elementwise epilogues and rounds otherwise (docs/kernels.md,
+"The Gram kernel's tolerance").
 
 Everything but the batched products is muon_ref's public code: the options (resolve_ns_options), the restart
 segments (restart_segments) and the normalisation (normalise, which takes each matrix's own norm in one
 batched reduction).
 
-Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on an x86 CPU (torch 2.13.0, one thread),
-measured by `python -m muon_dist.kernels.gram_ns` (2,000 random stacks [1-4, 1-32, 1-32] per dtype, schedules
-polar_express_dao and you5, default restart) and asserted by tests/test_gram.py:
-    bfloat16, min(m, n) >= 8: bitwise (1235/1235). ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the
-        reference's own call, when k * rows * cols >= 400 (bmm_out_or_baddbmm_ as read in
+Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on the CPU; measured by
+`python -m muon_dist.kernels.gram_ns` and asserted by tests/test_gram.py:
+    bfloat16, min(m, n) >= 8: bitwise. ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the reference's
+        own call, when k * rows * cols >= 400 (bmm_out_or_baddbmm_ as read in
         aten/src/ATen/native/LinearAlgebra.cpp); m >= 8 gives m^3 >= 512 for every product here.
-    bfloat16, min(m, n) < 8: max |difference| 7.8e-3 (754/765 bitwise); 2.3e-2 (3 ulps of 1) in a further 5,000
-        small stacks: below 400, ATen's own loop kernel rounds otherwise. Asserted: <= 2^-4.
-    float32: max |difference| 4.1e-5 (1111/2000 bitwise; 6.1e-5 in a further 5,000 stacks): MKL's batched GEMM
-        and the small-matrix loop sum in other orders than one gemm per matrix. Asserted: <= 2e-4.
-    float64: max |difference| 1.1e-13 (831/2000 bitwise), for the same reason (not asserted).
-Singular values: the bfloat16 output's signed singular values on Gaussian stacks with n / m in [2, 8] were in
-[0.829, 1.196] (500 stacks; exact polar factor: all 1), as muon_ref.gram_newton_schulz's, whose band
-tests/test_gram.py asserts ([0.80, 1.22]).
-On a GPU the batched and the per-matrix GEMMs may sum in other orders again: not measured on a GPU yet.
+    bfloat16, min(m, n) < 8: <= 2^-4 (measured up to 2.3e-2, 3 ulps of 1): below 400, ATen's own loop kernel
+        rounds otherwise.
+    float32: <= 2e-4 (measured <= 6.1e-5 over 7,000 stacks): MKL's batched GEMM and the small-matrix loop sum in
+        other orders than one gemm per matrix. float64: the same reason, not asserted.
+    bfloat16 signed singular values on Gaussian stacks with n / m in [2, 8]: muon_ref.gram_newton_schulz's band,
+        which tests/test_gram.py asserts ([0.80, 1.22]).
+It is stated for the CPU: on a GPU the batched and the per-matrix GEMMs may sum in other orders again.
+The measurements, per dtype and side: docs/kernels.md, "The Gram kernel's tolerance".
 
 Contract 2, the "gram" backend against muon_ref.newton_schulz under the same config (the config's schedule, steps,
 eps, dtype, eps_mode, safety, normalisation; a restart after step 2; the config's step_form is ignored), for the
 5-step schedules keller, you5 and polar_express_dao: max |difference| <= 2e-4 (float32), 5e-2 (float16), 0.5
-(bfloat16); signed singular values against the exact polar factor in the bands below. A loose tolerance, because
-the Gram is rounded once per segment: its eigenvalues are known to about u ||X||_F^2 (u: the unit roundoff), which
-Gram NS then amplifies (muon_ref/gram.py). Measured on an x86 CPU by `python -m muon_dist.kernels.contracts
---backends gram --schedules keller you5 polar_express_dao --cases 40` (40 inputs of each kind, sides <= 64):
-    float32: Gaussian 1.6e-5, all kinds 1.4e-4 (polar_express_dao, rank one); bands muon_ref's to 1e-4
-    float16: Gaussian 6.1e-3, all kinds 4.1e-2 (polar_express_dao, square)
-    bfloat16: Gaussian 6.4e-2, all kinds 0.40 (polar_express_dao, square)
-    bfloat16 bands, Gaussians with n / m in [2, 8] (muon_ref.newton_schulz's in brackets): keller [0.6685, 1.134]
-        ([0.6771, 1.139]), you5 [0.9548, 1.031] ([0.9755, 1.034]), polar_express_dao [0.8384, 1.181] ([0.8403,
-        1.125]); harder inputs: largest 1.599 (keller, square; muon_ref 1.201), smallest -0.497 (polar_express_dao,
-        rank one; muon_ref -0.375)
-tests/test_kernels.py asserts these bounds on the first 8 of those inputs, with margins: 2e-4, 5e-2 and 0.5 on the
-differences; the bf16 bands widened by 4 bf16 ulps of 1 (2^-7 each).
+(bfloat16), measured at most 1.4e-4, 4.1e-2 and 0.40; bfloat16 signed singular values against the exact polar
+factor in the measured bands: Gaussians with n / m in [2, 8], keller [0.6685, 1.134], you5 [0.9548, 1.031],
+polar_express_dao [0.8384, 1.181]; the harder inputs [-0.497, 1.599]. A loose tolerance, because the Gram is
+rounded once per segment: its eigenvalues are known to about u ||X||_F^2 (u: the unit roundoff), which Gram NS
+then amplifies (muon_ref/gram.py). Measured by `python -m muon_dist.kernels.contracts --backends gram --schedules
+keller you5 polar_express_dao --cases 40`; tests/test_kernels.py asserts the bounds on the first 8 of those
+inputs, the bands widened by 4 bf16 ulps of 1 (2^-7 each). The measurements, beside muon_ref's own bands:
+docs/kernels.md, "The Gram kernel's tolerance".
 Not covered: longer schedules. polar_express (8 steps) with the one restart gives NaN in float16 and bfloat16 on the
 low-rank and ill-conditioned inputs (bfloat16, where not NaN: up to 1.5e36), as muon_ref.gram_newton_schulz does
 (muon_ref/gram.py: "8-step polar_express, bfloat16: one restart blows up"); tests/test_kernels.py pins it as the
 negative control.
-On CUDA: tests/gpu/test_kernels_gpu.py asserts the bounds above there (a priori: not measured on a GPU).
+On CUDA: tests/gpu/test_kernels_gpu.py asserts contract 2's bounds and bands there, a priori.
 """
 
 from __future__ import annotations

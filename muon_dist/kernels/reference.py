@@ -2,37 +2,19 @@
 
 Reference equation, for every direction D, layout and config:
     orthogonalize(D, layout, cfg) == muon_ref.orthogonalize(D, layout, cfg)
-It reads D only through muon_ref's input cast (reads_through_cast): both kernels start from
-initial_iterate, so D cast to muon_ref.newton_schulz.input_cast's dtype first gives the same bits.
-Contract: bitwise, on every device. Where the batch is not chosen it *is* muon_ref.orthogonalize (the oracle's
-function: every path runs it on exactly the global blocks, proofs/paths.md). Where it is chosen, a shared layout's
-stack [k, m, n] runs newton_schulz_batched, muon_ref.newton_schulz's "addmm" step on the whole stack at once:
-    X_0 = normalise(G'.to(dtype))     G' = G^T per matrix if m > n; muon_ref.normalise, each matrix its own norm
-    per step: A = bmm(X, X^T),  B = baddbmm(A, A, A, beta=b, alpha=c),  X = baddbmm(X, B, X, beta=a)
-with muon_ref's options (resolve_ns_options); the matrices share a shape, so they share the transpose decision.
-
-When the batch is chosen (batched_is_bitwise): on the CPU only, where all three hold.
-1. A static rule: compute dtype bfloat16 or float16, step_form "addmm", no preconditioner, k >= 2 matrices,
-   min(m, n) >= 8. Why: ATen's own CPU kernel runs a bf16 or fp16 bmm / baddbmm as one addmm_ per matrix, the
-   loop's own call, when contraction * rows * cols >= 400, and below that in a loop kernel of its own that rounds
-   otherwise (bmm_out_or_baddbmm_, aten/src/ATen/native/LinearAlgebra.cpp); a step's smallest product is B = A A,
-   m^3 >= 512 for m >= 8. float32 / float64 go to the BLAS's batched gemm, which sums in another order for some
-   sizes: never batched.
-2. ATen's own kernel is the one that runs: oneDNN does not take matmuls of that dtype in this process
-   (torch.backends.mkldnn disabled or unavailable, or torch.ops.mkldnn._is_mkldnn_bf16_supported /
-   _is_mkldnn_fp16_supported false: CPUs where oneDNN has no bf16 / fp16 support, as AVX2-only x86; read at
-   runtime).
-   Where oneDNN takes them (e.g. an Intel Xeon with AVX512_BF16 and AVX512_FP16, torch 2.13.0) its batched
-   matmul and its single matmul round differently on some inputs only (docs/kernels.md): no probe on a few
-   inputs can clear that, so the loop runs.
-3. A probe, made at runtime, confirms: newton_schulz_batched and the loop on a Gaussian stack of the same shape,
-   input dtype, thread count and options give the same bits. The verdict is cached per probe_key, one probe per
-   key per process. It guards against a kernel routing this rule does not foresee.
-On other devices the loop (a GPU's batched and single gemms may pick different algorithms;
-tests/gpu/test_kernels_gpu.py measures the batch there). `python -m muon_dist.kernels.reference` measures the
-batch against the loop on random stacks and exits 1 if the rule ever chose a stack that is not bitwise.
-tests/test_kernels.py asserts "bitwise when chosen, chosen where the rule and the probe say", on simulated CPU
-capabilities and with oneDNN on and off, with a planted non-bitwise batched kernel as the negative control.
+D is read only through muon_ref's input cast (reads_through_cast: both kernels start from initial_iterate).
+Contract: bitwise, on every device. Unbatched it *is* muon_ref.orthogonalize (proofs/paths.md). Batched, a shared
+layout's stack [k, m, n] runs newton_schulz_batched, muon_ref's "addmm" step on the whole stack (G' = G^T if m > n):
+    X_0 = normalise(G'.to(dtype)), each matrix its own norm; per step: A = bmm(X, X^T),
+    B = baddbmm(A, A, A, beta=b, alpha=c), X = baddbmm(X, B, X, beta=a)
+The batch is chosen (batched_is_bitwise) on the CPU only, where all three hold; elsewhere the loop runs:
+1. static rule: compute dtype bf16 or fp16, step_form "addmm", no preconditioner, k >= 2, min(m, n) >= 8;
+2. ATen's own kernel runs: oneDNN does not take matmuls of that dtype in the process (read at runtime);
+3. a runtime probe, cached per probe_key, finds the batch and the loop bitwise equal on a Gaussian stack.
+Reference: ATen's bmm_out_or_baddbmm_ (aten/src/ATen/native/LinearAlgebra.cpp), one addmm_ per matrix from
+contraction * rows * cols >= 400 on. Why each part, per CPU: docs/kernels.md, "The reference backend's batch".
+`python -m muon_dist.kernels.reference` exits 1 if the rule chose a stack that is not bitwise; tests/test_kernels.py
+asserts bitwise when chosen, chosen where the rule and the probe say (oneDNN on, off; a planted negative control).
 """
 
 from __future__ import annotations
@@ -56,7 +38,7 @@ from . import Backend
 # the smallest product of a step is m x m x m: 8^3 = 512 >= 400 > 7^3
 MIN_BATCHED_SIDE = 8
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-# probe_key -> whether the batch gave the loop's bits on the probe's stack (module docstring, part 2)
+# probe_key -> whether the batch gave the loop's bits on the probe's stack (module docstring, part 3)
 _PROBED: dict[tuple, bool] = {}
 
 
@@ -217,7 +199,7 @@ BACKEND = Backend("torch", orthogonalize, bitwise=True, reads_through_cast=True)
 
 
 def _random_case(rng: random.Random, seed: int, large: bool) -> tuple[Tensor, dict]:
-    """A Gaussian stack and newton_schulz options, as the measurement in the module docstring draws them."""
+    """A Gaussian stack and newton_schulz options, drawn as docs/kernels.md, "The measurement command" says."""
     if large:
         short, long = rng.randint(8, 96), rng.randint(8, 160)
         shape = (rng.randint(2, 6), *((short, long) if rng.random() < 0.5 else (long, short)))

@@ -27,34 +27,21 @@ newton_schulz(G, steps=0) bitwise.
 Contract: a tolerance, not bits: the GEMMs sum in another order (tiles of BLOCK_K, fp32 accumulators), and the
 steps amplify the different roundings, most along small singular values, where f' reaches the product of the
 a_t (keller 4.8e2, polar_express 6.4e3). Against muon_ref.newton_schulz with the same arguments, max |difference|:
-    Gaussian inputs:    <= 1e-5 (float32), 4e-3 (float16)
+    Gaussian inputs:    <= 1e-5 (float32), 4e-3 (float16); measured at most 1.4e-6 and 7.3e-4
     every input kind measured (also square, rank 4 + noise, singular values 1..1e-6, rank one):
-                        <= 3e-4 (float32), 8e-2 (float16)
-Measured in Triton's interpreter on CPU by `python -m muon_dist.kernels.contracts --backends triton` (8 inputs of
-each kind, sides <= 64, schedules keller, you5, polar_express, the interpreter's 32 / 16 tiles; 7 minutes on a 2-core x86 CPU):
-    float32: Gaussian 1.4e-6, square 2.4e-6; the others 1.1e-5 (keller, you5) and up to 1.1e-4 (polar_express,
-             rank one)
-    float16: Gaussian 7.3e-4, square 1.7e-3; the others up to 4.5e-3 (keller), 6.9e-3 (you5) and 3.9e-2
-             (polar_express, rank one)
-The margins are 2x and more. For scale: muon_ref's own step forms "addmm" and "dion", the same map rounded in
-another order, differ on the same inputs by up to 1.2e-4 (float32) and 0.4 (float16), both polar_express on rank
-one. Each of the 4 autotuned configs' tiles, on a 40 x 72 Gaussian that no BLOCK divides (seed 5): 6.6e-7 to
-7.2e-7 (float32), 7.3e-4 (float16) (tests/test_triton_kernel.py runs each config's autotuner in the interpreter).
-"addmm" is the tightest reference: torch's addmm agrees with the fused b A + c A A to one fp16 ulp (measured, CPU),
-while "keller" and "dion" round c A (or A A) and the sum separately (Gaussians: 8.1e-7 / 3.4e-3 vs "keller",
-7.8e-7 / 4.2e-3 vs "dion", earlier measurement).
-Signed singular values against the exact polar factor (muon_ref.signed_singular_values), same command: muon_ref's
-band to within the difference. Gaussians (n / m in [2, 8]): keller [0.6818, 1.134] (float32), [0.6814, 1.134]
-(float16); you5 [0.9778, 1.032] / [0.9776, 1.032]; polar_express [1, 1] / [0.9998, 1]. Every kind: at most 1.172
-(float16, keller, ill-conditioned; muon_ref 1.172), at least -0.2836 (float16, polar_express, rank one; muon_ref
--0.2836): below 0, fp16 rounding on rank-one inputs, as muon_ref. tests/test_triton_kernel.py asserts these bounds
-(Gaussian cases, the worst measured rank-one inputs, the bands with 4 fp16 ulps of 1 of margin).
-On CUDA (bfloat16 and float32, the autotuned configs): not measured yet (tests/gpu measures it on a GPU node).
-tests/gpu/test_triton_gpu.py and tests/gpu/test_kernels_gpu.py assert, over Hypothesis shapes of Gaussian stacks
-and on the harder inputs: float32 the bounds above; bfloat16 3.2e-2, a priori (the float16 bound times 2^3 for
-bf16's 3 fewer mantissa bits), and muon_ref's CPU-measured bf16 bands widened by 4 bf16 ulps of 1. The interpreter
-cannot check bf16 (its bf16 tl.dot is wrong and its fp32 -> bf16 cast truncates:
-docs/testing.md).
+                        <= 3e-4 (float32), 8e-2 (float16); measured at most 1.1e-4 and 3.9e-2 (rank one)
+step_form "addmm" is the tightest reference: torch's addmm computes b A + c A A in one call, as the fused
+epilogue does, while "keller" and "dion" round c A (or A A) and the sum separately.
+Signed singular values against the exact polar factor (muon_ref.signed_singular_values): muon_ref's band to within
+the difference; measured on Gaussians with keller [0.6814, 1.134], on every kind and schedule [-0.2836, 1.172]
+(both ends muon_ref's too); asserted with 4 fp16 ulps of 1 of margin.
+Measured in Triton's interpreter (float32, float16) by `python -m muon_dist.kernels.contracts --backends triton`;
+asserted by tests/test_triton_kernel.py (Gaussian cases, the worst measured rank-one inputs, the bands, each
+config's tiles). The measurements: docs/kernels.md, "The Triton kernel's tolerance".
+On CUDA, tests/gpu/test_triton_gpu.py and tests/gpu/test_kernels_gpu.py assert float32 the bounds above and
+bfloat16 3.2e-2, a priori (the float16 bound times 2^3 for bf16's 3 fewer mantissa bits), with muon_ref's bf16
+bands widened by 4 bf16 ulps of 1: the interpreter cannot check bf16 (its bf16 tl.dot is wrong and its
+fp32 -> bf16 cast truncates: docs/testing.md).
 Not supported: the AOL preconditioner (schedules that set it raise ValueError) and float64.
 
 References: KellerJordan/Muon muon.py (the step); microsoft/dion dion/newton_schulz_triton.py (ns_line_1 and
@@ -206,14 +193,13 @@ def _update_kernel(
 
 
 # Autotuned launch parameters, (BLOCK, BLOCK_K) with num_warps and num_stages, one list for both kernels (each is
-# tuned alone, per matrix size and dtype). Measured on an H100 with the earlier fixed tiles (docs/gpu.md): 64/32, 4 warps, was the faster on 1024x4096 (0.57 vs 0.79 ms) and on the stacks 8x1024x1024 (1.55 vs 1.68)
-# and 16x512x2048 (1.80 vs 2.08); 128/64, 8 warps, on 4096x4096 and the 3584x18944 pair (0.90-1.0x torch's matmuls,
-# against 0.49-0.62x). The other two are from the space microsoft/dion dion/newton_schulz_triton.py autotunes
-# (BLOCK_K 64, 4 warps, 4 stages), whose kernel ran 4096x4096 in 2.46 ms against 3.37 for 128/64/8 (docs/gpu.md): not
-# measured with this kernel. Four configs keep a new shape's first call short (each config is compiled and timed once). Shared
-# memory per block, num_stages x 2 tiles of BLOCK x BLOCK_K (compiled for sm_90 in tests/test_triton_kernel.py): in
-# bf16 24-128 KiB; in fp32 twice that, so the last needs 256 KiB, more than an H100 block has (227 KB), and the
-# autotuner skips it in fp32 (its launch raises OutOfResources, which triton.autotune times as infinite).
+# tuned alone, per matrix size and dtype): 64/32/4 and 128/64/8 were each the faster on some shapes when timed with
+# fixed tiles on an H100; the other two come from the space microsoft/dion dion/newton_schulz_triton.py autotunes,
+# not timed with this kernel (docs/gpu.md, "The Triton kernel's tiles"). Four configs keep a new shape's first call
+# short (each config is compiled and timed once). Shared memory per block, num_stages x 2 tiles of BLOCK x BLOCK_K
+# (compiled for sm_90 in tests/test_triton_kernel.py): in bf16 24-128 KiB; in fp32 twice that, so the last needs
+# 256 KiB, more than an H100 block has (227 KB), and the autotuner skips it in fp32 (its launch raises
+# OutOfResources, which triton.autotune times as infinite).
 CONFIGS: tuple[triton.Config, ...] = (
     triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
