@@ -12,9 +12,9 @@ Reference equations, on every rank after the same steps (muon_ref's missing buff
     to_reference_state_dict(opt)                          == muon_ref.Muon(full params).state_dict()
     opt.load_state_dict(from_reference_state_dict(sd, opt)); to_reference_state_dict(opt) == sd
 Contract: bitwise; both directions only move bits. Both read the boxes of a DTensor from muon_dist's own layout
-(muon_dist/geometry.py, what the optimizer steps on), never from DTensor.full_tensor or redistribute: with FSDP2
-over tensor parallelism and uneven shards, torch 2.9.1's full_tensor of (_StridedShard, Shard) returns the rows in
-the wrong order (measured with torch 2.9.1 CPU; right in torch 2.13.0; the fix is pytorch/pytorch#163843).
+(muon_dist/geometry.py, what the optimizer steps on), never from DTensor.full_tensor or redistribute, whose rows
+are wrong for some uneven tensor-parallel shards in torch 2.9 (docs/compat.md, "Torch behaviours the code works
+around").
     to reference: each shard group all-gathers its members' boxes (padded to the largest, flattened; recorded in
                   the optimizer's ledger as "checkpoint") and places each in the global tensor;
     from reference: each rank copies its own box of the global tensor, no communication.

@@ -258,9 +258,7 @@ class DistributedMuon(torch.optim.Optimizer):
                             raise ValueError(
                                 f"{name} of shape {tuple(p.shape)}: gradient placements "
                                 f"{getattr(grad, 'placements', None)} differ from the param's "
-                                f"{getattr(p, 'placements', None)} (torch 2.9's autograd stores a "
-                                f"Replicate gradient when an uneven shard's gradient is passed to "
-                                f"backward() on the leaf itself)"
+                                f"{getattr(p, 'placements', None)}; valid: the param's placements"
                             )
                     except ValueError as e:
                         error = str(e)
