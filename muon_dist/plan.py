@@ -32,9 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from muon_ref import MatrixLayout
+
 from .balance import lpt, ns_flops, rounds
 from .batch import Batch
-from .geometry import parse_placement
+from .geometry import Box, blocks_in, parse_placement
 from .layout import ParamLayout
 from .paths import PATHS
 
@@ -281,3 +283,22 @@ def expected_bytes(
             acc[0] += moved[0]
             acc[1] += moved[1]
     return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def expected_flops(plan: Plan, rank: int, steps: int = 5) -> int:
+    """This rank's Newton-Schulz FLOPs in a step of the plan, from each path's kernel calls (Path.work): for every
+    call, balance.ns_flops of every whole block of the param inside the call's box (a padding matrix counts as
+    a matrix of its batch's first param). The cost model of balance.py, `steps` steps per matrix."""
+    total = 0
+    for batch in plan.batches:
+        member = batch.geometries[0].member(rank)
+        for k, box in PATHS[batch.path].work(batch, member):
+            if box.numel:  # an empty box: no kernel call (muon_dist.step.kernel_for)
+                total += _box_flops(plan.entries[batch.params[k]].layout.matrices, box, steps)
+    return total
+
+
+@functools.lru_cache(maxsize=65536)
+def _box_flops(matrices: MatrixLayout, box: Box, steps: int) -> int:
+    """balance.ns_flops of the whole blocks of `matrices` inside `box` (cached: a pure function)."""
+    return sum(ns_flops(b.fan_out, b.fan_in, steps) for b in blocks_in(matrices, box).blocks)

@@ -48,6 +48,7 @@ RULES: dict[str, set[str]] = {
         "muon_dist.runtime",
     },
     "muon_dist.plan": {
+        "muon_ref",
         "muon_dist.balance",
         "muon_dist.batch",
         "muon_dist.geometry",

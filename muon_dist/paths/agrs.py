@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
-from ..geometry import whole
+from ..geometry import Box, whole
 from .interface import Path
 from .shards import cut, join
 
@@ -66,12 +66,20 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     return both, both
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """Member k < R runs param k's kernel on the whole param."""
+    if member >= len(batch.params):
+        return ()
+    return ((member, whole(batch.geometries[member].global_shape)),)
+
+
 PATH = Path(
     name="agrs",
     run=run,
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
     global_dispatch=True,
     remainder=True,
 )

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..batch import Batch
+from ..geometry import Box
 from ..runtime import blocking
-from .exchange import batch_steps, exchange_bytes
+from .exchange import batch_steps, exchange_bytes, exchange_work
 from .interface import Path
 
 
@@ -43,6 +44,10 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     )
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    return exchange_work(batch.geometries, batch.owners, member)
+
+
 PATH = Path(
     name="all_to_all",
     run=run,
@@ -50,6 +55,7 @@ PATH = Path(
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
     global_dispatch=True,  # dispatch="global" merges its batches into global_all_to_all
     remainder=False,  # takes full batches only
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective

@@ -165,10 +165,18 @@ def expected_bytes(
     return sent, received
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """Each block unit the member owns, on its frame."""
+    return tuple(
+        (k, u.frame) for k, g in enumerate(batch.geometries) for u in units(g) if u.owner == member
+    )
+
+
 PATH = Path(
     name="blocks",
     run=run,
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
 )

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
-from ..geometry import Geometry, whole
+from ..geometry import Box, Geometry, whole
 from ..runtime import Steps
 from .shards import cut, join
 
@@ -187,3 +187,14 @@ def exchange_bytes(
         else:
             sent, received = sent + box * b_dir, received + box * b_upd
     return sent, received
+
+
+def exchange_work(
+    geometries: Sequence[Geometry], owners: Sequence[int], member: int
+) -> tuple[tuple[int, Box], ...]:
+    """The kernel calls of `member` in exchange_steps: each param it owns, whole."""
+    return tuple(
+        (k, whole(g.global_shape))
+        for k, (g, o) in enumerate(zip(geometries, owners))
+        if o == member
+    )

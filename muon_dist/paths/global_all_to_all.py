@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..batch import Batch
+from ..geometry import Box
 from ..runtime import blocking
-from .exchange import batch_steps, exchange_bytes
+from .exchange import batch_steps, exchange_bytes, exchange_work
 from .interface import Path
 
 
@@ -45,6 +46,10 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     )
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    return exchange_work(batch.geometries, batch.owners, member)
+
+
 PATH = Path(
     name="global_all_to_all",
     run=run,
@@ -52,6 +57,7 @@ PATH = Path(
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
     global_dispatch=False,  # it is the merged batch
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
 )

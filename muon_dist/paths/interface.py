@@ -3,7 +3,7 @@ end of the path's module as PATH and registered in muon_dist.paths.PATHS.
 
 A reader (or a type checker) follows PATHS[name] to the record and each field to the module's function. The
 planner reads name, owners, check, global_dispatch, remainder and moves_directions; the step reads run / steps
-and carries_flag; the traffic accounting reads expected_bytes. Each module's docstring states its reference
+and carries_flag; the accounting reads expected_bytes (traffic) and work (kernel calls). Each module's docstring states its reference
 equation, its contract and its traffic formula (proofs/paths.md).
 """
 
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
+from ..geometry import Box
 from ..runtime import Steps
 
 
@@ -70,10 +71,17 @@ class ExpectedBytes(Protocol):
     ) -> tuple[int, int] | None: ...
 
 
+class Work(Protocol):
+    """The kernel calls this member makes in a run of the batch: (k, box) for each call of kernel k on the whole
+    blocks of batch param k inside `box` (k = 0 for a padding matrix, which runs param 0's kernel)."""
+
+    def __call__(self, batch: Batch, member: int) -> tuple[tuple[int, Box], ...]: ...
+
+
 @dataclass(frozen=True)
 class Path:
     """name: the path's name in plans and reports; run (every path) and steps (pipelined paths: run as Steps by
-    the step's pipeline, muon_dist/runtime.py); owners, check, expected_bytes as their Protocols say;
+    the step's pipeline, muon_dist/runtime.py); owners, check, expected_bytes, work as their Protocols say;
     global_dispatch: dispatch="global" merges its batches into global_all_to_all; remainder: it takes a batch of
     any size up to W (Options.remainder / force_path); carries_flag: steps(..., flag=) carries the write
     group's failure flag in its last collective (muon_dist/agreement.py); moves_directions: its collectives move
@@ -84,6 +92,7 @@ class Path:
     owners: Owners
     check: Check
     expected_bytes: ExpectedBytes
+    work: Work
     steps: StepsRun | None = None
     global_dispatch: bool = False
     remainder: bool = False

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..batch import Batch, Kernel
 from ..comm import Comm, Group
+from ..geometry import Box
 from .interface import Path
 
 
@@ -44,11 +45,17 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> N
     return None  # no collective
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """Every param's kernel on the member's own box (its whole blocks; none in an empty box)."""
+    return tuple((k, g.boxes[member]) for k, g in enumerate(batch.geometries))
+
+
 PATH = Path(
     name="local",
     run=run,
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
     moves_directions=False,  # the directions stay where they are
 )

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from ..batch import Batch, FailureFlag, Kernel
 from ..comm import Comm, Group
+from ..geometry import Box
 from ..runtime import Steps, blocking
-from .exchange import exchange_bytes, exchange_steps
+from .exchange import exchange_bytes, exchange_steps, exchange_work
 from .interface import Path
 
 
@@ -76,6 +77,12 @@ def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> t
     )
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """Each param the member owns, whole; a padding matrix runs param 0's kernel."""
+    calls = exchange_work(*padded(batch), member)
+    return tuple((k if k < len(batch.params) else 0, box) for k, box in calls)
+
+
 PATH = Path(
     name="padded_all_to_all",
     run=run,
@@ -83,6 +90,7 @@ PATH = Path(
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
     global_dispatch=True,
     remainder=True,  # takes any batch size up to W
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective

@@ -93,10 +93,22 @@ def expected_bytes(
     return moved, moved
 
 
+def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """A member alone in its component: every param's kernel on its own box; else every param's kernel on the
+    component's block (each member of a component runs it)."""
+    geometry = batch.geometries[0]
+    component = next((c for c in shared(geometry) if member in c), None)
+    if component is None:
+        return tuple((k, geometry.boxes[member]) for k in range(len(batch.params)))
+    block = geometry.blocks[geometry.blocks_of(component)[0]]
+    return tuple((k, Box(block.offsets, block.shape)) for k in range(len(batch.params)))
+
+
 PATH = Path(
     name="subgroup_all_gather",
     run=run,
     owners=owners,
     check=check,
     expected_bytes=expected_bytes,
+    work=work,
 )

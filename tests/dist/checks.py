@@ -82,6 +82,7 @@ def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
         assert [p for _, p in r["paths"]] == want_paths, (rank, r["paths"], want_paths)
         moved = {k: v for k, v in r["bytes"].items() if k not in CHECKS}
         assert moved == r["expected"], (rank, moved, r["expected"])
+        assert r["flops"] == r["expected_flops"], f"rank {rank}: NS FLOPs {r['flops']} != plan {r['expected_flops']}"
     return results
 
 

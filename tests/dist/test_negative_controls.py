@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .checks import run_unchecked
+from .checks import run_case, run_unchecked
 from .workers import Case
 
 
@@ -20,3 +20,17 @@ from .workers import Case
 def test_a_broken_path_fails_the_equality_check(world_size: int, case: Case) -> None:
     results = run_unchecked(world_size, case)
     assert any(r["differing"] for r in results), "the sabotaged step still equals muon_ref: the check is blind"
+
+
+@pytest.mark.timeout(60)
+def test_kernel_work_beyond_the_plan_fails_the_flops_check() -> None:
+    """The plan's per-rank Newton-Schulz FLOPs (muon_dist.expected_flops, from each path's work) are checked against
+    the kernel calls each rank makes in every run_case: a backend that runs each kernel twice keeps the bits and
+    the bytes, and only that check catches it."""
+    case = Case(((5, 3),) * 5, ("S0",) * 5, sabotage="ns_twice")
+    results = run_unchecked(4, case)
+    assert not any(r["differing"] for r in results)
+    assert all(r["flops"] == 2 * r["expected_flops"] for r in results)
+    assert any(r["expected_flops"] for r in results)
+    with pytest.raises(AssertionError, match="NS FLOPs"):
+        run_case(4, case)

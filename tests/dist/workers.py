@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_ref
-from muon_dist import DistributedMuon, expected_bytes
+from muon_dist import DistributedMuon, expected_bytes, expected_flops
 from muon_dist.optim import UPDATE_LAYOUT
 from muon_check.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
 
@@ -91,12 +91,33 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
             return real_pack([row[::-1] for row in pieces] if calls[0] % 2 else pieces, empty)
         exchange.pack = reversed_forward
         opt._restore = lambda: setattr(exchange, "pack", real_pack)
+    elif how == "ns_twice":  # every kernel call made twice, the second result kept: the same bits, twice the work
+        real_backend = opt.backend
+
+        def twice(direction, layout, cfg):
+            real_backend.orthogonalize(direction, layout, cfg)
+            return real_backend.orthogonalize(direction, layout, cfg)
+        opt.backend = dataclasses.replace(real_backend, orthogonalize=twice)
     elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
         import muon_dist.elementwise as elementwise
 
         real_stage = elementwise.run_stage
         elementwise.run_stage = lambda stage, inputs, global_shape, box: stage(*inputs)
         opt._restore = lambda: setattr(elementwise, "run_stage", real_stage)
+
+
+def _counting_flops(opt: DistributedMuon) -> list[int]:
+    """The optimizer's backend, counting the Newton-Schulz FLOPs of every block it orthogonalises (balance.ns_flops,
+    5 steps) into the returned one-element list."""
+    from muon_dist.balance import ns_flops
+
+    real, count = opt.backend, [0]
+
+    def counted(direction, layout, cfg):
+        count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
+        return real.orthogonalize(direction, layout, cfg)
+    opt.backend = dataclasses.replace(real, orthogonalize=counted)
+    return count
 
 
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:
@@ -113,11 +134,13 @@ def distributed_steps(case: Case) -> dict:
     """case.steps steps of DistributedMuon; this rank's params, buffers, last report and planned bytes."""
     params = [distribute(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
     opt = DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides))
+    flops = _counting_flops(opt)
     _sabotaged(opt, case.sabotage)
     try:
         for step in range(case.steps):
             for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
                 p.grad = None if step == 1 and i in case.no_grad else distribute(grad, pl, case.mesh)
+            flops[0] = 0
             opt.step()
     finally:
         getattr(opt, "_restore", lambda: None)()
@@ -126,6 +149,7 @@ def distributed_steps(case: Case) -> dict:
         "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params],
         "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
         "expected": expected_bytes(opt.last_plan, dist.get_rank(), ITEMSIZES),
+        "flops": flops[0], "expected_flops": expected_flops(opt.last_plan, dist.get_rank()),
         "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
     }
 
