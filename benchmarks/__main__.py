@@ -12,6 +12,13 @@ if sys.argv[1:2] == ["stages"]:  # python -m benchmarks stages [options]: the st
 
     sys.exit(stages_main(sys.argv[2:]))
 
+if sys.argv[1:2] == [
+    "scale"
+]:  # python -m benchmarks scale [options]: the planner at scale, from plans alone
+    from .scale import main as scale_main
+
+    sys.exit(scale_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

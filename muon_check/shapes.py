@@ -106,6 +106,30 @@ def moe_30b_a3b() -> list[ParamSpec]:
     )
 
 
+def moe_235b_a22b() -> list[ParamSpec]:
+    # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 q / 4 kv heads of 128, 128 experts of
+    # moe_intermediate 1536, vocab 151936, every layer MoE
+    return transformer(
+        layers=94,
+        hidden=4096,
+        heads=64,
+        kv_heads=4,
+        head_dim=128,
+        ffn=0,
+        vocab=151936,
+        experts=128,
+        expert_ffn=1536,
+    )
+
+
+def dense_70b() -> list[ParamSpec]:
+    # meta-llama/Meta-Llama-3-70B config.json: hidden 8192, 80 layers, 64 q / 8 kv heads of 128, ffn 28672,
+    # vocab 128256
+    return transformer(
+        layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256
+    )
+
+
 def tiny_moe() -> list[ParamSpec]:
     """A scaled-down transformer with dense and MoE layers for gloo runs on 2 cores: odd and prime sizes
     so shards are uneven, and more matrices than ranks of some shapes and fewer of others."""
@@ -123,4 +147,10 @@ def tiny_moe() -> list[ParamSpec]:
     )
 
 
-SHAPE_TABLES = {"dense_7b": dense_7b, "moe_30b_a3b": moe_30b_a3b, "tiny_moe": tiny_moe}
+SHAPE_TABLES = {
+    "dense_7b": dense_7b,
+    "moe_30b_a3b": moe_30b_a3b,
+    "moe_235b_a22b": moe_235b_a22b,
+    "dense_70b": dense_70b,
+    "tiny_moe": tiny_moe,
+}
