@@ -105,6 +105,7 @@ def instrumented(clock: StageClock) -> Iterator[None]:
         (optim.DistributedMuon, "_write_buffer", "write"),
         (optim.DistributedMuon, "_collect", "collect"),
         (elementwise, "momentum_direction", "momentum"),
+        (elementwise, "momentum_buffer", "momentum"),
         (elementwise, "apply_update", "apply"),
         (elementwise, "run_stage", "shard pad"),
         (exchange, "pack", "pack/unpack"),

@@ -18,7 +18,8 @@ with its own tail, so muon_ref's bf16 bits depend on torch.get_num_threads(); ru
 one-thread reference.
 
 on_box runs a stage on a box of a param whose layout may hold separate blocks (each block a param of its own,
-as muon_ref steps it); momentum_on_box and update_on_box are the step's two stages.
+as muon_ref steps it); momentum_on_box and update_on_box are the step's two stages, and buffer_on_box the new
+momentum buffer alone, which the step computes again when it writes rather than hold it through the exchange.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from muon_ref import MatrixLayout, MuonConfig
-from muon_ref.functional import apply_update, momentum_direction
+from muon_ref.functional import apply_update, momentum_buffer, momentum_direction
 
 from .geometry import Box
 
@@ -161,6 +162,35 @@ def momentum_on_box(
         box,
     )
     return new_buf, direction
+
+
+def buffer_on_box(
+    cfg: MuonConfig,
+    grad: Tensor,
+    buf: Tensor,
+    matrices: MatrixLayout,
+    global_shape: tuple[int, ...],
+    box: Box,
+    in_place: bool = False,
+) -> Tensor:
+    """The new buffer alone on the box: muon_ref.functional.momentum_buffer's bits (on_box), which are
+    momentum_on_box's first result's (the same ops on the same inputs). With in_place, written into buf itself
+    by the op's out= form where that is bitwise (writes_in_place, and the new buffer has buf's dtype), and buf
+    returned; else a new tensor."""
+    if (
+        in_place
+        and grad.dtype == buf.dtype
+        and writes_in_place(matrices, [grad, buf], global_shape, box, ())
+    ):
+        return momentum_buffer(grad, buf, cfg, out=buf)
+    (new_buf,) = on_box(
+        lambda m: lambda g, b: (momentum_buffer(g, b, cfg),),
+        [grad, buf],
+        matrices,
+        global_shape,
+        box,
+    )
+    return new_buf
 
 
 def writes_in_place(

@@ -340,6 +340,7 @@ class DistributedMuon(torch.optim.Optimizer):
             if new_param is not local_params[i]:
                 local_params[i].copy_(new_param)
             self._write_buffer(p, new_buf)
+            del new_param, new_buf  # not held while the step computes the next ones
         self._own_group_params()
         self.last_plan = step_plan
         self.last_report = StepReport(
@@ -349,11 +350,14 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _write_buffer(self, p: Tensor, new_buf: Tensor) -> None:
-        """The new momentum buffer into the storage of the old one where they share dtype and shape (an exact
-        copy: the step's other inputs still hold the old one, so replacing it would hold both until the step
-        ends), else as a new tensor like the param (a loaded buffer of another dtype). As in torch.optim's own
-        optimizers, a state_dict() taken before the step holds the same buffers."""
+        """The new momentum buffer into the storage of the old one: nothing to do where the step wrote it there
+        (execute's out_params), an exact copy where they share dtype and shape (the step's other inputs still hold
+        the old one, so replacing it would hold both until the step ends), else a new tensor like the param (a
+        loaded buffer of another dtype). As in torch.optim's own optimizers, a state_dict() taken before the step
+        holds the same buffers."""
         old = _local(self.state[p]["momentum_buffer"])
+        if new_buf.data_ptr() == old.data_ptr() and new_buf.shape == old.shape:
+            return  # the step wrote it in place
         if old.dtype == new_buf.dtype and old.shape == new_buf.shape:
             old.copy_(new_buf)
         else:

@@ -14,7 +14,8 @@ execute: for each batch of the plan, in a pipeline (muon_dist/runtime.py), the s
             every member gets back its box of each update;
   write     after each write group's failure check (agreement step 3), each param's new local shard and new
             buffer, yielded one param at a time (with out_params, the new param is written there first).
-Without out_params nothing here writes an input; with it, only out_params, in the write stage.
+Without out_params nothing here writes an input; with it, only out_params and the momentum buffers, in the write
+stage.
 Equation (proofs/paths.md): on every rank r, for every param that steps,
     new_param == box_r(muon_ref's P'),   new_buf == box_r(muon_ref's M')
 bitwise with the torch backend (another backend: its tolerance, muon_dist/kernels).
@@ -43,16 +44,17 @@ from .runtime import PIPELINE_DEPTH, Steps, staggered
 
 @dataclass(frozen=True)
 class ParamInput:
-    """One param's local shards (read, never written): the param, its gradient (None: no gradient this step on
-    this rank) and its momentum buffer."""
+    """One param's local shards: the param, its gradient (None: no gradient this step on this rank) and its
+    momentum buffer. Read only, unless execute is given out_params: then its write stage, after the write
+    group's failure check, writes the new buffer into buf where that is bitwise (elementwise.buffer_on_box)."""
 
     param: Tensor
     grad: Tensor | None
     buf: Tensor
 
 
-# what a batch's stages leave for the write stage: (param index, geometry, new buffer, update) per param
-Done = tuple[int, Geometry, Tensor, Tensor]
+# what a batch's stages leave for the write stage: (param index, geometry, update) per param
+Done = tuple[int, Geometry, Tensor]
 
 
 def prepare(
@@ -137,13 +139,14 @@ class StepRun:
 
     def stages(self, batch: Batch) -> Steps:
         """The momentum and exchange stages of one batch, as Steps for the pipeline."""
-        buffers, directions = self.momentum(batch)
-        updates = yield from self.exchange(batch, directions)
-        return [(i, g, buffers[i], u) for i, g, u in zip(batch.params, batch.geometries, updates)]
+        updates = yield from self.exchange(batch, self.momentum(batch))
+        return list(zip(batch.params, batch.geometries, updates))
 
-    def momentum(self, batch: Batch) -> tuple[dict[int, Tensor], list[Tensor]]:
-        """Each param's new buffer and its direction in the batch's direction dtype, on this rank's box."""
-        buffers, directions = {}, []
+    def momentum(self, batch: Batch) -> list[Tensor]:
+        """Each param's direction in the batch's direction dtype, on this rank's box. The new buffer is not kept:
+        the write stage computes it again (elementwise.buffer_on_box, the same bits), so that no new buffer is
+        held through the exchange."""
+        directions = []
         for i, geometry in zip(batch.params, batch.geometries):
             layout, x, cfg = self.plan.entries[i].layout, self.inputs[i], self.configs[i]
             box = geometry.boxes[geometry.member(self.comm.rank)]
@@ -155,11 +158,11 @@ class StepRun:
                 ),
                 lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
-            buffers[i], direction = stage(x.grad, x.buf)
+            _, direction = stage(x.grad, x.buf)
             if str(direction.dtype) != batch.direction_dtype:  # the kernel's input cast, done here
                 direction = direction.to(batch.direction_torch_dtype)
             directions.append(direction)
-        return buffers, directions
+        return directions
 
     def exchange(self, batch: Batch, directions: list[Tensor]) -> Steps:
         """The batch through its path, each param's kernel guarded: this rank's box of every update."""
@@ -188,13 +191,22 @@ class StepRun:
         )
 
     def write(self, done: list[Done]) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """(param index, new local param, new local buffer) of each param of a checked write group; the new
-        param written into out_params[i] where given (and then yielded as the new param)."""
-        for i, geometry, buf, update in done:
-            layout, x = self.plan.entries[i].layout, self.inputs[i]
+        """(param index, new local param, new local buffer) of each param of a checked write group: the new buffer
+        computed here (buffer_on_box), the new param written into out_params[i] where given (and then yielded as
+        the new param)."""
+        done.reverse()  # taken from the end, so that each param's update goes once written
+        while done:
+            i, geometry, update = done.pop()
+            layout, x, cfg = self.plan.entries[i].layout, self.inputs[i], self.configs[i]
             box, skipped = geometry.boxes[geometry.member(self.comm.rank)], self.skipped.get(i, ())
+            in_place = (
+                self.out_params is not None and not skipped
+            )  # the caller takes writes into inputs
+            buf = elementwise.buffer_on_box(
+                cfg, x.grad, x.buf, layout.matrices, layout.global_shape, box, in_place
+            )
             new = elementwise.update_on_box(
-                self.configs[i],
+                cfg,
                 x.param,
                 update,
                 layout.matrices,
@@ -205,6 +217,7 @@ class StepRun:
             )
             elementwise.keep_blocks(buf, x.buf, layout.matrices, box, skipped)
             yield i, new, buf
+            del new, buf, update  # nothing of a written param is held while the next one is written
 
 
 def execute(
@@ -224,16 +237,18 @@ def execute(
     with `atomic`, the whole step is one group and a failure anywhere writes nothing. `skipped`: blocks of params
     that keep their param and buffer bits (non-finite blocks of separate layouts, under nonfinite="skip").
     `out_params`: for each param, a tensor of its local param's shape and dtype (the local param itself, in
-    DistributedMuon) that receives the new param, bitwise the new param without it."""
+    DistributedMuon) that receives the new param, bitwise the new param without it; given, the new buffers are
+    written into the inputs' buffers where that is bitwise (else yielded as new tensors for the caller)."""
     run = StepRun(comm, step_plan, inputs, configs, backend, skipped or {}, out_params)
     ends = {id(group[-1]): len(group) for group in run.write_groups(group_for, atomic)}
     done: list[Done] = []
     for batch, batch_done in staggered(step_plan.batches, run.stages, PIPELINE_DEPTH):
         done += batch_done
+        del batch_done  # held by `done` only, which the write stage empties as it writes
         if id(batch) in ends:  # the end of a write group
             run.check(batch)
             yield from run.write(done)
-            done, run.written = [], run.written + ends[id(batch)]
+            run.written += ends[id(batch)]
     # every failure is recorded before the last group's check reads its flag (kernels run before it): one recorded
     # later would have gone unreported by every check
     assert not run.failures or run.written < len(step_plan.batches), run.failures

@@ -332,13 +332,25 @@ def map_blocks(
     return tuple(outs)
 
 
+def momentum_buffer(
+    grad: Tensor, buf: Tensor, cfg: MuonConfig, out: Tensor | None = None
+) -> Tensor:
+    """M': the new momentum buffer (elementwise): momentum_direction's first result, by the same ops. With `out`
+    (of M''s shape and dtype; buf itself allowed), the last op's out= form writes it there and returns it."""
+    if cfg.momentum_style == "ema":
+        if out is None:
+            return buf.lerp(grad, 1 - cfg.momentum)
+        return torch.lerp(buf, grad, 1 - cfg.momentum, out=out)
+    scaled = buf.mul(cfg.momentum)
+    return scaled.add(grad) if out is None else torch.add(scaled, grad, out=out)
+
+
 def momentum_direction(grad: Tensor, buf: Tensor, cfg: MuonConfig) -> tuple[Tensor, Tensor]:
     """(M', D): the new momentum buffer and the direction handed to Newton-Schulz (elementwise)."""
     mu = cfg.momentum
+    new_buf = momentum_buffer(grad, buf, cfg)
     if cfg.momentum_style == "ema":
-        new_buf = buf.lerp(grad, 1 - mu)
         return new_buf, (grad.lerp(new_buf, mu) if cfg.nesterov else new_buf)
-    new_buf = buf.mul(mu).add(grad)
     if not cfg.nesterov:
         return new_buf, new_buf
     if cfg.nesterov_form == "add_alpha":
