@@ -9,7 +9,8 @@ microsoft/dion (`--dion PATH`), dion.Muon. Timing only, except torch.optim.Muon 
                  muon_ref's bf16 kernel), the same lr, momentum and weight decay, nesterov=True; Dion's own
                  conventions otherwise (never compared). Its modules are imported with TORCHDYNAMO_DISABLE=1:
                  their torch.compile needs a C++ compiler on the CPU.
-Both take 2-D params only here (the parameter sets of matrices: `dense`).
+torch.optim.Muon takes 2-D params only (the sets of matrices: `dense`); dion.Muon also takes the expert sets, a 3-D
+stack [E, m, n] as E matrices (its default flatten=False: Newton-Schulz batched over the leading dim).
 """
 
 from __future__ import annotations

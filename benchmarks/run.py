@@ -16,7 +16,7 @@
                         matrices (xtuner, Dion)
      full_tensor        (a) all-gather every direction, NS on every rank (LlamaFactory v2, muonium)
      gather_scatter     (c) gather to owner i mod W, NS, scatter (samsja muon_fsdp2)
-   and on a set of 2-D matrices (dense) the peers of benchmarks/peers.py, timed beside them:
+   and the peers of benchmarks/peers.py, timed beside them (torch.optim.Muon on the sets of 2-D matrices only):
      torch_muon         torch.optim.Muon (at W = 1 on the whole tensors, compared bit for bit; at W > 1 on the
                         DTensors as they are)
      dion               dion.Muon, Polar Express off, given --dion PATH (a microsoft/dion checkout) or an
@@ -108,10 +108,10 @@ class Bench:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """METHODS, and the peers on a set of 2-D matrices (torch.optim.Muon, dion.Muon given a checkout)."""
-        if any(len(s.shape) != 2 for s in muon_specs(self.table)):
-            return METHODS
-        return METHODS + ("torch_muon",) + (("dion",) if self.dion else ())
+        """METHODS, and the peers: torch.optim.Muon on a set of 2-D matrices (it takes no 3-D stack), dion.Muon
+        on every set given a checkout (a 3-D expert stack as a batch of matrices, its default flatten=False)."""
+        two_d = all(len(s.shape) == 2 for s in muon_specs(self.table))
+        return METHODS + (("torch_muon",) if two_d else ()) + (("dion",) if self.dion else ())
 
     def compared(self, method: str) -> bool:
         """Whether the method's result is compared with muon_ref's (benchmarks.peers: torch.optim.Muon at W = 1)."""
