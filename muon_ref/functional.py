@@ -372,7 +372,7 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
         # one matrix: the kernel on it directly. update_layout "kernel" keeps the kernel's own memory order (a tall
         # matrix's result is the transposed view of its (fan_in, fan_out) iterate), "contiguous" copies it into
         # row-major order; the values are equal, but on CPU a bf16 elementwise op on P and O rounds differently
-        # for the two orders (docs/conventions.md, "Update layout")
+        # for the two orders (docs/distributed.md, "Update layout")
         update = newton_schulz(direction, **cfg.ns_kwargs())
         return update if cfg.update_layout == "kernel" else update.contiguous()
     matrices = direction.reshape(layout.matrices_shape)

@@ -1,6 +1,6 @@
 """Diagnosis: what a candidate computes where it is not its claim, in the words a maintainer would accept.
 
-Findings, each with its own word (docs/checking.md, "Reading a diagnosis"):
+Findings, each with its own word (docs/conformance.md, "Diagnosis: the words"):
     not a Muon     every compared param is sent elsewhere or not orthogonalised (routing.py); its singular values
     convention     some muon_ref configuration reproduces every case of a partition bit for bit (the search below)
     bug            the departing stage (stages.py) on a partition where other families of the same dtype conform
