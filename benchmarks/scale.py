@@ -15,7 +15,8 @@ Schemes:
   distributed  DistributedMuon as it comes (dispatch="global", rounds=4): its own plan (muon_dist.plan.plan), the
                figures from each path's record (muon_dist.expected_bytes, muon_dist.expected_flops)
   batched      DistributedMuon(dispatch="batched")
-  xtuner       xtuner's Muon with remainder_strategy="pad_all2all" (InternLM/xtuner PR 1716 at b934f462,
+  xtuner       xtuner's Muon with remainder_strategy="pad_all2all", not its default "agrs" (the padded batches of
+               W the comparison is about; AGRS remainders are the batched row's scheme) (InternLM/xtuner PR 1716 at b934f462,
                xtuner/v1/optim/muon.py: muon_update_batch_async, _all_to_all_orthogonalize): same-shape params in
                batches of W, member k orthogonalises param k, a remainder padded with zero matrices to W; shards
                padded to ceil(rows / W) rows; one all_to_all_single each way per batch. Experts as its fused
@@ -45,6 +46,7 @@ Figures, per step:
                   batches in flight, min(3, batches)): a model of its extra peak for communication, not measured
   colls           collectives per step on every rank (DistributedMuon: with its plan-digest and failure-check
                   all-gathers)
+The peers' rows are predictions from reading the code cited, made before any run and never run at these W.
 --check runs DistributedMuon on gloo ranks at the given W on benchmarks.run's tiny_moe, scaled_moe and dense sets
 and asserts that each rank's bytes sent, NS FLOPs (counted at its backend) and collectives equal its plan's
 figures here; the other schemes are models of the code cited, not run, and buf GB is not measured.
@@ -57,11 +59,11 @@ import json
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from muon_check.fixtures import distribute, seeded
+from muon_check.fixtures import count_kernel_flops, distribute, seeded
 from muon_check.rules import param_flops
 from muon_check.shapes import ParamSpec, dense_70b, moe_30b_a3b, moe_235b_a22b
 from muon_dist import (
@@ -374,13 +376,7 @@ def rank_step(specs: list[ParamSpec]) -> dict:
     torch.set_num_threads(1)
     params = [distribute(seeded(s.shape, i), "S0", "fsdp") for i, s in enumerate(specs)]
     opt = DistributedMuon(params, preset="torch")
-    count, real = [0], opt.backend
-
-    def counted(direction, layout, cfg):
-        count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
-        return real.orthogonalize(direction, layout, cfg)
-
-    opt.backend = replace(real, orthogonalize=counted)
+    count = count_kernel_flops(opt)
     for i, (p, s) in enumerate(zip(params, specs)):
         p.grad = distribute(seeded(s.shape, 1000 + i), "S0", "fsdp")
     opt.step()

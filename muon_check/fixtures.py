@@ -1,5 +1,6 @@
 """Fixtures shared by the harness (verify, conformance), the benchmarks and the tests: seeded full tensors, meshes
-by kind, the box of a full tensor that a rank holds, DTensors built from full tensors, and bit patterns.
+by kind, the box of a full tensor that a rank holds, DTensors built from full tensors, bit patterns, and a
+counter of the Newton-Schulz FLOPs a DistributedMuon's kernels run.
 
 The boxes are computed here from torch.chunk alone, independently of muon_dist's layout code, so that comparing a
 rank's shard with `box_of(reference, ...)` checks muon_dist against DTensor's semantics, not against itself.
@@ -154,3 +155,21 @@ def placement_of(code: str) -> Any:
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def count_kernel_flops(opt: Any) -> list[int]:
+    """Replace a DistributedMuon's backend by one that adds the Newton-Schulz FLOPs of every block it orthogonalises
+    (muon_dist.balance.ns_flops, 5 steps) to the returned one-element list, then runs the real one: the figure
+    muon_dist.expected_flops predicts for a step."""
+    import dataclasses
+
+    from muon_dist.balance import ns_flops
+
+    real, count = opt.backend, [0]
+
+    def counted(direction: Tensor, layout: Any, cfg: Any) -> Tensor:
+        count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
+        return real.orthogonalize(direction, layout, cfg)
+
+    opt.backend = dataclasses.replace(real, orthogonalize=counted)
+    return count

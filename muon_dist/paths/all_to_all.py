@@ -15,12 +15,9 @@ the lower bound 2 (W - 1) / W of the matrix (exchange_bytes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..batch import Batch
-from ..geometry import Box
 from ..runtime import blocking
-from .exchange import batch_steps, exchange_bytes, exchange_work
+from .exchange import batch_bytes, batch_steps, batch_work
 from .interface import Path
 
 
@@ -38,24 +35,14 @@ steps = batch_steps("all_to_all")  # the interface's steps: the exchange of the 
 run = blocking(steps)  # the interface's run: the Steps without pausing
 
 
-def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int]:
-    return exchange_bytes(
-        batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
-    )
-
-
-def work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
-    return exchange_work(batch.geometries, batch.owners, member)
-
-
 PATH = Path(
     name="all_to_all",
     run=run,
     steps=steps,
     owners=owners,
     check=check,
-    expected_bytes=expected_bytes,
-    work=work,
+    expected_bytes=batch_bytes,
+    work=batch_work,
     global_dispatch=True,  # dispatch="global" merges its batches into global_all_to_all
     remainder=False,  # takes full batches only
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective

@@ -189,6 +189,18 @@ def exchange_bytes(
     return sent, received
 
 
+def batch_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> tuple[int, int] | None:
+    """expected_bytes of a path that exchanges its batch as the plan gives it (all_to_all, global_all_to_all)."""
+    return exchange_bytes(
+        batch.geometries, batch.owners, member, itemsizes, batch.direction_dtype, batch.update_dtype
+    )
+
+
+def batch_work(batch: Batch, member: int) -> tuple[tuple[int, Box], ...]:
+    """work of a path that exchanges its batch as the plan gives it: each param the member owns, whole."""
+    return exchange_work(batch.geometries, batch.owners, member)
+
+
 def exchange_work(
     geometries: Sequence[Geometry], owners: Sequence[int], member: int
 ) -> tuple[tuple[int, Box], ...]:

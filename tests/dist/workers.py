@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import muon_ref
 from muon_dist import DistributedMuon, expected_bytes, expected_flops
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_check.fixtures import box_of, chunk, device_mesh, distribute, local, seeded
+from muon_check.fixtures import box_of, chunk, count_kernel_flops, device_mesh, distribute, local, seeded
 
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
@@ -106,20 +106,6 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
         opt._restore = lambda: setattr(elementwise, "run_stage", real_stage)
 
 
-def _counting_flops(opt: DistributedMuon) -> list[int]:
-    """The optimizer's backend, counting the Newton-Schulz FLOPs of every block it orthogonalises (balance.ns_flops,
-    5 steps) into the returned one-element list."""
-    from muon_dist.balance import ns_flops
-
-    real, count = opt.backend, [0]
-
-    def counted(direction, layout, cfg):
-        count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
-        return real.orthogonalize(direction, layout, cfg)
-    opt.backend = dataclasses.replace(real, orthogonalize=counted)
-    return count
-
-
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
     dtype = getattr(torch, case.dtype)
@@ -134,7 +120,7 @@ def distributed_steps(case: Case) -> dict:
     """case.steps steps of DistributedMuon; this rank's params, buffers, last report and planned bytes."""
     params = [distribute(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
     opt = DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides))
-    flops = _counting_flops(opt)
+    flops = count_kernel_flops(opt)
     _sabotaged(opt, case.sabotage)
     try:
         for step in range(case.steps):
