@@ -70,6 +70,7 @@ def test_the_registry_holds_exactly_the_backends_the_modules_declare():
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_backend_module_states_its_reference_equation_and_contract(name):
+    """Each backend module's docstring (read with ast, no import) names its reference equation and contract."""
     docstring = ast.get_docstring(ast.parse(_backend_modules()[name].read_text()))
     assert "Reference equation" in docstring and "Contract" in docstring
 
@@ -113,9 +114,11 @@ def test_every_backend_kernel_takes_muon_refs_keywords_less_those_it_refuses(
 ):
     """The kernel signature is declared once, by muon_ref's kernel: each backend's own Newton-Schulz function takes
     the same keywords with the same defaults, less the ones it refuses (and its tiles), so a user swaps one for the
-    other. Read from the source for triton (no import)."""
-    if module == "triton_ns":
-        pytest.importorskip("triton")
+    other."""
+    if module == "triton_ns":  # its module imports triton (the `triton` extra)
+        pytest.importorskip(
+            "triton", reason="triton is not installed: the Triton backend's module needs it"
+        )
     fn = getattr(importlib.import_module(f"muon_dist.kernels.{module}"), function)
     assert _mirror_differences(fn, getattr(muon_ref, reference), refused, own) == {}
 
