@@ -224,10 +224,11 @@ def write_groups(
 ) -> list[tuple[Batch, ...]]:
     """The plan's batches in order, cut into write groups: the whole step when `atomic`; else a group closes after
     a batch whose failure check is free (`free[b]` for batch b: its path carries the flag over the whole world)
-    or once its params' elements reach 1/WRITE_GROUPS of the step's (so at most WRITE_GROUPS groups end with a
-    check of their own, and such a group holds at most one batch more than that share). Global sizes and the
-    plan's batches, never a rank's box: every rank must cut the same groups, or their failure checks would not
-    match (a collective mismatch)."""
+    or once its params' elements reach 1/WRITE_GROUPS of the step's, unless the next batch's check is free: then
+    that batch closes it, and its check carries the group's (so at most WRITE_GROUPS groups end with a check of
+    their own, and a group holds at most two batches more than that share). Global sizes and the plan's batches,
+    never a rank's box: every rank must cut the same groups, or their failure checks would not match (a
+    collective mismatch)."""
     if atomic:  # one group, or none in a step where no param has a gradient
         return [step_plan.batches] if step_plan.batches else []
     sizes = [
@@ -235,10 +236,11 @@ def write_groups(
     ]
     free = free if free is not None else [False] * len(sizes)
     share, groups, current, held = sum(sizes) / WRITE_GROUPS, [], [], 0
-    for batch, size, cheap in zip(step_plan.batches, sizes, free):
+    for b, (batch, size, cheap) in enumerate(zip(step_plan.batches, sizes, free)):
         current.append(batch)
         held += size
-        if cheap or held >= share:
+        carried = b + 1 < len(free) and free[b + 1]  # the next batch's check can carry this group's
+        if cheap or (held >= share and not carried):
             groups.append(tuple(current))
             current, held = [], 0
     return groups + ([tuple(current)] if current else [])

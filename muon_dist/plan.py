@@ -21,7 +21,8 @@ all-to-all family) into one "global_all_to_all" batch per (shard groups, directi
 param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
 param index and rank), cut into Options.rounds rounds (muon_dist.balance.rounds: each owner gets about
 1/rounds of its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
-groups of one stay as they are.
+groups of one stay as they are, placed between the rounds (interleave), so that a write group can end with a
+round that carries its failure check (muon_dist/agreement.py).
 """
 
 from __future__ import annotations
@@ -234,11 +235,12 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
 
 
 def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> list[Batch]:
-    """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), after the
-    other batches, params in param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into
-    `count` rounds (balance.rounds: each round gives each owner about 1/count of its load; empty rounds
-    dropped)."""
-    kept, merged = [], {}
+    """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), params in
+    param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into `count` rounds
+    (balance.rounds: each round gives each owner about 1/count of its load; empty rounds dropped). The other
+    batches go between the rounds (interleave): so a write group can end with a round that carries its failure
+    flag (agreement.write_groups), and their local work runs while a round's all-to-all flies."""
+    kept, merged, global_batches = [], {}, []
     for batch in batches:
         if not PATHS[batch.path].global_dispatch or batch.group_size == 1:
             kept.append(batch)  # (a group of one moves nothing: its batches stay one param each)
@@ -257,7 +259,7 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> lis
         for r in range(count):
             members = [k for k, rr in enumerate(round_of) if rr == r]
             if members:
-                kept.append(
+                global_batches.append(
                     Batch(
                         "global_all_to_all",
                         tuple(params[k] for k in members),
@@ -267,7 +269,18 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> lis
                         update_dtype,
                     )
                 )
-    return kept
+    return interleave(kept, global_batches)
+
+
+def interleave(others: list[Batch], global_batches: list[Batch]) -> list[Batch]:
+    """`others` in order, cut into one run of about equal length per global batch, each run right before its
+    global batch (with none: `others` as they are)."""
+    if not global_batches:
+        return others
+    runs: list[list[Batch]] = [[] for _ in global_batches]
+    for i, batch in enumerate(others):
+        runs[i * len(global_batches) // len(others)].append(batch)
+    return [b for run, last in zip(runs, global_batches) for b in (*run, last)]
 
 
 def expected_bytes(

@@ -88,21 +88,29 @@ mixed = st.lists(st.tuples(st.sampled_from([(5, 3), (4, 4), (1, 7)]), st.sampled
 def test_global_dispatch_merges_the_all_to_all_family_per_shard_group_and_dtype_pair_with_lpt_owners(
         W: int, spec: list, remainder: str) -> None:
     """plan.py's docstring: every batch of a global_dispatch path merged into one global_all_to_all batch per
-    (shard groups, direction dtype, update dtype), after the other batches, params in param-group order, owners by
-    LPT on each param's Newton-Schulz FLOPs; the other batches stay as they are."""
+    (shard groups, direction dtype, update dtype), params in param-group order, owners by LPT on each param's
+    Newton-Schulz FLOPs; the other batches stay as they are, in order, in runs between the global batches (each
+    run of floor or ceil of others / globals batches right before its global batch, nothing after the last)."""
     entries = tuple(Entry(layout_1d(shape, placement, W, "torch.float32"), group, update, active)
                     for shape, placement, group, active, update in spec)
     batched = plan(entries, Options(remainder, rounds=1))
     merged = plan(entries, Options(remainder, dispatch="global", rounds=1))
     # (a shard group of one moves nothing: its batches stay as they are)
     kept = [b for b in batched.batches if not PATHS[b.path].global_dispatch or b.group_size == 1]
-    assert list(merged.batches[:len(kept)]) == kept
+    merged_globals = [b for b in merged.batches if b.path == "global_all_to_all"]
+    assert [b for b in merged.batches if b.path != "global_all_to_all"] == kept
+    if merged_globals:
+        K, G = len(kept), len(merged_globals)
+        ends = [i for i, b in enumerate(merged.batches) if b.path == "global_all_to_all"]
+        assert ends[-1] == len(merged.batches) - 1
+        lengths = [end - start - 1 for start, end in zip([-1, *ends], ends)]
+        assert all(n in (K // G, -(-K // G)) for n in lengths), (lengths, K, G)
     runs: dict[tuple, list[int]] = {}
     for b in batched.batches:
         if PATHS[b.path].global_dispatch and b.group_size > 1:
             runs.setdefault((b.geometries[0].groups, b.direction_dtype, b.update_dtype), []).extend(b.params)
     assert len(merged.batches) == len(kept) + len(runs)
-    for b, ((groups, direction, update), params) in zip(merged.batches[len(kept):], runs.items()):
+    for b, ((groups, direction, update), params) in zip(merged_globals, runs.items()):
         costs = [ns_flops(*entries[i].layout.global_shape) for i in sorted(params)]
         assert (b.path, b.params, b.owners) == ("global_all_to_all", tuple(sorted(params)), tuple(lpt(costs, W)))
         assert (b.geometries[0].groups, b.direction_dtype, b.update_dtype) == (groups, direction, update)

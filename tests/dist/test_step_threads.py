@@ -287,10 +287,12 @@ def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, w
     assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
 
 
-def _fail_on_rank_1(flag_reads: bool) -> list[object]:
+def _fail_on_rank_1(flag_reads: bool, expert: bool = False) -> list[object]:
     """Two (4, 4) Shard(0) params on W = 2 (one all_to_all batch over the world, every rank owns one): rank 1's
     kernel raises. Each rank's result is (its error, the ledger's calls); flag_reads=False plants a bug: the
-    failure flag that the update all-to-all carries always reads "no failure"."""
+    failure flag that the update all-to-all carries always reads "no failure". `expert`: a (2, 4, 4) expert stack
+    comes first (the local path: each rank orthogonalises its own expert, no collective), global dispatch, and
+    only the expert's kernel raises on rank 1."""
     import threading
 
     from muon_dist import step as step_module
@@ -299,11 +301,14 @@ def _fail_on_rank_1(flag_reads: bool) -> list[object]:
     reference_kernel = backend("torch")
 
     def orthogonalize(x, layout, cfg):
-        if here.rank == 1:
+        if here.rank == 1 and (x.ndim == 3 or not expert):
             raise RuntimeError("planted kernel failure")
         return reference_kernel.orthogonalize(x, layout, cfg)
 
     layouts = [ParamLayout(f"p{i}", (4, 4), "torch.float32", (0, 1), ("S0",)) for i in range(2)]
+    if expert:
+        layouts.insert(0, ParamLayout("experts", (2, 4, 4), "torch.float32", (0, 1), ("S0",)))
+    options = Options(dispatch="global") if expert else Options()
     cfg = group_config(preset_defaults("torch", {}))
     world, results = ThreadWorld(2, timeout_s=10), [None, None]
     flag_type = step_module.FailureFlag
@@ -315,17 +320,19 @@ def _fail_on_rank_1(flag_reads: bool) -> list[object]:
     def rank_main(rank: int) -> None:
         here.rank = rank
         comm = ThreadComm(world, rank)
-        grads = [box(seeded((4, 4), 7 + i), lay, rank) for i, lay in enumerate(layouts)]
+        grads = [box(seeded(lay.global_shape, 7 + i), lay, rank) for i, lay in enumerate(layouts)]
         inputs = [ParamInput(torch.zeros_like(g), g, torch.zeros_like(g)) for g in grads]
         entries = tuple(Entry(lay, 0, "torch.bfloat16", True) for lay in layouts)
+        configs = [cfg] * len(layouts)
         try:
-            step_plan, skipped = prepare(comm, entries, inputs, [cfg] * 2, Options())
+            step_plan, skipped = prepare(comm, entries, inputs, configs, options)
+            assert not expert or step_plan.path_of()[:2] == ("local", "global_all_to_all"), step_plan
             list(
                 execute(
                     comm,
                     step_plan,
                     inputs,
-                    [cfg] * 2,
+                    configs,
                     Backend("failing", orthogonalize, False),
                     lambda batch: comm.group(batch.geometries[0].group_of(rank)),
                     False,
@@ -345,10 +352,15 @@ def _fail_on_rank_1(flag_reads: bool) -> list[object]:
 
 
 @pytest.mark.timeout(timeout_for(30))
-def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_a_check_of_its_own() -> (
-    None
-):
-    results = _fail_on_rank_1(flag_reads=True)
+@pytest.mark.parametrize("expert", [False, True], ids=["all_to_all", "local_then_global"])
+def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_a_check_of_its_own(
+    expert: bool,
+) -> None:
+    """agreement.py step 3: a kernel failure on rank 1 is carried by the update all-to-all's flag, every rank raises
+    and writes nothing, with no failure-check all-gather. `expert`: the failing kernel is a local expert batch's
+    (no collective of its own); the global round the plan puts after it (plan.interleave) closes its write group
+    (agreement.write_groups) and carries its flag."""
+    results = _fail_on_rank_1(flag_reads=True, expert=expert)
     assert "rank 1 failed mid-step in the kernel" in results[1][0], results[1]
     assert "ranks [1] failed mid-step" in results[0][0], results[0]
     for error, calls in results:
@@ -359,7 +371,7 @@ def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_
         assert "no param or momentum buffer was written" in error
     # negative control: with the carried flag read as "no failure", rank 0 finishes the step and writes a param
     # whose update rank 1 never computed, and only rank 1 stops: the flag is what keeps the ranks' writes the same
-    blind = _fail_on_rank_1(flag_reads=False)
+    blind = _fail_on_rank_1(flag_reads=False, expert=expert)
     assert blind[0][0] is None and blind[1][0] is not None, blind
 
 
