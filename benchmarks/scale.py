@@ -13,7 +13,7 @@ box holds whole experts.
 
 Schemes:
   distributed  DistributedMuon as it comes (dispatch="global", rounds=4): its own plan (muon_dist.plan.plan), the
-               figures from each path's record (muon_dist.expected_bytes, muon_dist.expected_flops)
+               figures from each path's record (muon_dist.expected_bytes, expected_flops, expected_collectives)
   batched      DistributedMuon(dispatch="batched")
   xtuner       xtuner's Muon with remainder_strategy="pad_all2all", not its default "agrs" (the padded batches of
                W the comparison is about; AGRS remainders are the batched row's scheme) (InternLM/xtuner PR 1716 at b934f462,
@@ -72,6 +72,7 @@ from muon_dist import (
     Options,
     ParamLayout,
     expected_bytes,
+    expected_collectives,
     expected_flops,
     plan,
 )
@@ -87,17 +88,6 @@ WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 SCHEMES = ("distributed", "batched", "xtuner", "dion", "canzona")
 BYTES = 2  # per element moved, each way (bf16 directions and updates)
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
-# data collectives a batch of each path calls on a member that calls any (muon_dist/paths)
-PATH_COLLECTIVES = {
-    "all_to_all": 2,
-    "global_all_to_all": 2,
-    "padded_all_to_all": 2,
-    "agrs": 2,
-    "replicated": 1,
-    "subgroup_all_gather": 1,
-    "blocks": 2,
-    "local": 0,
-}
 CANZONA_SLOT = (
     400 * 1024 * 1024
 )  # max_numel_per_slot's default (FSDP_CANZONA_FUSE_SPACE_MB = 400, times 2^20)
@@ -167,11 +157,11 @@ def distributed(specs: list[ParamSpec], W: int, options: Options) -> Tally:
                 batch, batch.geometries[0].member(rank), ITEMSIZES
             )
             if moved is not None:
-                per_rank_colls[rank] += PATH_COLLECTIVES[batch.path]
                 largest[rank] = max(largest[rank], sum(moved))
         tally.padded += _padding(batch)
     depth = min(PIPELINE_DEPTH, len(batches)) or 1
     for rank in range(W):
+        per_rank_colls[rank] += sum(expected_collectives(step_plan, rank).values())
         tally.flops[rank] = expected_flops(step_plan, rank)
         tally.sent[rank] = sum(s for s, _ in expected_bytes(step_plan, rank, ITEMSIZES).values())
         tally.buffer[rank] = depth * largest[rank]

@@ -14,7 +14,7 @@ from .geometry import Box, Geometry, chunk_bounds
 from .layout import ParamLayout, read_layout
 from .optim import DistributedMuon, StepReport
 from .paths import PATHS
-from .plan import Entry, Options, Plan, expected_bytes, expected_flops, plan
+from .plan import Entry, Options, Plan, expected_bytes, expected_collectives, expected_flops, plan
 
 __all__ = [
     "PATHS",
@@ -34,6 +34,7 @@ __all__ = [
     "TorchComm",
     "chunk_bounds",
     "expected_bytes",
+    "expected_collectives",
     "expected_flops",
     "plan",
     "read_layout",

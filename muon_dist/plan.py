@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -296,6 +297,19 @@ def expected_bytes(
             acc[0] += moved[0]
             acc[1] += moved[1]
     return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def expected_collectives(plan: Plan, rank: int) -> dict[str, int]:
+    """This rank's data collectives in a step of the plan, by path: each batch's Path.collectives where the rank
+    calls any (its expected_bytes is not None), as the comm's calls log them (a failure flag that rides along is
+    no collective of its own); the step's control collectives (agreement.CHECKS) are not counted."""
+    totals: dict[str, int] = {}
+    for batch in plan.batches:
+        path = PATHS[batch.path]
+        any_size = defaultdict(lambda: 1)  # whether it moves bytes, not how many
+        if path.expected_bytes(batch, batch.geometries[0].member(rank), any_size) is not None:
+            totals[batch.path] = totals.get(batch.path, 0) + path.collectives
+    return totals
 
 
 def expected_flops(plan: Plan, rank: int, steps: int = 5) -> int:

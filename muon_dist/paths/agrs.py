@@ -80,6 +80,7 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=2,  # the all-gather and the reduce-scatter
     global_dispatch=True,
     remainder=True,
 )

@@ -43,6 +43,7 @@ PATH = Path(
     check=check,
     expected_bytes=batch_bytes,
     work=batch_work,
+    collectives=2,  # directions out, updates back
     global_dispatch=True,  # dispatch="global" merges its batches into global_all_to_all
     remainder=False,  # takes full batches only
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective

@@ -179,4 +179,5 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=2,  # directions out, updates back
 )

@@ -45,6 +45,7 @@ PATH = Path(
     check=check,
     expected_bytes=batch_bytes,
     work=batch_work,
+    collectives=2,  # directions out, updates back
     global_dispatch=False,  # it is the merged batch
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
 )

@@ -82,6 +82,8 @@ class Work(Protocol):
 class Path:
     """name: the path's name in plans and reports; run (every path) and steps (pipelined paths: run as Steps by
     the step's pipeline, muon_dist/runtime.py); owners, check, expected_bytes, work as their Protocols say;
+    collectives: the data collectives a batch calls on each member that calls any (one whose expected_bytes is
+    not None), so a rank's count in a step is a function of the plan (muon_dist.plan.expected_collectives);
     global_dispatch: dispatch="global" merges its batches into global_all_to_all; remainder: it takes a batch of
     any size up to W (Options.remainder / force_path); carries_flag: steps(..., flag=) carries the write
     group's failure flag in its last collective (muon_dist/agreement.py); moves_directions: its collectives move
@@ -93,6 +95,7 @@ class Path:
     check: Check
     expected_bytes: ExpectedBytes
     work: Work
+    collectives: int
     steps: StepsRun | None = None
     global_dispatch: bool = False
     remainder: bool = False

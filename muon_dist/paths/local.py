@@ -57,5 +57,6 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=0,  # none: each member works on what it holds
     moves_directions=False,  # the directions stay where they are
 )

@@ -91,6 +91,7 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=2,  # directions out, updates back
     global_dispatch=True,
     remainder=True,  # takes any batch size up to W
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective

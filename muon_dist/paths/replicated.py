@@ -63,5 +63,6 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=1,  # the all-gather of the owners' updates
     moves_directions=False,  # the directions stay where they are
 )

@@ -111,4 +111,5 @@ PATH = Path(
     check=check,
     expected_bytes=expected_bytes,
     work=work,
+    collectives=1,  # the all-gather inside each expert's component
 )

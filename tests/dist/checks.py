@@ -83,7 +83,19 @@ def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
         moved = {k: v for k, v in r["bytes"].items() if k not in CHECKS}
         assert moved == r["expected"], (rank, moved, r["expected"])
         assert r["flops"] == r["expected_flops"], f"rank {rank}: NS FLOPs {r['flops']} != plan {r['expected_flops']}"
+        got = data_collectives(r["calls"])
+        assert got == r["expected_collectives"], f"rank {rank}: data collectives {got} != plan {r['expected_collectives']}"
     return results
+
+
+def data_collectives(calls: list[tuple[str, str]]) -> dict[str, int]:
+    """The data collectives of a step's logged calls, by path: the control collectives (CHECKS) and the flags
+    that ride along ("carried") left out."""
+    counts: dict[str, int] = {}
+    for path, op in calls:
+        if path not in CHECKS and op != "carried":
+            counts[path] = counts.get(path, 0) + 1
+    return counts
 
 
 def run_unchecked(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from muon_dist.agreement import CHECKS
+
 from .checks import run_case, run_unchecked
 from .workers import Case
 
@@ -33,4 +35,18 @@ def test_kernel_work_beyond_the_plan_fails_the_flops_check() -> None:
     assert all(r["flops"] == 2 * r["expected_flops"] for r in results)
     assert any(r["expected_flops"] for r in results)
     with pytest.raises(AssertionError, match="NS FLOPs"):
+        run_case(4, case)
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_beyond_the_plan_fails_the_collectives_check() -> None:
+    """Each path's record states its data collectives per batch (Path.collectives) and every run_case checks each
+    rank's logged calls against the plan's count (muon_dist.expected_collectives): a path that calls one empty
+    all-to-all more keeps the bits and the bytes, and only that check catches it."""
+    case = Case(((5, 3),) * 5, ("S0",) * 5, sabotage="extra_collective")
+    results = run_unchecked(4, case)
+    assert not any(r["differing"] for r in results)
+    assert all({k: v for k, v in r["bytes"].items() if k not in CHECKS} == r["expected"] for r in results)
+    assert all(r["expected_collectives"].get("global_all_to_all") for r in results)
+    with pytest.raises(AssertionError, match="data collectives"):
         run_case(4, case)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_ref
-from muon_dist import DistributedMuon, expected_bytes, expected_flops
+from muon_dist import DistributedMuon, expected_bytes, expected_collectives, expected_flops
 from muon_dist.optim import UPDATE_LAYOUT
 from muon_check.fixtures import box_of, chunk, count_kernel_flops, device_mesh, distribute, local, seeded
 
@@ -91,6 +91,17 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
             return real_pack([row[::-1] for row in pieces] if calls[0] % 2 else pieces, empty)
         exchange.pack = reversed_forward
         opt._restore = lambda: setattr(exchange, "pack", real_pack)
+    elif how == "extra_collective":  # global_all_to_all calls one all-to-all more than its record states (0 bytes)
+        from muon_dist.paths import PATHS
+
+        real_path = PATHS["global_all_to_all"]
+
+        def steps(comm, group, batch, directions, kernels, **flag):
+            comm.all_to_all(directions[0].new_empty(0), [0] * group.size, [0] * group.size, group,
+                            "global_all_to_all")
+            return (yield from real_path.steps(comm, group, batch, directions, kernels, **flag))
+        PATHS["global_all_to_all"] = dataclasses.replace(real_path, steps=steps)
+        opt._restore = lambda: PATHS.__setitem__("global_all_to_all", real_path)
     elif how == "ns_twice":  # every kernel call made twice, the second result kept: the same bits, twice the work
         real_backend = opt.backend
 
@@ -137,6 +148,7 @@ def distributed_steps(case: Case) -> dict:
         "expected": expected_bytes(opt.last_plan, dist.get_rank(), ITEMSIZES),
         "flops": flops[0], "expected_flops": expected_flops(opt.last_plan, dist.get_rank()),
         "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
+        "expected_collectives": expected_collectives(opt.last_plan, dist.get_rank()),
     }
 
 
