@@ -23,7 +23,8 @@
                         installed dion package; its own conventions, never compared
    A line per set and W prints the ratios of DistributedMuon's modes to the peers of the same run.
    Step time: a barrier, then opt.step(); per step the slowest rank's time; the median over the steps after
-   warm-up. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
+   warm-up. CPU: the process CPU time of each rank's step (time.process_time, all its threads), the mean over
+   ranks, the median over the same steps: where W ranks share fewer cores the step time follows it. Bytes: this rank's sent bytes of the last step (DistributedMuon: its comm ledger; baselines:
    benchmarks.counting), the mean over ranks; DistributedMuon's plan-digest, non-finite-flag and failure-check all-gathers are
    listed apart as control bytes. Bound: muon_check.verify's lower bound per rank. Every method's params after
    all the steps are compared with muon_ref.Muon's on the full tensors, bit for bit.
@@ -207,17 +208,20 @@ def rank_bench(b: Bench) -> dict:
     params = {m: [shard(t) for t in initial(b)] for m in methods}
     opts = {m: make(m, params[m], names, b) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
     for step in range(b.total_steps):
         grads = gradients(b, step)
         for k in range(len(methods)):
             method = methods[(step + k) % len(methods)]
             set_grads(params[method], grads)
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             opts[method].step()
             times[method].append(time.perf_counter() - start)
+            cpu[method].append(time.process_time() - start_cpu)
     out = {
         "times": times,
+        "cpu": cpu,
         "bytes": {m: step_bytes(opts[m]) for m in methods},
         "shards": {m: [p.detach().to_local().clone() for p in params[m]] for m in methods},
         "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p}),
@@ -320,9 +324,9 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
     """One row per method; equal_muon_ref is None for a method not compared (Bench.compared)."""
     rows = []
     for method in b.methods:
-        slowest = [
-            max(r["times"][method][s] for r in results) for s in range(b.warmup, b.total_steps)
-        ]
+        timed = range(b.warmup, b.total_steps)
+        slowest = [max(r["times"][method][s] for r in results) for s in timed]
+        cpu = [statistics.mean(r["cpu"][method][s] for r in results) for s in timed]
         rows.append(
             {
                 "table": b.table,
@@ -331,6 +335,7 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
                 "step_ms": 1e3 * statistics.median(slowest),
                 "step_ms_min": 1e3 * min(slowest),
                 "step_ms_max": 1e3 * max(slowest),
+                "cpu_ms": 1e3 * statistics.median(cpu),
                 **traffic(results, method),
                 "bound_per_rank": bound_per_rank(b),
                 "equal_muon_ref": equals_reference(results, method, want)
@@ -352,10 +357,12 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
     print(
         f"\n{b.table}, W = {b.world_size}: {len(muon_specs(b.table))} Muon params; step: median of {b.steps} steps "
         f"after {b.warmup} warm-up (slowest rank per step); peak: extra memory during a step (median of "
-        f"{MEMORY_STEPS} steps, max over ranks); DistributedMuon's paths: {', '.join(paths)}"
+        f"{MEMORY_STEPS} steps, max over ranks); cpu: the process CPU time of a rank's step, all its threads (mean "
+        f"over ranks, median over the steps; where ranks share cores the step follows it); DistributedMuon's "
+        f"paths: {', '.join(paths)}"
     )
     head = (
-        f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'sent B/rank':>11} {'x dist':>6} "
+        f"{'method':<18} {'step ms':>8} {'[min, max]':>15} {'x dist':>6} {'cpu ms':>7} {'sent B/rank':>11} {'x dist':>6} "
         f"{'max B':>9} {'bound B':>9} {'control B':>9} {'colls':>5} {'peak KiB':>9} {'x padded':>8} {'= muon_ref':>10}"
     )
     print(head)
@@ -367,7 +374,7 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
         )
         print(
             f"{r['method']:<18} {r['step_ms']:>8.1f} {spread:>15} {r['step_ms'] / base['step_ms']:>6.2f} "
-            f"{r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
+            f"{r['cpu_ms']:>7.1f} {r['sent_per_rank']:>11.0f} {bytes_ratio:>6.2f} {r['max_sent']:>9.0f} {r['bound_per_rank']:>9.0f} "
             f"{r['control_per_rank']:>9.0f} {r['collectives']:>5.0f} {r['peak_bytes'] / 1024:>9.1f} "
             f"{r['peak_bytes'] / padded:>8.2f} {verdict(r['equal_muon_ref']):>10}"
         )
@@ -380,7 +387,10 @@ def print_ratios(rows: list[dict]) -> None:
     by = {r["method"]: r for r in rows}
     parts = [
         f"{mine} / {peer} {what} {by[mine][key] / by[peer][key] if by[peer][key] else NAN:.2f}"
-        for peer, pairs in (("dion", (("step_ms", "step"),)), ("torch_muon", PEER_COLUMNS))
+        for peer, pairs in (
+            ("dion", (("step_ms", "step"), ("cpu_ms", "cpu"))),
+            ("torch_muon", PEER_COLUMNS),
+        )
         if peer in by
         for key, what in pairs
         for mine in ("distributed", "batched")

@@ -109,6 +109,8 @@ def test_torch_optim_muon_on_one_rank_equals_muon_ref_and_the_peers_are_timed_be
     assert all(rows[m]["equal_muon_ref"] is True for m in METHODS)
     assert ("dion" in rows) == (bench.dion is not None)
     assert rows["torch_muon"]["peak_bytes"] > 0
+    # each step's process CPU time, read on the rank
+    assert all(row["cpu_ms"] > 0 for row in rows.values())
 
 
 @pytest.mark.timeout(60)
