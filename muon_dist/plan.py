@@ -304,9 +304,9 @@ def expected_collectives(plan: Plan, rank: int) -> dict[str, int]:
     calls any (its expected_bytes is not None), as the comm's calls log them (a failure flag that rides along is
     no collective of its own); the step's control collectives (agreement.CHECKS) are not counted."""
     totals: dict[str, int] = {}
+    any_size = defaultdict(lambda: 1)  # whether a batch moves bytes here, not how many
     for batch in plan.batches:
         path = PATHS[batch.path]
-        any_size = defaultdict(lambda: 1)  # whether it moves bytes, not how many
         if path.expected_bytes(batch, batch.geometries[0].member(rank), any_size) is not None:
             totals[batch.path] = totals.get(batch.path, 0) + path.collectives
     return totals
