@@ -61,6 +61,7 @@ def _serve(
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.zeros(1, device="cuda")  # the rank's CUDA context, made before it counts as started
     if process_group:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
@@ -69,6 +70,7 @@ def _serve(
         signal, "SIGUSR1"
     ):  # the parent asks a hung rank where it is blocked (RankPool.blocked_at)
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    conn.send(READY)  # started: a call's timeout counts from here (RankPool.collect)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -148,6 +150,11 @@ def device_unavailable(device: str) -> str | None:
 
 # s the other ranks get after a rank's error before they count as blocked with it
 ERROR_GRACE_S = 3.0
+# what a rank sends once it has started (torch imported, its CUDA context made, the process group joined); a
+# call's timeout counts from the moment every rank has sent it, and the start has its own limit: a spawned rank's
+# start (torch's import, a CUDA context) takes seconds on a loaded node, longer than a tiny case's timeout
+READY = ("ready", None)
+START_TIMEOUT_S = 300.0
 GRACE_IDLE_S = (
     0.5  # s without CPU after a peer's error: the others are blocked, not about to raise their own
 )
@@ -334,12 +341,14 @@ class RankPool:
         self.start_method = start_method or ("spawn" if spawned else "fork")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self.started: set[int] = set()  # ranks of the running pool that sent READY
         self.zygotes: list[tuple[Any, Any]] = []
 
     def start(self) -> None:
         unavailable = device_unavailable(self.device)
         if unavailable:
             raise RuntimeError(f"RankPool device {unavailable}")
+        self.started = set()
         self.tmpdir = tempfile.mkdtemp(prefix=f"muon_dist_w{self.world_size}_")
         init_file = self.init_file = os.path.join(self.tmpdir, "rendezvous")
         if self.hash_seed is not None and self.device == "cpu":
@@ -413,8 +422,12 @@ class RankPool:
         """Every rank's answer, waiting on all ranks at once: the first error leaves the others a short grace (they
         may be stuck in a collective with the failed rank), so a crash is reported in seconds whichever rank it is.
         With idle_s, ranks that stopped using CPU are reported hung after idle_s, and after an error the grace ends
-        once the others have used no CPU for GRACE_IDLE_S (blocked: their own errors will not come)."""
-        deadline, results, errors = time.monotonic() + timeout, {}, {}
+        once the others have used no CPU for GRACE_IDLE_S (blocked: their own errors will not come). `timeout`
+        counts from the moment every rank has started (READY); a pool still starting has START_TIMEOUT_S for that."""
+        results: dict[int, Any] = {}
+        errors: dict[int, Any] = {}
+        starting = len(self.started) < self.world_size
+        deadline = time.monotonic() + (START_TIMEOUT_S if starting else timeout)
         waiting = dict(enumerate(self.conns))
         busy = _Progress(self.idle_s)
         while waiting and time.monotonic() < deadline:
@@ -428,13 +441,19 @@ class RankPool:
             )
             for conn in connection.wait(list(waiting.values()), max(0.0, slice_s)):
                 rank = next(r for r, c in waiting.items() if c is conn)
-                del waiting[rank]
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):
                     status, value = "error", "the rank died (its pipe closed)"
+                    value += "" if rank in self.started else " before it started"
                     printed = _tail(stderr_path(self.init_file, rank))
                     value += f"; its stderr: {printed}" if printed else ""
+                if (status, value) == READY:  # its answer comes next on the same pipe
+                    self.started.add(rank)
+                    if starting and len(self.started) == self.world_size and not errors:
+                        starting, deadline = False, time.monotonic() + timeout
+                    continue
+                del waiting[rank]
                 (results if status == "ok" else errors)[rank] = value
                 if errors:
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
@@ -443,6 +462,8 @@ class RankPool:
         elif errors:  # the grace after another rank's error ran out, not `timeout`
             first = min(errors)
             why = f"no answer within {ERROR_GRACE_S:g} s of rank {first}'s error (blocked with it)"
+        elif starting:
+            why = f"not started within {START_TIMEOUT_S:g} s (torch's import, the CUDA context, the rendezvous)"
         else:
             why = f"no answer: none within {timeout} s (hung or dead)"
         for rank in sorted(waiting):
@@ -492,7 +513,7 @@ class RankPool:
             proc.join(timeout=5)
         if self.procs:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.started = [], [], set()
         if restart:
             self.start()
 

@@ -62,6 +62,21 @@ def test_a_spawned_pool_serves_calls_as_a_forked_one_does() -> None:
         pool.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_calls_timeout_counts_from_the_ranks_start_not_from_their_spawn() -> None:
+    """A spawned rank's start (torch's import, a CUDA context, the rendezvous) is not the call's: the first call of
+    a fresh spawned pool gets its whole timeout once every rank has said it started. When the timeout counted from
+    the submit, this call failed as "no answer" (the start alone takes longer than 0.2 s), and on a loaded GPU node
+    every case of `--planted --device cuda` timed out the same way, each on a respawned pool."""
+    pool = RankPool(2, start_method="spawn")
+    try:
+        pids = pool.run(os.getpid, timeout=0.2)  # a call that imports nothing: its time is the ranks' answer
+        assert pids == [p.pid for p in pool.procs] and pool.started == {0, 1}
+        assert pool.run(os.getpid, timeout=0.2) == pids
+    finally:
+        pool.close()
+
+
 def test_a_pool_on_an_unknown_device_is_refused() -> None:
     with pytest.raises(ValueError, match="device must be one of"):
         RankPool(2, device="tpu")
