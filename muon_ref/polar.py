@@ -73,7 +73,7 @@ def orthogonality_error(X: Tensor) -> float:
     if X64.size(-2) < X64.size(-1):
         X64 = X64.mT
     n = X64.size(-1)
-    D = X64.mT @ X64 - torch.eye(n, dtype=torch.float64)
+    D = X64.mT @ X64 - torch.eye(n, dtype=torch.float64, device=X64.device)
     return float(torch.linalg.matrix_norm(D, ord=2).max())
 
 

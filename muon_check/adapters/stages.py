@@ -132,7 +132,8 @@ def update_vanishes(case: Case, preset: str | None, overrides: dict[str, Any]) -
     for (cfg, layout), p, g in zip(_configs(case, preset, overrides), initial_params(case), grads):
         if g is None:
             continue
-        _, D = momentum_direction(g.cpu(), torch.zeros_like(g.cpu()), cfg)
+        # on the case's device, as the oracle ran
+        _, D = momentum_direction(g, torch.zeros_like(g), cfg)
         if orthogonalize(D, layout, cfg).abs().max() != 0:
             return False
     return True
@@ -159,25 +160,28 @@ def locate(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> L
     m_after = _full_momentum(case, segments, view, s)
     reference = reference_steps(case, preset, overrides)["skip"]
     grads = oracle_gradients(case, s)
+    dev = torch.device(case.device)
     found = []
     for i, (cfg, layout) in enumerate(_configs(case, preset, overrides)):
         if i in outcome.routed:
             continue
         if grads[i] is None:  # the claim leaves a param without a gradient as it is
-            if _differs(after[i], before[i].cpu(), outcome.tolerance):
-                found.append(_stepped_without_gradient(i, s, before[i].cpu(), after[i], cfg))
+            if _differs(after[i].to(dev), before[i].to(dev), outcome.tolerance):
+                found.append(
+                    _stepped_without_gradient(i, s, before[i].to(dev), after[i].to(dev), cfg)
+                )
             continue
         m_prev = m_before[i]
         if m_prev is None:
             m_prev = reference.momenta[s - 1][i] if s > 0 else torch.zeros_like(before[i])
-        located = _param(
+        located = _param(  # replayed on the case's device: its kernels' bits are the candidate's and the oracle's
             i,
             s,
-            before[i].cpu(),
-            after[i],
-            m_prev,
-            m_after[i],
-            grads[i].cpu(),
+            before[i].to(dev),
+            after[i].to(dev),
+            m_prev.to(dev),
+            None if m_after[i] is None else m_after[i].to(dev),
+            grads[i].to(dev),
             cfg,
             layout,
             outcome.tolerance,
