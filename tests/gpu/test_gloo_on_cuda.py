@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from muon_check import conformance, verify
+from muon_dist import PATHS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,26 +19,22 @@ pytestmark = [
 ]
 
 
+# gloo ranks sharing the GPU; 8 for the ep mesh of 2 x 4, where experts split across a sub-group
+WORLD_SIZES = ("1", "2", "3", "4", "8")
+
+
 @pytest.mark.timeout(900)
 def test_every_path_on_gloo_ranks_sharing_a_gpu_equals_muon_ref_on_cuda_bitwise(tmp_path):
     out = tmp_path / "verify_cuda.json"
-    assert (
-        verify.main(["--device", "cuda", "--world-sizes", "1", "2", "3", "4", "--json", str(out)])
-        == 0
-    )
+    assert verify.main(["--device", "cuda", "--world-sizes", *WORLD_SIZES, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["violations"] == [] and all(r["bitwise"] for r in report["rows"])
-    assert {
-        "all_to_all",
-        "agrs",
-        "padded_all_to_all",
-        "replicated",
-        "local",
-        "subgroup_all_gather",
-        "global_all_to_all",
-    } <= {r["path"] for r in report["rows"]}
-    assert {r["mesh"] for r in report["rows"]} == {"fsdp", "hsdp", "ep", "ddp"}
-    assert {r["world_size"] for r in report["rows"] if r["mode"] == "resume"} == {1, 2, 3, 4}
+    # every path of muon_dist runs (subgroup_all_gather needs the ep mesh of W = 8: 2 x 4)
+    assert {r["path"] for r in report["rows"]} == set(PATHS)
+    assert {r["mesh"] for r in report["rows"]} == {"fsdp", "hsdp", "ep", "ddp", "tp"}
+    assert {r["world_size"] for r in report["rows"] if r["mode"] == "resume"} == {
+        int(w) for w in WORLD_SIZES
+    }
 
 
 @pytest.mark.timeout(900)
