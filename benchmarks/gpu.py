@@ -419,13 +419,15 @@ def time_steps(run: StepRun, contender: Contender) -> tuple[list[Tensor], dict]:
 
 
 def compare(got: list[Tensor], want: list[Tensor]) -> dict:
-    """Whether every param is bitwise the oracle's (want: on CPU), and the largest |difference|."""
+    """Whether every param is bitwise the oracle's (want: on CPU), and the largest |difference|; compared on the
+    params' device, one param at a time (after the timed steps and the peak)."""
     equal, worst = True, 0.0
     for p, ref in zip(got, want):
-        p = p.detach().cpu()
+        p, ref = p.detach(), ref.to(p.device)
         if not torch.equal(bits(p), bits(ref)):
             equal = False
             worst = max(worst, (p.double() - ref.double()).abs().max().item())
+        del ref
     return {"equal_muon_ref": equal, "max_abs_diff": worst}
 
 

@@ -111,7 +111,7 @@ def write_summary(rows: list[tuple[str, dict]], path: Path) -> None:
     """OUT/summary.md: a markdown table, one row per command run so far."""
     head = ["| part | command | status | wall s | last line of output |", "|---|---|---|---|---|"]
     body = [
-        f"| {part} | `{r['command']}` | {r['status']} | {r['wall_s']} | "
+        f"| {part} | `{r['command'].replace(chr(10), ' ')}` | {r['status']} | {r['wall_s']} | "
         f"{r['last'].replace('|', '/')[:160]} |"
         for part, r in rows
     ]
