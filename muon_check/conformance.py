@@ -790,6 +790,11 @@ def _how_to_run(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per case")
     p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="--planted: each case's line too, as it ends (as an --adapter run prints them)",
+    )
+    p.add_argument(
         "--families", nargs="+", help="only these case families (default: all the adapter supports)"
     )
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], help="only these dtypes")
@@ -877,15 +882,22 @@ def _planted_families(planted: Planted) -> tuple[str, ...]:
     )
 
 
-def planted_suite(timeout: float, steps: int, log=_print, device: str = "cpu") -> dict[str, Any]:
+def planted_suite(
+    timeout: float,
+    steps: int,
+    log=_print,
+    device: str = "cpu",
+    case_log: Callable[..., None] | None = None,
+) -> dict[str, Any]:
     """The check measured on candidates it has not seen: the correct controls (muon_check.adapters.controls:
     each must conform) and every planted bug (its families, dtypes and world sizes, no shrinking; judged by
     muon_check.adapters.planted.planted_verdict: a bug absent with this torch counts as a control), every
     case on `device`; one line each, then both figures: false positives (controls not conforming) and misses
-    (planted bugs not caught, or caught with the wrong diagnosis)."""
+    (planted bugs not caught, or caught with the wrong diagnosis). case_log: where each case's line goes as it
+    ends (--planted --verbose; by default nowhere), so that a slow or stuck candidate shows which case it is in."""
     pools: dict[tuple, RankPool] = {}  # the suite's own code: its adapters share rank pools
     try:
-        return _planted_suite(timeout, steps, log, pools, device)
+        return _planted_suite(timeout, steps, log, pools, device, case_log or _silent)
     finally:
         close_pools(pools)
 
@@ -896,6 +908,7 @@ def _planted_suite(
     log: Callable[..., None],
     pools: dict[tuple, RankPool],
     device: str,
+    case_log: Callable[..., None],
 ) -> dict[str, Any]:
     """The correct controls, the planted bugs, the unreachable classes and the setup suite; their tally."""
     from .adapters.controls import CONTROLS
@@ -904,8 +917,9 @@ def _planted_suite(
 
     started = time.monotonic()
     log(f"planted suite on {device}: {len(CONTROLS)} correct controls, {len(PLANTED)} planted bugs")
-    controls = _run_controls(CONTROLS, timeout, steps, log, pools, device)
-    verdicts, absent = _run_plants(PLANTED, timeout, steps, log, pools, device)
+    suite = _Suite(timeout, steps, log, pools, device, case_log)
+    controls = _run_controls(CONTROLS, suite)
+    verdicts, absent = _run_plants(PLANTED, suite)
     for number, reason in UNREACHABLE.items():
         log(f"#{number:<3} not reachable: {reason}")
     setups = setup_suite(log)
@@ -941,14 +955,36 @@ def _planted_suite(
     }
 
 
-def _run_controls(
-    controls: Any, timeout: float, steps: int, log: Callable[..., None], pools: dict, device: str
-) -> list[dict[str, Any]]:
+def _silent(*_: Any) -> None:
+    """A log that prints nothing."""
+
+
+@dataclass(frozen=True)
+class _Suite:
+    """What every candidate of the planted suite runs with: a case's timeout and steps, the suite's log (a line per
+    candidate), the shared rank pools, the device and the case log (a line per case)."""
+
+    timeout: float
+    steps: int
+    log: Callable[..., None]
+    pools: dict
+    device: str
+    case_log: Callable[..., None] = _silent
+
+
+def _run_controls(controls: Any, suite: _Suite) -> list[dict[str, Any]]:
     """Each correct control at W = 2 and 3: it must conform (else a false positive)."""
-    rows = []
+    rows, log = [], suite.log
     for control in controls:
         report = check(
-            control(), (2, 3), steps, timeout, 0.0, device=device, log=lambda *_: None, pools=pools
+            control(),
+            (2, 3),
+            suite.steps,
+            suite.timeout,
+            0.0,
+            device=suite.device,
+            log=suite.case_log,
+            pools=suite.pools,
         )
         rows.append(
             {
@@ -967,26 +1003,24 @@ def _run_controls(
     return rows
 
 
-def _run_plants(
-    plants: Any, timeout: float, steps: int, log: Callable[..., None], pools: dict, device: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _run_plants(plants: Any, suite: _Suite) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each planted bug on its families: (the verdicts, the plants this torch lacks the cause of: those must
     conform as correct Muons)."""
     from .adapters.planted import planted_verdict
 
-    verdicts, absent = [], []
+    verdicts, absent, log = [], [], suite.log
     for planted in plants:
-        missing = _trigger_missing(planted, device)
+        missing = _trigger_missing(planted, suite.device)
         report = check(
             planted.adapter,
             planted.world_sizes,
-            steps,
-            timeout,
+            suite.steps,
+            suite.timeout,
             0.0,
             families=_planted_families(planted),
-            device=device,
-            log=lambda *_: None,
-            pools=pools,
+            device=suite.device,
+            log=suite.case_log,
+            pools=suite.pools,
         )
         v = planted_verdict(planted, report, missing)
         if missing:
@@ -1134,7 +1168,12 @@ def _planted_mode(args: argparse.Namespace) -> int:
     """--planted: the planted suite alone; 0 when every plant is caught and diagnosed right, no false positive."""
     if args.adapter or args.all or args.origins:
         raise _Stop(2, "--planted runs the planted suite alone")
-    suite = planted_suite(args.timeout or PLANTED_TIMEOUT, args.steps, device=args.device)
+    suite = planted_suite(
+        args.timeout or PLANTED_TIMEOUT,
+        args.steps,
+        device=args.device,
+        case_log=_print if args.verbose else None,
+    )
     if args.json:
         _write_json(args.json, suite)
     return 0 if suite["right"] == suite["total"] and not suite["false_positives"] else 1

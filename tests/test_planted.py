@@ -402,3 +402,29 @@ def test_a_planted_bug_absent_with_this_torch_must_conform_and_counts_as_a_contr
     assert entry["right"] is conforms and suite["false_positives"] == (0 if conforms else 1)
     assert [v["field_bug"] for v in suite["planted"]] == [99] and suite["total"] == 1
     assert any(line.startswith("#25 ") and "absent with this torch" in line for line in printed)
+
+
+@pytest.mark.timeout(120)
+def test_verbose_planted_runs_print_each_case_as_it_ends_and_quiet_ones_none() -> None:
+    """--planted --verbose: each case of a control reaches the case log as it ends (one line per case, in the order
+    run), so a slow or stuck candidate shows which case it is in; without it only the control's line is printed."""
+    from muon_check.adapters.controls import PaddedControl
+
+    pools: dict = {}
+    try:
+        for verbose in (True, False):
+            printed: list[str] = []
+            cases: list[str] = []
+            suite = conformance._Suite(
+                10.0,
+                1,
+                printed.append,
+                pools,
+                "cpu",
+                **({"case_log": cases.append} if verbose else {}),
+            )
+            (row,) = conformance._run_controls([PaddedControl], suite)
+            assert row["conforms"] and len(printed) == 1 and printed[0].startswith("control ")
+            assert len(cases) == (row["cases"] if verbose else 0)
+    finally:
+        conformance.close_pools(pools)
