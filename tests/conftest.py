@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from tests.failure_log import pytest_runtest_logreport  # noqa: F401 - a hook: $MUON_TEST_FAILURES
+
 _COMMON = dict(
     deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )

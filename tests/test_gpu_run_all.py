@@ -33,11 +33,14 @@ def test_every_harness_and_benchmark_command_parses_under_its_own_parser(run_all
     for argv in (conformance_argv, planted_argv):
         args = conformance._parser().parse_args(argv[3:])
         assert args.device == "cuda" and args.json.startswith(str(tmp_path))
-    assert conformance._parser().parse_args(planted_argv[3:]).planted
+    planted = conformance._parser().parse_args(planted_argv[3:])
+    assert planted.planted and planted.verbose
     args = bench_gpu.parse_args(bench_argv[4:])
     assert args.dion == "/some/dion" and args.json == str(tmp_path / "bench.json")
     (tests_argv,) = run_all.commands("tests", tmp_path, None)
-    assert tests_argv[1:6] == ["-m", "pytest", "-m", "gpu", "-q"]
+    assert tests_argv[1:6] == ["-m", "pytest", "-m", "gpu", "-v"] and "-n" not in tests_argv
+    (tests_argv,) = run_all.commands("tests", tmp_path, None, jobs=4)
+    assert tests_argv[tests_argv.index("-n") + 1] == "4"
     with pytest.raises(ValueError, match="part must be one of"):
         run_all.commands("notebooks", tmp_path, None)
 
@@ -79,7 +82,7 @@ def test_a_run_writes_one_summary_row_per_command_and_fails_when_one_fails(
         "env": [[sys.executable, "-c", "print('gpu: none')"]],
         "tests": [[sys.executable, "-c", "print('1 failed'); raise SystemExit(1)"]],
     }
-    monkeypatch.setattr(run_all, "commands", lambda part, out, dion: fake[part])
+    monkeypatch.setattr(run_all, "commands", lambda part, out, dion, jobs=1: fake[part])
     assert run_all.main(["--out", str(tmp_path), "--parts", "env", "tests"]) == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "| env |" in summary and "gpu: none" in summary and "1 failed" in summary
@@ -104,3 +107,72 @@ def test_no_cuda_or_an_unknown_part_is_refused_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.startswith(error) and err.count("\n") == 0
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_the_correctness_parts_run_side_by_side_and_the_bench_alone_after_them(
+    run_all, tmp_path, monkeypatch, serial
+) -> None:
+    """Phases: env, then tests, conformance and planted at once (each command sleeps 1 s: they overlap), then bench,
+    which starts after every one of them ended; with --serial no two parts overlap."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    stamp = (
+        "import sys, time; start = time.time(); time.sleep(1); "
+        "open(sys.argv[1], 'w').write(f'{start} {time.time()}')"
+    )
+
+    def fake(part, out, dion, jobs=1):
+        return [[sys.executable, "-c", stamp, str(tmp_path / f"{part}.span")]]
+
+    monkeypatch.setattr(run_all, "commands", fake)
+    parts = [
+        "bench",
+        "planted",
+        "tests",
+        "env",
+        "conformance",
+    ]  # run in the phases' order, not this one
+    argv = ["--out", str(tmp_path / "out"), "--parts", *parts, *(["--serial"] if serial else [])]
+    assert run_all.main(argv) == 0
+    spans = {
+        p: tuple(map(float, (tmp_path / f"{p}.span").read_text().split())) for p in run_all.PARTS
+    }
+    correctness = [spans[p] for p in ("tests", "conformance", "planted")]
+    assert spans["env"][1] <= min(start for start, _ in correctness)
+    assert spans["bench"][0] >= max(end for _, end in correctness)
+    overlap = max(start for start, _ in correctness) < min(end for _, end in correctness)
+    assert overlap != serial
+
+
+def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -> None:
+    """tests/failure_log.py: with MUON_TEST_FAILURES set, a failing test's name and its assertion are in the file
+    (a passing one adds nothing); without it nothing is written."""
+    import os
+    import subprocess
+
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes():\n    assert True\n\n\ndef test_fails():\n    assert 1 == 2, 'planted'\n"
+    )
+    log = tmp_path / "failures.log"
+    root = str(RUN_ALL.parents[2])
+    for env in ({"MUON_TEST_FAILURES": str(log)}, {}):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "tests.failure_log",
+                "-p",
+                "no:cacheprovider",
+                str(tmp_path / "test_two.py"),
+            ],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": root, "MUON_TEST_FAILURES": "", **env},
+            capture_output=True,
+            timeout=120,
+        )
+        text = log.read_text() if log.exists() else ""
+        assert text.count("=== FAILED") == 1 and "test_two.py::test_fails (call)" in text
+        assert "planted" in text and "test_passes" not in text

@@ -2,37 +2,49 @@
 (`make gpu-report`).
 
     PYTHONPATH=. python3 tests/gpu/run_all.py [--out gpu-report] [--parts env tests conformance planted bench]
-                                             [--dion PATH] [--timeout S]
+                                             [--dion PATH] [--timeout S] [--jobs N] [--serial]
 
 Each part runs its commands as subprocesses from the repository root (PYTHONPATH set to it, Python unbuffered),
 their stdout and stderr in OUT/PART.log, each command under its own wall-clock limit (--timeout, default 900 s):
   env          nvidia-smi; the Python, torch (and its CUDA), triton and numpy versions and the GPU's name; the date
                (UTC); the commit, where the checkout has its git folder
-  tests        python -m pytest -m gpu -q --durations=25: the GPU suite, with verify --device cuda at W = 1-4 and
-               DistributedMuon's conformance on CUDA among its tests (their JSON reports are copied to
-               OUT/tests_NAME.json)
+  tests        python -m pytest -m gpu -v --durations=25 [-n N]: the GPU suite, with verify --device cuda at
+               W = 1, 2, 3, 4, 8 and DistributedMuon's conformance on CUDA among its tests (their JSON reports are
+               copied to OUT/tests_NAME.json); -n N (pytest-xdist's workers, --jobs) where xdist is importable;
+               each failure's report is appended to OUT/tests_failures.log as it happens (tests/failure_log.py), so a
+               run cut short still says what failed and why
   conformance  python -m muon_check --all --device cuda --json OUT/conformance.json
-  planted      python -m muon_check --planted --device cuda --json OUT/planted.json
+  planted      python -m muon_check --planted --device cuda --verbose --json OUT/planted.json (each case's line)
   bench        python -m benchmarks gpu [--dion PATH] --json OUT/bench.json
-OUT/summary.md has one row per command (the part, the command, its exit status or "timed out", its wall seconds,
-its last line of output), rewritten after each command, so a run stopped midway keeps what it finished. Exit
-status: 0 when every command exited 0, 1 otherwise, 2 for a usage error or when torch sees no CUDA device (nothing
-runs then).
+In three phases: env; then tests, conformance and planted side by side (correctness only: they share the GPU and
+the node's cores); then bench alone, so that nothing else runs on the GPU while it times (--serial: every part in
+turn). OUT/summary.md has one row per command (the part, the command, its exit status or "timed out", its wall
+seconds, its last line of output), rewritten after each command, so a run stopped midway keeps what it finished.
+Exit status: 0 when every command exited 0, 1 otherwise, 2 for a usage error or when torch sees no CUDA device
+(nothing runs then).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("env", "tests", "conformance", "planted", "bench")
+# run in turn; the parts of a phase side by side (module docstring)
+PHASES = (("env",), ("tests", "conformance", "planted"), ("bench",))
+FAILURES_ENV = (
+    "MUON_TEST_FAILURES"  # tests/failure_log.py appends each failed test's report to this file
+)
 VERSIONS = (
     "import datetime, platform, torch\n"
     "print('date (UTC):', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'))\n"
@@ -47,7 +59,15 @@ VERSIONS = (
 )
 
 
-def commands(part: str, out: Path, dion: str | None) -> list[list[str]]:
+def default_jobs() -> int:
+    """pytest-xdist workers for the tests part: half the node's cores, at most 6 (the GPU suite's long tests spawn
+    up to 8 ranks each), 1 where xdist is not importable."""
+    if importlib.util.find_spec("xdist") is None:
+        return 1
+    return max(1, min(6, (os.cpu_count() or 2) // 2))
+
+
+def commands(part: str, out: Path, dion: str | None, jobs: int = 1) -> list[list[str]]:
     """The argv of every command of `part`, in order."""
     py = [sys.executable]
     if part == "env":
@@ -55,11 +75,25 @@ def commands(part: str, out: Path, dion: str | None) -> list[list[str]]:
         return [["nvidia-smi"], [*py, "-c", VERSIONS], *commit]
     if part == "tests":
         basetemp = str(out / "tests_tmp")
-        return [[*py, "-m", "pytest", "-m", "gpu", "-q", "--durations=25", "--basetemp", basetemp]]
+        workers = ["-n", str(jobs)] if jobs > 1 else []
+        return [
+            [
+                *py,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-v",
+                "--durations=25",
+                *workers,
+                "--basetemp",
+                basetemp,
+            ]
+        ]
     if part in ("conformance", "planted"):
-        chosen = "--all" if part == "conformance" else "--planted"
+        chosen = ["--all"] if part == "conformance" else ["--planted", "--verbose"]
         harness = [*py, "-m", "muon_check.conformance"]
-        return [[*harness, chosen, "--device", "cuda", "--json", str(out / f"{part}.json")]]
+        return [[*harness, *chosen, "--device", "cuda", "--json", str(out / f"{part}.json")]]
     if part == "bench":
         return [
             [*py, "-m", "benchmarks", "gpu", *(["--dion", dion] if dion else [])]
@@ -68,9 +102,9 @@ def commands(part: str, out: Path, dion: str | None) -> list[list[str]]:
     raise ValueError(f"part must be one of {PARTS}, got {part!r}")
 
 
-def run(argv: list[str], log: Path, timeout: float) -> dict:
+def run(argv: list[str], log: Path, timeout: float, extra_env: dict | None = None) -> dict:
     """Run argv from the repository root with its output appended to `log`; its row of the summary."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     started = time.monotonic()
     with log.open("a") as f:
@@ -132,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dion", help="a microsoft/dion checkout, for the bench part's Dion rows")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per command")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="pytest-xdist workers of the tests part (default: half the cores, at most 6; 1 without xdist)",
+    )
+    parser.add_argument(
+        "--serial", action="store_true", help="every part in turn, none side by side"
+    )
     args = parser.parse_args(argv)
     unknown = [p for p in args.parts if p not in PARTS]
     if unknown:
@@ -149,18 +192,35 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    jobs = default_jobs() if args.jobs is None else args.jobs
     rows: list[tuple[str, dict]] = []
-    for part in args.parts:
+    lock = threading.Lock()
+
+    def run_part(part: str) -> None:
         log = args.out / f"{part}.log"
         log.unlink(missing_ok=True)
-        for command in commands(part, args.out.resolve(), args.dion):
-            row = run(command, log, args.timeout)
-            rows.append((part, row))
-            print(f"{part}: {row['status']} in {row['wall_s']} s: {row['last']}")
-            write_summary(rows, args.out / "summary.md")
+        extra = {}
+        if part == "tests":
+            failures = args.out.resolve() / "tests_failures.log"
+            failures.unlink(missing_ok=True)
+            extra[FAILURES_ENV] = str(failures)
+        for command in commands(part, args.out.resolve(), args.dion, jobs):
+            row = run(command, log, args.timeout, extra)
+            with lock:
+                rows.append((part, row))
+                print(f"{part}: {row['status']} in {row['wall_s']} s: {row['last']}", flush=True)
+                write_summary(rows, args.out / "summary.md")
         if part == "tests":
             for report in keep_reports(args.out):
-                print(f"tests: kept {report.name}")
+                print(f"tests: kept {report.name}", flush=True)
+
+    phases: list[list[str]] = []
+    for phase in PHASES:
+        chosen = [p for p in args.parts if p in phase]
+        phases += [[p] for p in chosen] if args.serial else [chosen] if chosen else []
+    for chosen in phases:
+        with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+            list(pool.map(run_part, chosen))  # re-raises a part's own error
     return 0 if all(r["status"] == "0" for _, r in rows) else 1
 
 
