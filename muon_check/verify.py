@@ -1,7 +1,7 @@
 """The main job: DistributedMuon checked against muon_ref on a model-like parameter set, path by path.
 
     python -m muon_check.verify [--world-sizes 1 2 4 8] [--steps 3] [--json FILE]
-    python -m muon_check.verify --device cuda [--world-sizes 1 2 3 4]   (W ranks sharing the node's GPUs, gloo)
+    python -m muon_check.verify --device cuda [--world-sizes 1 2 3 4 8]   (W ranks sharing the node's GPUs, gloo)
     torchrun --nproc-per-node N -m muon_check.verify --backend nccl      (one rank per GPU; gloo works too)
 
 For each world size, gloo ranks (muon_check.launch.RankPool) train the Muon matrices of a scaled-down
@@ -440,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring): exit 0 when every run matches muon_ref bit for bit, 1 on a contract
     violation, 2 when the device or backend asked for is not available."""
     args = _parser().parse_args(argv)
-    args.world_sizes = args.world_sizes or ([1, 2, 3, 4] if args.device == "cuda" else [1, 2, 4, 8])
+    args.world_sizes = args.world_sizes or (
+        [1, 2, 3, 4, 8] if args.device == "cuda" else [1, 2, 4, 8]
+    )
     if not _device_ready(args):
         return 2
     torch.set_num_threads(1)
@@ -477,7 +479,10 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 on cpu, 1 2 3 4 on cuda"
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        help="default: 1 2 4 8 on cpu, 1 2 3 4 8 on cuda (W = 8: the ep mesh whose experts split)",
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(

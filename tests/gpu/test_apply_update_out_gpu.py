@@ -2,7 +2,7 @@
 device, where an op whose promoted dtype is wider than its out casts on store inside the kernel rather than through
 a temporary as on CPU.
 
-Not yet run on a GPU: the CPU runs of tests/test_apply_update_out.py are the measured evidence.
+The GPU runs: docs/gpu.md.
 """
 
 from __future__ import annotations

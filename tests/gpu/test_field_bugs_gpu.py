@@ -7,7 +7,7 @@ the conformance check on gloo ranks cannot reach them), checked on this reposito
    row stride that is not a multiple of 16 bytes (a narrow bf16 matrix).
 21 (microsoft/dion #58, #100; Dao-AILab/gram-newton-schulz PR 22): autotuned kernels returning NaN, and memory
    that grows from call to call.
-Not yet run on a GPU; the bound is test_triton_gpu.py's bf16 one.
+The bound is test_triton_gpu.py's bf16 one; the GPU runs: docs/gpu.md.
 """
 
 from __future__ import annotations

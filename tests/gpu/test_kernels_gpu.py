@@ -1,7 +1,7 @@
 """Every backend of muon_dist.kernels on CUDA against its contract, and the "torch" backend's batched rule there
 (run: pytest -m gpu).
 
-Not yet run on a GPU: every bound below is the CPU-measured contract of the backend's module docstring, a priori on
+Every bound below is the CPU-measured contract of the backend's module docstring, a priori on
 CUDA (muon_dist/kernels/README.md says what is measured where). `python -m muon_dist.kernels.contracts --device
 cuda` and `python -m muon_dist.kernels.reference --device cuda` print the measurements these tests check.
 """

@@ -1,7 +1,7 @@
 """The Triton Newton-Schulz kernel against muon_ref.newton_schulz on CUDA, in bf16 and fp32 (run: pytest -m gpu):
 autotuned, and at each autotuned config's tiles (the autotuner may pick any of them).
 
-Not yet run on a GPU: the fp32 bound is the one measured in Triton's interpreter, the bf16 bound is a priori
+The fp32 bound is the one measured in Triton's interpreter, the bf16 bound is a priori
 (muon_dist/kernels/triton_ns.py). The backend's contract, bands included: tests/gpu/test_kernels_gpu.py.
 """
 
