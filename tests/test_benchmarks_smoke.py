@@ -118,3 +118,16 @@ def test_the_quick_command_runs_and_finds_no_difference(capsys):
     assert main(["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "results differing from muon_ref: none" in out and "Load balance" in out
+
+
+def test_ns_backend_reaches_distributed_muons_methods_and_only_theirs() -> None:
+    """--ns-backend NAME: each of DistributedMuon's methods is built with that backend (default "torch", bitwise);
+    the other methods do not take one."""
+    from benchmarks.run import DISTRIBUTED_METHODS, make
+
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    for name in ("torch", "gram"):
+        b = Bench("tiny_moe", world_size=1, warmup=1, steps=1, ns_backend=name)
+        assert {make(m, params, ["w"], b).backend.name for m in DISTRIBUTED_METHODS} == {name}
+    assert Bench("tiny_moe", world_size=1, warmup=1, steps=1).ns_backend == "torch"
+    assert set(DISTRIBUTED_METHODS) < set(METHODS)
