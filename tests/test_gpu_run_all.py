@@ -27,12 +27,23 @@ def run_all():
 
 def test_every_harness_and_benchmark_command_parses_under_its_own_parser(run_all, tmp_path) -> None:
     # the commands name flags of other modules: one renamed there must fail here, not on a GPU node
-    (conformance_argv,) = run_all.commands("conformance", tmp_path, None)
+    from muon_check.adapters import load_adapter
+    from muon_check.adapters.shipped import SHIPPED
+
+    conformance_argvs = run_all.commands("conformance", tmp_path, None)
     (planted_argv,) = run_all.commands("planted", tmp_path, None)
     (bench_argv,) = run_all.commands("bench", tmp_path, "/some/dion")
-    for argv in (conformance_argv, planted_argv):
+    for argv in (*conformance_argvs, planted_argv):
         args = conformance._parser().parse_args(argv[3:])
         assert args.device == "cuda" and args.json.startswith(str(tmp_path))
+    # --all as one command per shipped adapter, each loading the class --all builds, each with its own report
+    loaded = [
+        type(load_adapter(conformance._parser().parse_args(a[3:]).adapter[0]))
+        for a in conformance_argvs
+    ]
+    assert loaded == list(SHIPPED.values())
+    logs = {run_all.log_path(tmp_path, "conformance", a) for a in conformance_argvs}
+    assert len(logs) == len(SHIPPED) and tmp_path / "conformance_torch.log" in logs
     planted = conformance._parser().parse_args(planted_argv[3:])
     assert planted.planted and planted.verbose
     args = bench_gpu.parse_args(bench_argv[4:])
@@ -113,8 +124,9 @@ def test_no_cuda_or_an_unknown_part_is_refused_in_one_line(
 def test_the_correctness_parts_run_side_by_side_and_the_bench_alone_after_them(
     run_all, tmp_path, monkeypatch, serial
 ) -> None:
-    """Phases: env, then tests, conformance and planted at once (each command sleeps 1 s: they overlap), then bench,
-    which starts after every one of them ended; with --serial no two parts overlap."""
+    """Phases: env, then tests, conformance and planted at once (each command sleeps 1 s: they overlap; the two
+    conformance commands with each other too), then bench, which starts after every one of them ended; with
+    --serial no two commands overlap."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     stamp = (
         "import sys, time; start = time.time(); time.sleep(1); "
@@ -122,7 +134,8 @@ def test_the_correctness_parts_run_side_by_side_and_the_bench_alone_after_them(
     )
 
     def fake(part, out, dion, jobs=1):
-        return [[sys.executable, "-c", stamp, str(tmp_path / f"{part}.span")]]
+        names = [f"{part}{i}" for i in range(2)] if part == "conformance" else [part]
+        return [[sys.executable, "-c", stamp, str(tmp_path / f"{n}.span")] for n in names]
 
     monkeypatch.setattr(run_all, "commands", fake)
     parts = [
@@ -134,14 +147,15 @@ def test_the_correctness_parts_run_side_by_side_and_the_bench_alone_after_them(
     ]  # run in the phases' order, not this one
     argv = ["--out", str(tmp_path / "out"), "--parts", *parts, *(["--serial"] if serial else [])]
     assert run_all.main(argv) == 0
-    spans = {
-        p: tuple(map(float, (tmp_path / f"{p}.span").read_text().split())) for p in run_all.PARTS
-    }
-    correctness = [spans[p] for p in ("tests", "conformance", "planted")]
+    spans = {f.stem: tuple(map(float, f.read_text().split())) for f in tmp_path.glob("*.span")}
+    assert len(spans) == 6
+    correctness = [spans[p] for p in ("tests", "conformance0", "conformance1", "planted")]
     assert spans["env"][1] <= min(start for start, _ in correctness)
     assert spans["bench"][0] >= max(end for _, end in correctness)
     overlap = max(start for start, _ in correctness) < min(end for _, end in correctness)
     assert overlap != serial
+    (a0, a1), (b0, b1) = spans["conformance0"], spans["conformance1"]
+    assert (max(a0, b0) < min(a1, b1)) != serial
 
 
 def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -> None:

@@ -13,7 +13,9 @@ their stdout and stderr in OUT/PART.log, each command under its own wall-clock l
                copied to OUT/tests_NAME.json); -n N (pytest-xdist's workers, --jobs) where xdist is importable;
                each failure's report is appended to OUT/tests_failures.log as it happens (tests/failure_log.py), so a
                run cut short still says what failed and why
-  conformance  python -m muon_check --all --device cuda --json OUT/conformance.json
+  conformance  python -m muon_check --all --device cuda, as one command per shipped adapter (--adapter
+               muon_check.adapters.shipped:CLASS --json OUT/conformance_NAME.json, its log conformance_NAME.log),
+               a quarter of the cores' number of them at once: --all runs the adapters one after the other
   planted      python -m muon_check --planted --device cuda --verbose --json OUT/planted.json (each case's line)
   bench        python -m benchmarks gpu [--dion PATH] --json OUT/bench.json
 In three phases: env; then tests, conformance and planted side by side (correctness only: they share the GPU and
@@ -42,9 +44,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("env", "tests", "conformance", "planted", "bench")
 # run in turn; the parts of a phase side by side (module docstring)
 PHASES = (("env",), ("tests", "conformance", "planted"), ("bench",))
-FAILURES_ENV = (
-    "MUON_TEST_FAILURES"  # tests/failure_log.py appends each failed test's report to this file
-)
+# parts whose commands run side by side, each with its own log (OUT/STEM.log, STEM its --json file's)
+SIDE_BY_SIDE = ("conformance",)
+# tests/failure_log.py appends each failed test's report to the file this variable names
+FAILURES_ENV = "MUON_TEST_FAILURES"
 VERSIONS = (
     "import datetime, platform, torch\n"
     "print('date (UTC):', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'))\n"
@@ -90,16 +93,54 @@ def commands(part: str, out: Path, dion: str | None, jobs: int = 1) -> list[list
                 basetemp,
             ]
         ]
-    if part in ("conformance", "planted"):
-        chosen = ["--all"] if part == "conformance" else ["--planted", "--verbose"]
-        harness = [*py, "-m", "muon_check.conformance"]
-        return [[*harness, *chosen, "--device", "cuda", "--json", str(out / f"{part}.json")]]
+    harness = [*py, "-m", "muon_check.conformance"]
+    if (
+        part == "conformance"
+    ):  # --all, one command per shipped adapter (run side by side: SIDE_BY_SIDE)
+        from muon_check.adapters.shipped import SHIPPED
+
+        return [
+            [
+                *harness,
+                "--adapter",
+                f"muon_check.adapters.shipped:{cls.__name__}",
+                "--device",
+                "cuda",
+            ]
+            + ["--json", str(out / f"conformance_{name}.json")]
+            for name, cls in SHIPPED.items()
+        ]
+    if part == "planted":
+        return [
+            [
+                *harness,
+                "--planted",
+                "--verbose",
+                "--device",
+                "cuda",
+                "--json",
+                str(out / "planted.json"),
+            ]
+        ]
     if part == "bench":
         return [
             [*py, "-m", "benchmarks", "gpu", *(["--dion", dion] if dion else [])]
             + ["--json", str(out / "bench.json")]
         ]
     raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+
+
+def side_by_side_width() -> int:
+    """How many commands of a side-by-side part run at once: a quarter of the node's cores (each conformance
+    command starts up to 4 ranks), at least 2."""
+    return max(2, (os.cpu_count() or 2) // 4)
+
+
+def log_path(out: Path, part: str, argv: list[str]) -> Path:
+    """OUT/PART.log; a side-by-side part's command logs to OUT/STEM.log, STEM its --json file's."""
+    if part in SIDE_BY_SIDE and "--json" in argv:
+        return out / (Path(argv[argv.index("--json") + 1]).stem + ".log")
+    return out / f"{part}.log"
 
 
 def run(argv: list[str], log: Path, timeout: float, extra_env: dict | None = None) -> dict:
@@ -197,19 +238,26 @@ def main(argv: list[str] | None = None) -> int:
     lock = threading.Lock()
 
     def run_part(part: str) -> None:
-        log = args.out / f"{part}.log"
-        log.unlink(missing_ok=True)
         extra = {}
         if part == "tests":
             failures = args.out.resolve() / "tests_failures.log"
             failures.unlink(missing_ok=True)
             extra[FAILURES_ENV] = str(failures)
-        for command in commands(part, args.out.resolve(), args.dion, jobs):
-            row = run(command, log, args.timeout, extra)
+        argvs = commands(part, args.out.resolve(), args.dion, jobs)
+        logs = [log_path(args.out, part, argv) for argv in argvs]
+        for log in set(logs):
+            log.unlink(missing_ok=True)
+
+        def one(i: int) -> None:
+            row = run(argvs[i], logs[i], args.timeout, extra)
             with lock:
                 rows.append((part, row))
                 print(f"{part}: {row['status']} in {row['wall_s']} s: {row['last']}", flush=True)
                 write_summary(rows, args.out / "summary.md")
+
+        side_by_side = part in SIDE_BY_SIDE and not args.serial
+        with ThreadPoolExecutor(max_workers=side_by_side_width() if side_by_side else 1) as pool:
+            list(pool.map(one, range(len(argvs))))
         if part == "tests":
             for report in keep_reports(args.out):
                 print(f"tests: kept {report.name}", flush=True)
