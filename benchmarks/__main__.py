@@ -19,6 +19,13 @@ if sys.argv[1:2] == [
 
     sys.exit(scale_main(sys.argv[2:]))
 
+if sys.argv[1:2] == [
+    "stacking"
+]:  # python -m benchmarks stacking [options]: NS per matrix or stacked
+    from .stacking import main as stacking_main
+
+    sys.exit(stacking_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

@@ -4,6 +4,7 @@
                          [--rounds N] [--ns-backend torch|triton|gram]
                          [--warmup 2] [--steps 10]
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
+    python -m benchmarks stacking [options]     a set's Newton-Schulz per matrix or stacked (benchmarks/stacking.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)

@@ -131,3 +131,22 @@ def test_ns_backend_reaches_distributed_muons_methods_and_only_theirs() -> None:
         assert {make(m, params, ["w"], b).backend.name for m in DISTRIBUTED_METHODS} == {name}
     assert Bench("tiny_moe", world_size=1, warmup=1, steps=1).ns_backend == "torch"
     assert set(DISTRIBUTED_METHODS) < set(METHODS)
+
+
+def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_place(capsys) -> None:
+    """benchmarks/stacking.py: every matrix of a set (a 3-D stack as its matrices) once per way; the stacked way's
+    result for matrix i is matrix i's (within bf16 rounding of the loop's: a result put at another matrix's place
+    differs by O(1)), and the table prints one row per set."""
+    from benchmarks import stacking
+
+    matrices = stacking.matrices_of("tiny_moe")
+    specs = muon_specs("tiny_moe")
+    assert len(matrices) == sum(s.shape[0] if len(s.shape) == 3 else 1 for s in specs)
+    kwargs = stacking.group_config(stacking.preset_defaults(stacking.PRESET, {})).ns_kwargs()
+    want, got = stacking.loop(matrices, kwargs), stacking.stacked(matrices, kwargs)
+    assert all((a.float() - b.float()).abs().max() < 0.05 for a, b in zip(want, got))
+    first, second = next(ix for ix in stacking.by_shape(matrices).values() if len(ix) > 1)[:2]
+    assert (want[first].float() - got[second].float()).abs().max() > 0.05  # it tells places apart
+    assert stacking.main(["--sets", "tiny_moe", "--warmup", "0", "--reps", "1"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tiny_moe")]
+    assert line.split()[1:3] == [str(len(matrices)), str(len(stacking.by_shape(matrices)))]

@@ -1,0 +1,133 @@
+"""What stacking a parameter set's same-shape matrices across params would buy Newton-Schulz on the CPU it runs on.
+
+    python -m benchmarks stacking [--sets tiny_moe scaled_moe dense] [--warmup 3] [--reps 20]
+
+Per set (the Muon matrices of benchmarks.run's sets; a 3-D expert stack counts as its matrices), two ways of
+orthogonalising every matrix once under the "torch" preset's Newton-Schulz options (muon_ref.MuonConfig.ns_kwargs:
+keller, 5 steps, bf16, step form "addmm"):
+  loop     muon_ref.newton_schulz on each matrix alone: what DistributedMuon's bitwise backend runs wherever the
+           reference backend's batched rule does not batch (muon_dist/kernels/reference.py), one call per matrix
+  stacked  the matrices stacked by shape, muon_dist.kernels.reference.newton_schulz_batched once per shape (one
+           bmm / baddbmm per product over the stack, as Dion's megabatches stack same-shape params)
+Columns: matrices, shapes (the stacked calls), the median ms of each way over --reps timed runs after --warmup
+untimed ones (one intra-op thread, wall clock), their ratio, and whether every stacked result has the loop's bits
+(else the max |difference| and how many matrices differ). The stacked way is not a contract of any backend: where
+its bits differ from the loop's, only a backend with a stated tolerance may run it (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from muon_ref import newton_schulz
+from muon_ref.optim import group_config
+from muon_ref.presets import preset_defaults
+
+from .run import SETS, header, muon_specs
+
+PRESET = "torch"
+
+
+def matrices_of(table: str, seed: int = 0) -> list[Tensor]:
+    """Every Muon matrix of the set, fp32 Gaussian (seeded), a 3-D stack as its matrices."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[Tensor] = []
+    for spec in muon_specs(table):
+        *lead, m, n = spec.shape
+        count = lead[0] if lead else 1
+        out += [torch.randn(m, n, generator=g) for _ in range(count)]
+    return out
+
+
+def by_shape(matrices: list[Tensor]) -> dict[tuple[int, int], list[int]]:
+    """The indices of the matrices of each shape, shapes in first-seen order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, M in enumerate(matrices):
+        groups.setdefault(tuple(M.shape), []).append(i)
+    return groups
+
+
+def loop(matrices: list[Tensor], ns_kwargs: dict) -> list[Tensor]:
+    return [newton_schulz(M, **ns_kwargs) for M in matrices]
+
+
+def stacked(matrices: list[Tensor], ns_kwargs: dict) -> list[Tensor]:
+    """Each shape's matrices stacked and orthogonalised in one newton_schulz_batched call; results in input order."""
+    from muon_dist.kernels.reference import newton_schulz_batched
+
+    kwargs = {k: v for k, v in ns_kwargs.items() if k != "step_form"}  # "addmm", its only form
+    out: list[Tensor | None] = [None] * len(matrices)
+    for indices in by_shape(matrices).values():
+        results = newton_schulz_batched(torch.stack([matrices[i] for i in indices]), **kwargs)
+        for i, X in zip(indices, results):
+            out[i] = X
+    return out  # type: ignore[return-value]
+
+
+def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def row(table: str, warmup: int, reps: int) -> dict:
+    ns_kwargs = group_config(preset_defaults(PRESET, {})).ns_kwargs()
+    matrices = matrices_of(table)
+    want, got = loop(matrices, ns_kwargs), stacked(matrices, ns_kwargs)
+    differ = [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
+    worst = max(
+        ((want[i].double() - got[i].double()).abs().max().item() for i in differ), default=0.0
+    )
+    loop_ms = median_ms(lambda: loop(matrices, ns_kwargs), warmup, reps)
+    stacked_ms = median_ms(lambda: stacked(matrices, ns_kwargs), warmup, reps)
+    return {
+        "set": table,
+        "matrices": len(matrices),
+        "shapes": len(by_shape(matrices)),
+        "loop_ms": loop_ms,
+        "stacked_ms": stacked_ms,
+        "differing": len(differ),
+        "max_abs_diff": worst,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks stacking",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--sets", nargs="+", choices=sorted(SETS), default=["tiny_moe", "scaled_moe", "dense"]
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(header("Newton-Schulz of a set's matrices: one call per matrix, or stacked by shape"))
+    print(
+        f"{'set':<12} {'matrices':>8} {'shapes':>6} {'loop ms':>9} {'stacked ms':>10} {'ratio':>6}  bits"
+    )
+    for table in args.sets:
+        r = row(table, args.warmup, args.reps)
+        bits = (
+            "the loop's"
+            if not r["differing"]
+            else f"{r['differing']} of {r['matrices']} differ, max |diff| {r['max_abs_diff']:.2g}"
+        )
+        print(
+            f"{table:<12} {r['matrices']:>8} {r['shapes']:>6} {r['loop_ms']:>9.2f} {r['stacked_ms']:>10.2f} "
+            f"{r['stacked_ms'] / r['loop_ms']:>6.2f}  {bits}"
+        )
+    return 0
