@@ -18,8 +18,6 @@ its bits differ from the loop's, only a backend with a stated tolerance may run 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +27,7 @@ from muon_ref import newton_schulz
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
+from .gpu import elapsed_s, spread
 from .run import SETS, header, muon_specs
 
 PRESET = "torch"
@@ -71,14 +70,10 @@ def stacked(matrices: list[Tensor], ns_kwargs: dict) -> list[Tensor]:
 
 
 def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """The median wall ms of fn() over `reps` calls after `warmup` untimed ones (benchmarks.gpu's clock on CPU)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return spread([elapsed_s(fn, torch.device("cpu")) for _ in range(reps)])["ms"]
 
 
 def row(table: str, warmup: int, reps: int) -> dict:

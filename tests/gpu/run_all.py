@@ -94,9 +94,8 @@ def commands(part: str, out: Path, dion: str | None, jobs: int = 1) -> list[list
             ]
         ]
     harness = [*py, "-m", "muon_check.conformance"]
-    if (
-        part == "conformance"
-    ):  # --all, one command per shipped adapter (run side by side: SIDE_BY_SIDE)
+    # conformance: --all as one command per shipped adapter (run side by side: SIDE_BY_SIDE)
+    if part == "conformance":
         from muon_check.adapters.shipped import SHIPPED
 
         return [
