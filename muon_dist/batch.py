@@ -8,8 +8,8 @@ path module named by `path` states and checks the invariants that path needs (mu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -18,6 +18,36 @@ from .geometry import Box, Geometry
 
 # orthogonalise the whole blocks of a param that lie inside `box`, given x = the param's part in that box
 Kernel = Callable[[Tensor, Box], Tensor]
+# one kernel call of a batch: (the param's position in the batch, its part x, the box x is)
+KernelCall = tuple[int, Tensor, Box]
+
+
+class Kernels(list):
+    """A batch's kernels, kernels[k] the kernel of its k-th param, and `many`: several calls at once, each result
+    the one its own call gives (muon_dist/step.py stacks the same-shape matrices of the calls for the backend's
+    stack kernel, muon_dist/kernels.orthogonalize_many); without `many`, the calls one by one."""
+
+    def __init__(
+        self,
+        each: Sequence[Kernel],
+        many: Callable[[Iterable[KernelCall]], list[Tensor]] | None = None,
+    ) -> None:
+        super().__init__(each)
+        self._many = many
+
+    def many(self, calls: Iterable[KernelCall]) -> list[Tensor]:
+        if self._many is None:
+            return [self[k](x, box) for k, x, box in calls]
+        return self._many(calls)
+
+
+def run_kernels(kernels: Sequence[Kernel], calls: Iterable[KernelCall]) -> list[Tensor]:
+    """[kernels[k](x, box) for k, x, box in calls]: at once where kernels is a Kernels, one by one otherwise (a
+    plain list, as the paths' own tests pass). `calls` may be lazy (a generator): a call's input can then be made
+    just before its kernel runs and freed after."""
+    if isinstance(kernels, Kernels):
+        return kernels.many(calls)
+    return [kernels[k](x, box) for k, x, box in calls]
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ form a run; a run on a sharded layout is cut, in param-group order, into full ba
 size) that take the all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the
 padded all-to-all). Consecutive full batches of a run are packed into one all_to_all batch of k W params (member
 j owns params j, j + W, ...), k the most that keeps it within 1/rounds of the step's elements (Options.rounds,
-at least one batch; none for a group of one or under force_path): the same owners, bits and bytes as batches of
-W, in fewer collectives. Replicated runs are cut into batches of at most W. Each path's module gives the
+at least one batch; none under force_path): the same owners, bits and bytes as batches of W, in fewer
+collectives. In a shard group of one, a run's params are packed (any sharded path, experts too) up to the step's
+largest param's elements: no collective to save there, but same-shape params then share a stack kernel call. Replicated runs are cut into batches of at most W. Each path's module gives the
 owners. The digest of the plan is compared across ranks before the first data collective.
 
 Params with separate blocks (split_sizes, num_heads) take the "blocks" path when sharded: each block goes to the
@@ -172,16 +173,17 @@ def _batch_path(entry: Entry, num_params: int, options: Options) -> str:
     return expert_path(entry.layout) or ("all_to_all" if full else options.remainder)
 
 
-def _packed(entry: Entry, group_size: int, cap: float) -> int:
-    """How many full batches of this layout's params one all_to_all batch takes: as many as keep the batch within
-    `cap` elements (1/rounds of the step's), at least one. Only the all-to-all family packs (other paths keep
-    batches of W)."""
-    if (
-        group_size == 1  # no collective to save: batches of one param, one write group each
-        or not entry.layout.geometry.sharded
-        or expert_path(entry.layout) is not None
-        or entry.layout.matrices.separate
-    ):
+def _packed(entry: Entry, group_size: int, cap: float, largest: int) -> int:
+    """How many full batches of this layout's params one batch takes. In a shard group of W > 1, the all-to-all
+    family only: as many as keep the batch within `cap` elements (1/rounds of the step's), at least one (other
+    paths keep batches of W). In a group of one, where no collective is saved, any sharded path: as many as keep
+    the batch within the step's largest param (`largest` elements), at least one, so that same-shape params share
+    one stack kernel call (muon_dist/kernels.orthogonalize_many) while the step's peak stays its largest param's."""
+    if not entry.layout.geometry.sharded or entry.layout.matrices.separate:
+        return 1
+    if group_size == 1:
+        return max(1, largest // math.prod(entry.layout.global_shape))
+    if expert_path(entry.layout) is not None:
         return 1
     return max(1, int(cap // (group_size * math.prod(entry.layout.global_shape))))
 
@@ -196,7 +198,8 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
         if entry.active:
             runs.setdefault(entry.key(), []).append(i)
     batches = []
-    cap = sum(math.prod(e.layout.global_shape) for e in entries if e.active) / options.rounds
+    sizes = [math.prod(e.layout.global_shape) for e in entries if e.active]
+    cap, largest = sum(sizes) / options.rounds, max(sizes, default=0)
     for members in runs.values():
         first = entries[members[0]]
         geometry = first.layout.geometry
@@ -215,7 +218,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
         W = geometry.group_size
         full = len(members) - len(members) % W
         # same-layout full batches packed into one all_to_all batch (never under force_path: its batches take W)
-        per = W * (_packed(first, W, cap) if options.force_path is None else 1)
+        per = W * (_packed(first, W, cap, largest) if options.force_path is None else 1)
         starts = [*range(0, full, per), *([full] if full < len(members) else [])]
         for start, end in zip(starts, [*starts[1:], len(members)]):
             chunk = tuple(members[start:end])

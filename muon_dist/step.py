@@ -24,7 +24,7 @@ bitwise with the torch backend (another backend: its tolerance, muon_dist/kernel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,10 +33,10 @@ from torch import Tensor
 from muon_ref import MatrixLayout, MuonConfig
 
 from . import agreement, elementwise
-from .batch import Batch, FailureFlag, Kernel
+from .batch import Batch, FailureFlag, Kernel, KernelCall, Kernels
 from .comm import Comm, Group
 from .geometry import Box, Geometry, blocks_in
-from .kernels import Backend
+from .kernels import Backend, orthogonalize_many, stacks
 from .paths import PATHS
 from .plan import Entry, Options, Plan, plan
 from .runtime import PIPELINE_DEPTH, Steps, staggered
@@ -167,7 +167,7 @@ class StepRun:
     def exchange(self, batch: Batch, directions: list[Tensor]) -> Steps:
         """The batch through its path, each param's kernel guarded: this rank's box of every update."""
         update_dtype = batch.update_torch_dtype
-        kernels = [
+        each = [
             agreement.guarded(
                 self.failures,
                 f"the kernel of a batch from {self.plan.entries[i].layout.name}",
@@ -176,12 +176,50 @@ class StepRun:
             )
             for i in batch.params
         ]
+        kernels = Kernels(each, self.stacked(batch, each))
         path, group = PATHS[batch.path], self.groups[id(batch)]
         if path.steps is None:
             return path.run(self.comm, group, batch, directions, kernels)
         flag = self.flags.get(id(batch))
         extra = {} if flag is None else {"flag": flag}
         return (yield from path.steps(self.comm, group, batch, directions, kernels, **extra))
+
+    def stacked(
+        self, batch: Batch, each: list[Kernel]
+    ) -> Callable[[Iterable[KernelCall]], list[Tensor]]:
+        """Several kernel calls of the batch at once (Kernels.many), each result the one its kernel_for call gives
+        (made contiguous alike): the calls that kernels.stacks admits go through the backend's orthogonalize_many
+        on their whole blocks, so that same-shape matrices of different params share one stack kernel call; the
+        others run as they come (the paths pass calls lazily: a large param's input is freed after its call).
+        Should the stacked call raise, its calls run one by one through their guarded kernels, which record the
+        failing param's failure."""
+
+        def many(calls: Iterable[KernelCall]) -> list[Tensor]:
+            results: list[Tensor | None] = []
+            pending = []  # (position in results, call, orthogonalize_many's call)
+            for k, x, box in calls:
+                i = batch.params[k]
+                layout = blocks_in(self.plan.entries[i].layout.matrices, box) if box.numel else None
+                if layout is None or not stacks(
+                    self.backend, layout, x.dtype, x.device, self.configs[i]
+                ):
+                    results.append(each[k](x, box))
+                    continue
+                pending.append((len(results), (k, x, box), (x, layout, self.configs[i])))
+                results.append(None)
+            if pending:
+                try:
+                    outs = [
+                        u.contiguous()
+                        for u in orthogonalize_many(self.backend, [p[2] for p in pending])
+                    ]
+                except Exception:  # noqa: BLE001 - each call again, guarded: its failure is recorded there
+                    outs = [each[k](x, box) for _, (k, x, box), _ in pending]
+                for (position, _, _), out in zip(pending, outs):
+                    results[position] = out
+            return results  # type: ignore[return-value]  # every position is set
+
+        return many
 
     def check(self, last: Batch) -> None:
         """Agreement step 3 for the write group that ends with `last`."""

@@ -43,9 +43,10 @@ def test_every_registered_backend_is_named_as_registered_and_only_torch_claims_b
     for name in (
         "torch",
         "gram",
+        "batched",
     ):  # "triton" imports triton: its module is checked in tests/test_triton_kernel.py
         assert backend(name).name == name
-    assert [backend(name).bitwise for name in ("torch", "gram")] == [True, False]
+    assert [backend(name).bitwise for name in ("torch", "gram", "batched")] == [True, False, False]
 
 
 def _backend_modules() -> dict[str, Path]:

@@ -7,11 +7,17 @@ A backend is a frozen record (Backend) whose orthogonalize has the one signature
 imports its module and returns its BACKEND, so an optional dependency (triton) is needed only by its backend;
 register(name, load) adds one.
 
+A backend with a stack kernel (Backend.stack: a stack [k, fan_out, fan_in] of matrices that share a shape and a
+config) runs several calls at once: orthogonalize_many stacks the matrices of every call by shape and config, one
+stack kernel call per stack, the way Dion's megabatches stack same-shape params. Its contract per matrix is the
+backend's own: the stack kernel orthogonalises each matrix alone, whatever else the stack holds.
+
     torch    muon_dist.kernels.reference   muon_ref's newton_schulz (a stack batched where a runtime check shows
                                            it bitwise): bitwise
     triton   muon_dist.kernels.triton_ns   Triton GEMMs, autotuned tiles, one triangle of the symmetric products:
                                            a tolerance
     gram     muon_dist.kernels.gram_ns     Gram Newton-Schulz, batched torch ops: another algorithm, a tolerance
+    batched  muon_dist.kernels.batched     muon_ref's Newton-Schulz, every stack batched (bmm): a tolerance
 
 Each module's own Newton-Schulz function (newton_schulz_batched, newton_schulz_triton, gram_newton_schulz_batched)
 takes muon_ref's kernel's keyword arguments (muon_ref.newton_schulz, muon_ref.gram_newton_schulz), less those it
@@ -20,7 +26,7 @@ refuses: muon_ref declares them, tests/test_kernels.py checks every mirror again
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +34,7 @@ import torch
 from torch import Tensor
 
 from muon_ref import MatrixLayout, MuonConfig, map_blocks
+from muon_ref.functional import read_block
 from muon_ref.newton_schulz import input_cast
 
 
@@ -43,12 +50,20 @@ class Backend:
     """name; orthogonalize (Orthogonalize); bitwise: whether it returns muon_ref's bits (else its module's
     docstring states the tolerance); reads_through_cast: whether it reads a direction only through muon_ref's
     input cast (muon_ref.newton_schulz.input_cast), so a direction cast to that dtype first gives the same
-    result (the paths then move it in that dtype)."""
+    result (the paths then move it in that dtype); stack: None, or its kernel on a stack [k, fan_out, fan_in]
+    under a config, each matrix of the result equal to what orthogonalize gives that matrix as a one-block param
+    (bitwise, or within the same tolerance), whatever the other matrices of the stack are (orthogonalize_many);
+    batches((fan_out, fan_in), input dtype, device, cfg): whether the stack kernel may run a stack of such
+    matrices as one batch (else it loops over them, and stacking calls buys nothing: stacks() says no)."""
 
     name: str
     orthogonalize: Orthogonalize
     bitwise: bool
     reads_through_cast: bool = False
+    stack: Callable[[Tensor, MuonConfig], Tensor] | None = None
+    batches: Callable[[tuple[int, int], torch.dtype, torch.device, MuonConfig], bool] = (
+        lambda matrix, dtype, device, cfg: True
+    )
 
 
 def _torch() -> Backend:
@@ -69,7 +84,18 @@ def _gram() -> Backend:
     return BACKEND
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {"torch": _torch, "triton": _triton, "gram": _gram}
+def _batched() -> Backend:
+    from .batched import BACKEND
+
+    return BACKEND
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "torch": _torch,
+    "triton": _triton,
+    "gram": _gram,
+    "batched": _batched,
+}
 
 
 def register(name: str, load: Callable[[], Backend]) -> None:
@@ -98,6 +124,84 @@ def over_stacks(stack_kernel: Callable[[Tensor, MuonConfig], Tensor]) -> Orthogo
         return stack_kernel(direction.reshape(layout.matrices_shape), cfg).reshape(direction.shape)
 
     return orthogonalize
+
+
+def ns_key(cfg: MuonConfig) -> tuple:
+    """What decides a config's Newton-Schulz: its newton_schulz arguments (configs with one key may share a
+    stack)."""
+    return tuple(sorted((name, repr(value)) for name, value in cfg.ns_kwargs().items()))
+
+
+# A matrix with more elements than this is orthogonalised in its own call: stacking calls saves their per-call
+# overhead (Python, dispatch, a launch), which matters for small matrices only, and costs a copy of the stack.
+STACK_MAX_ELEMENTS = 1 << 16
+
+
+def stacks(
+    backend: Backend,
+    layout: MatrixLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    cfg: MuonConfig,
+) -> bool:
+    """Whether a call on a direction of this layout, dtype and device should join a stack (orthogonalize_many):
+    the backend has a stack kernel and batches every matrix of the layout, none over STACK_MAX_ELEMENTS."""
+    if backend.stack is None:
+        return False
+    matrices = {(b.fan_out, b.fan_in) for b in layout.blocks}
+    return all(
+        m * n <= STACK_MAX_ELEMENTS and backend.batches((m, n), dtype, device, cfg)
+        for m, n in matrices
+    )
+
+
+def orthogonalize_many(
+    backend: Backend, calls: Sequence[tuple[Tensor, MatrixLayout, MuonConfig]]
+) -> list[Tensor]:
+    """[backend.orthogonalize(d, layout, cfg) for d, layout, cfg in calls], with the matrices of all calls stacked.
+
+    Reference equation, for every call i:  orthogonalize_many(B, calls)[i] == B.orthogonalize(*calls[i])
+    bitwise where B.stack meets its contract bitwise (Backend: each matrix alone, whatever the stack holds), within
+    B's tolerance otherwise. A shared layout's blocks are its batch view [k, fan_out, fan_in]; a separate layout's
+    blocks are one matrix each (read_block: a fresh contiguous copy, as map_blocks gives it). The matrices of all
+    calls that share (fan_out, fan_in), the direction's dtype and device and the config's Newton-Schulz (ns_key)
+    go through B.stack as one stack (torch.cat), in call order, and each call's part is read back: a shared
+    layout's result is a view of its stack's output, a separate layout's is written block by block. A backend
+    without a stack kernel, and an empty direction, take the one-call path.
+    """
+    if backend.stack is None:
+        return [backend.orthogonalize(d, layout, cfg) for d, layout, cfg in calls]
+    stacks: dict[
+        tuple, list[tuple[int, object, Tensor]]
+    ] = {}  # key -> (call, block or None, [k, m, n])
+    results: list[Tensor | None] = [None] * len(calls)
+    for i, (d, layout, cfg) in enumerate(calls):
+        if not d.numel():
+            results[i] = backend.orthogonalize(d, layout, cfg)
+            continue
+        pieces = (
+            [(b, read_block(d, b).unsqueeze(0)) for b in layout.blocks]
+            if layout.separate
+            else [(None, d.reshape(layout.matrices_shape))]
+        )
+        for block, matrices in pieces:
+            key = (tuple(matrices.shape[1:]), matrices.dtype, matrices.device, ns_key(cfg))
+            stacks.setdefault(key, []).append((i, block, matrices))
+    for members in stacks.values():
+        cfg = calls[members[0][0]][2]
+        whole = members[0][2] if len(members) == 1 else torch.cat([m for _, _, m in members])
+        out = backend.stack(whole, cfg)
+        for (i, block, matrices), part in zip(
+            members, out.split([m.shape[0] for _, _, m in members])
+        ):
+            d, layout, _ = calls[i]
+            if block is None:
+                results[i] = part.reshape(d.shape)
+                continue
+            if results[i] is None:
+                results[i] = torch.empty(layout.shape, dtype=part.dtype, device=part.device)
+            results[i][block.index] = part.reshape(block.shape)
+    return results  # type: ignore[return-value]  # every call's result is set above
 
 
 def own_step_kwargs(cfg: MuonConfig, name: str) -> dict:

@@ -192,7 +192,7 @@ def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
 
 
 BACKEND = Backend(
-    "gram", over_stacks(_stack_kernel), bitwise=False
+    "gram", over_stacks(_stack_kernel), bitwise=False, stack=_stack_kernel
 )  # contract: this module's docstring
 
 

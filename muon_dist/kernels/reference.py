@@ -105,26 +105,39 @@ def batched_is_bitwise(
     """Whether orthogonalize batches a stack of `shape` and input_dtype on `device` under muon_ref.newton_schulz's
     keyword arguments ns_kwargs (MuonConfig.ns_kwargs()): the module docstring's three parts; the probe's verdict
     is cached per probe_key."""
-    options = resolve_ns_options(
-        ns_kwargs.get("schedule", "keller"),
-        ns_kwargs.get("steps"),
-        ns_kwargs.get("eps"),
-        ns_kwargs.get("safety"),
-        ns_kwargs.get("precondition"),
-    )
-    dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
-    if (
-        torch.device(device).type != "cpu"
-        or not in_static_rule(
-            tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), options.precondition
-        )
-        or onednn_takes(dtype)
-    ):
+    if not in_rule(shape, input_dtype, device, **ns_kwargs):
         return False
     key = probe_key(shape, input_dtype, device, ns_kwargs)
     if key not in _PROBED:
         _PROBED[key] = probe(tuple(shape), input_dtype, device, ns_kwargs)
     return _PROBED[key]
+
+
+def in_rule(
+    shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, **ns_kwargs
+) -> bool:
+    """Parts 1 and 2 of the module docstring's rule for a stack of `shape` on `device` (batched_is_bitwise without
+    its probe)."""
+    dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
+    return (
+        torch.device(device).type == "cpu"
+        and in_static_rule(
+            tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), preconditioner(ns_kwargs)
+        )
+        and not onednn_takes(dtype)
+    )
+
+
+def preconditioner(ns_kwargs: dict) -> str | None:
+    """The preconditioner that muon_ref.newton_schulz's keyword arguments resolve to (their schedule's, unless
+    overridden): "aol" or None."""
+    return resolve_ns_options(
+        ns_kwargs.get("schedule", "keller"),
+        ns_kwargs.get("steps"),
+        ns_kwargs.get("eps"),
+        ns_kwargs.get("safety"),
+        ns_kwargs.get("precondition"),
+    ).precondition
 
 
 def probed() -> dict[tuple, bool]:
@@ -195,7 +208,33 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     )
 
 
-BACKEND = Backend("torch", orthogonalize, bitwise=True, reads_through_cast=True)
+def orthogonalize_stack(stack: Tensor, cfg: MuonConfig) -> Tensor:
+    """The backend's stack kernel: muon_ref.newton_schulz on a stack [k, m, n] (a loop over its matrices, each
+    alone), batched where batched_is_bitwise says it is bitwise; so each matrix gets muon_ref's bits for it,
+    whatever else the stack holds (Backend.stack)."""
+    kwargs = cfg.ns_kwargs()
+    if not batched_is_bitwise(stack.shape, stack.dtype, stack.device, **kwargs):
+        return newton_schulz(stack, **kwargs)
+    del kwargs["step_form"]  # "addmm": a condition of the rule
+    return newton_schulz_batched(stack, **kwargs)
+
+
+def may_batch(
+    matrix: tuple[int, int], input_dtype: torch.dtype, device: torch.device, cfg: MuonConfig
+) -> bool:
+    """The backend's Backend.batches: whether orthogonalize_stack may batch a stack of such matrices (parts 1 and 2
+    of the rule for a stack of two; the probe, part 3, runs on the stack's own shape when it comes)."""
+    return in_rule((2, *matrix), input_dtype, device, **cfg.ns_kwargs())
+
+
+BACKEND = Backend(
+    "torch",
+    orthogonalize,
+    bitwise=True,
+    reads_through_cast=True,
+    stack=orthogonalize_stack,
+    batches=may_batch,
+)
 
 
 def _random_case(rng: random.Random, seed: int, large: bool) -> tuple[Tensor, dict]:

@@ -469,5 +469,5 @@ def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
 
 
 BACKEND = Backend(
-    "triton", over_stacks(_stack_kernel), bitwise=False
+    "triton", over_stacks(_stack_kernel), bitwise=False, stack=_stack_kernel
 )  # contract: this module's docstring

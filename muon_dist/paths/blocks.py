@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, Kernel, run_kernels
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry
 from .exchange import pack, unpack
@@ -80,10 +80,10 @@ def run(
     if not exchanges(batch):
         # every block lies whole on its owner: orthogonalise what this member owns
         outs = [d.new_empty(box.shape, dtype=dtype) for d, box in zip(directions, mine)]
-        for k, u in todo:
-            if u.owner == me:
-                here = u.frame.within(mine[k]).index
-                outs[k][here] = kernels[k](directions[k][here].contiguous(), u.frame).to(dtype)
+        here = [(k, u, u.frame.within(mine[k]).index) for k, u in todo if u.owner == me]
+        calls = ((k, directions[k][i].contiguous(), u.frame) for k, u, i in here)
+        for (k, _, i), update in zip(here, run_kernels(kernels, calls)):
+            outs[k][i] = update.to(dtype)
         return outs
     owned = [[(k, u) for k, u in todo if u.owner == j] for j in range(W)]
     to_owner = [sum(u.pieces[me].numel for k, u in owned[j] if u.pieces[me]) for j in range(W)]
@@ -135,15 +135,20 @@ def _orthogonalise_owned(
     order), its kernel run on the unit's frame; back[j]: member j's pieces of the updates, in order."""
     back: list[list[Tensor]] = [[] for _ in range(W)]
     taken = [0] * W
+    inputs = []  # (param, its unit, the unit's parts from its members)
     for k, u in owned:
         members = [j for j in range(W) if u.pieces[j]]
-        parts = []
+        inputs.append((k, u, [recv[j][taken[j]] for j in members]))
         for j in members:
-            parts.append(recv[j][taken[j]])
             taken[j] += 1
-        update = kernels[k](join(parts, [u.pieces[j] for j in members], u.frame), u.frame).to(dtype)
-        for j in members:
-            back[j].append(update[u.pieces[j].within(u.frame).index].reshape(-1))
+    calls = (  # lazy: each unit joined right before its kernel (run_kernels)
+        (k, join(parts, [p for p in u.pieces if p], u.frame), u.frame) for k, u, parts in inputs
+    )
+    for (k, u, _), update in zip(inputs, run_kernels(kernels, calls)):
+        update = update.to(dtype)
+        for j in range(W):
+            if u.pieces[j]:
+                back[j].append(update[u.pieces[j].within(u.frame).index].reshape(-1))
     return back
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel
+from ..batch import Batch, FailureFlag, Kernel, run_kernels
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry, whole
 from ..runtime import Steps
@@ -114,10 +114,11 @@ def _orthogonalise_whole(
     update_dtype: torch.dtype,
 ) -> list[Tensor]:
     """A group of one: every param is whole here, its kernel runs on its direction as it is."""
-    return [
-        kernel(d.reshape(g.global_shape), whole(g.global_shape)).to(update_dtype)
-        for d, kernel, g in zip(directions, kernels, geometries)
+    calls = [
+        (k, d.reshape(g.global_shape), whole(g.global_shape))
+        for k, (d, g) in enumerate(zip(directions, geometries))
     ]
+    return [u.to(update_dtype) for u in run_kernels(kernels, calls)]
 
 
 def _orthogonalise_owned(
@@ -130,11 +131,14 @@ def _orthogonalise_owned(
     """The owner's part: each of its params (`mine`) joined exactly from every member's box (recv[j][i]: member
     j's box of mine[i]) and its kernel run on it; rows[j]: member j's boxes of the updates, in param order."""
     W = len(recv)
-    boxes = []  # boxes[i][j]: member j's box of my i-th param's update
-    for i, k in enumerate(mine):
-        frame = whole(geometries[k].global_shape)
-        full = join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frame)
-        boxes.append(cut(kernels[k](full, frame).to(update_dtype), geometries[k]))
+    frames = [whole(geometries[k].global_shape) for k in mine]
+    calls = (  # lazy: each param joined right before its kernel (run_kernels)
+        (k, join([recv[j][i] for j in range(W)], list(geometries[k].boxes), frames[i]), frames[i])
+        for i, k in enumerate(mine)
+    )
+    updates = run_kernels(kernels, calls)
+    # boxes[i][j]: member j's box of my i-th param's update
+    boxes = [cut(u.to(update_dtype), geometries[k]) for k, u in zip(mine, updates)]
     return [[b[j] for b in boxes] for j in range(W)]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, Kernel, run_kernels
 from ..comm import Comm, Group
 from ..geometry import Box
 from .interface import Path
@@ -35,10 +35,8 @@ def run(
     comm: Comm, group: Group, batch: Batch, directions: list[Tensor], kernels: list[Kernel]
 ) -> list[Tensor]:
     me = group.ranks.index(comm.rank)
-    return [
-        kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
-        for d, kernel, geometry in zip(directions, kernels, batch.geometries)
-    ]
+    calls = [(k, d, g.boxes[me]) for k, (d, g) in enumerate(zip(directions, batch.geometries))]
+    return [u.to(batch.update_torch_dtype) for u in run_kernels(kernels, calls)]
 
 
 def expected_bytes(batch: Batch, member: int, itemsizes: Mapping[str, int]) -> None:

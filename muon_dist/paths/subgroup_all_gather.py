@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ..batch import Batch, Kernel
+from ..batch import Batch, Kernel, run_kernels
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry
 from .interface import Path
@@ -60,10 +60,8 @@ def run(
     )
     component = next((c for c in components if me in c), None)
     if component is None:  # whole blocks: the local path's computation
-        return [
-            kernel(d, geometry.boxes[me]).to(batch.update_torch_dtype)
-            for d, kernel in zip(directions, kernels)
-        ]
+        calls = [(k, d, geometry.boxes[me]) for k, d in enumerate(directions)]
+        return [u.to(batch.update_torch_dtype) for u in run_kernels(kernels, calls)]
     block = geometry.blocks[geometry.blocks_of(component)[0]]
     frame = Box(block.offsets, block.shape)
     boxes = [geometry.boxes[j] for j in component]
@@ -73,12 +71,20 @@ def run(
         send[k, : d.numel()] = d.reshape(-1)
     sub = subs[tuple(group.ranks[j] for j in component)]
     gathered = comm.all_gather(send, sub, "subgroup_all_gather").reshape(len(component), R, width)
-    out = []
-    for k in range(R):
-        full = join([gathered[q, k, : boxes[q].numel] for q in range(len(component))], boxes, frame)
-        update = kernels[k](full, frame).to(batch.update_torch_dtype)
-        out.append(own_piece(update, geometry.boxes[me], frame).clone())
-    return out
+    calls = (  # lazy: each param joined right before its kernel (run_kernels)
+        (
+            k,
+            join([gathered[q, k, : boxes[q].numel] for q in range(len(component))], boxes, frame),
+            frame,
+        )
+        for k in range(R)
+    )
+    updates = run_kernels(kernels, calls)
+    del gathered
+    return [
+        own_piece(u.to(batch.update_torch_dtype), geometry.boxes[me], frame).clone()
+        for u in updates
+    ]
 
 
 def expected_bytes(

@@ -210,8 +210,7 @@ def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_roun
     assert [i for b in packed.batches for i in b.params] == [i for b in single.batches for i in b.params]
     cap = sum(math.prod(e.layout.global_shape) for e in entries if e.active) / count
     for b in packed.batches:
-        if b.path != "all_to_all" or b.group_size == 1:  # a group of one packs nothing: no collective to save
-            assert b.path != "all_to_all" or len(b.params) == 1
+        if b.path != "all_to_all" or b.group_size == 1:  # a group of one: test_a_group_of_one_packs_...
             continue
         size = math.prod(entries[b.params[0]].layout.global_shape)
         assert len({entries[i].key() for i in b.params}) == 1
@@ -221,6 +220,45 @@ def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_roun
         assert b.path != "all_to_all" or len(b.params) == b.group_size
     for rank in range(W):
         assert expected_bytes(packed, rank, ITEMSIZES) == expected_bytes(single, rank, ITEMSIZES)
+
+
+@settings(max_examples=examples(1.0))
+@given(spec=mixed, count=st.integers(1, 8))
+def test_a_group_of_one_packs_a_runs_params_up_to_the_steps_largest_param(spec: list, count: int) -> None:
+    """_packed in a shard group of one (W = 1), whatever the rounds: consecutive params of a run share a batch while
+    its elements stay within the step's largest active param's (at least one param a batch), so same-shape
+    matrices can share a stack kernel call and the step's peak stays its largest param's; the params' order is that
+    of batches of one."""
+    entries = tuple(Entry(layout_1d(shape, placement, 1, "torch.float32"), group, update, active)
+                    for shape, placement, group, active, update in spec)
+    packed = plan(entries, Options(rounds=count))
+    largest = max((math.prod(e.layout.global_shape) for e in entries if e.active), default=0)
+    single = plan(entries, Options(force_path="agrs"))  # batches of W = 1, each run in param-group order
+    assert [i for b in packed.batches for i in b.params] == [i for b in single.batches for i in b.params]
+    for b in packed.batches:
+        assert len({entries[i].key() for i in b.params}) == 1, b
+        size = math.prod(entries[b.params[0]].layout.global_shape)
+        if b.path == "replicated":
+            assert len(b.params) == 1
+        else:
+            assert len(b.params) == 1 or len(b.params) * size <= largest, (b, largest)
+    # the most a batch can take: a run never splits where the next param would still fit
+    for first, second in zip(packed.batches, packed.batches[1:]):
+        same_run = entries[first.params[0]].key() == entries[second.params[0]].key()
+        if same_run and first.path == second.path != "replicated":
+            size = math.prod(entries[first.params[0]].layout.global_shape)
+            assert (len(first.params) + 1) * size > largest, (first, second, largest)
+
+
+def test_in_a_group_of_one_expert_stacks_pack_too():
+    """Four (2, 3, 4) expert stacks beside a (6, 8) matrix at W = 1: local batches of two stacks (48 elements, the
+    largest param's)."""
+    stack = layout_ep((2, 3, 4), 1, 1, "torch.float32", None)
+    matrix = layout_1d((6, 8), "S0", 1, "torch.float32")
+    entries = tuple(Entry(stack, 0, "torch.float32", True) for _ in range(4)) + (
+        Entry(matrix, 0, "torch.float32", True),)
+    batches = plan(entries, Options()).batches
+    assert [(b.path, b.params) for b in batches] == [("local", (0, 1)), ("local", (2, 3)), ("all_to_all", (4,))]
 
 
 def test_only_the_all_to_all_family_packs_expert_stacks_keep_batches_of_their_group():

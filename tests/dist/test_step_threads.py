@@ -231,6 +231,64 @@ def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwi
     assert_boxes_of_reference(case, on_threads(case, steps=2), steps=2)
 
 
+# the paths that hand a batch's kernel calls over at once (muon_dist.batch.run_kernels), and so may stack them
+STACKING_PATHS = ("all_to_all", "global_all_to_all", "local", "subgroup_all_gather", "blocks")
+
+
+def stacking(seen: list, reverse: bool = False) -> Backend:
+    """The torch backend with every matrix admitted to a stack (its stack kernel loops where its probe does not show
+    the batch bitwise, so the bits stay muon_ref's on every CPU), recording each stack's shape in `seen`. reverse
+    plants a bug: the stack kernel's output matrices in reverse order."""
+    real = backend("torch")
+
+    def stack(S: torch.Tensor, cfg) -> torch.Tensor:
+        seen.append(tuple(S.shape))
+        out = real.stack(S, cfg)
+        return out.flip(0) if reverse else out
+
+    return dataclasses.replace(real, stack=stack, batches=lambda *args: True)
+
+
+def plans_a_stacking_path(case: Case) -> bool:
+    """Whether the case's first step (every param active) has a batch on a path that stacks its kernel calls."""
+    from muon_dist.plan import plan
+
+    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), True) for gi, lay in case.layouts())
+    return any(b.path in STACKING_PATHS for b in plan(entries, case.options).batches)
+
+
+PACKED = Group((), ((4, 6),) * 3 + ((8, 8),), (("S0",),) * 4)  # in a group of one: batches of two (4, 6) params
+
+
+@pytest.mark.timeout(timeout_for(120))
+@example(case=Case(1, (0,), (PACKED,), "float32", "torch", Options(), False))  # a group of one: the run packed
+@example(case=Case(2, (0, 1), (PACKED,), "bfloat16", "torch", Options(dispatch="global", rounds=1), False))
+@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+                   "bfloat16", "xtuner", Options(), False))  # local experts, two params' experts in one stack
+@settings(max_examples=examples(0.5))
+@given(case=cases())
+def test_with_kernel_calls_stacked_across_params_the_step_keeps_muon_refs_bits(case: Case) -> None:
+    """The same equation with each batch's kernel calls stacked by matrix shape (muon_dist.kernels.orthogonalize_many
+    through Kernels.many, every matrix admitted); wherever the plan has a path that stacks, stacks ran."""
+    seen: list = []
+    assert_boxes_of_reference(case, on_threads(case, steps=2, kernels=stacking(seen)), steps=2)
+    assert bool(seen) == plans_a_stacking_path(case), seen
+
+
+@pytest.mark.timeout(timeout_for(60))
+@pytest.mark.parametrize("W", [1, 2])
+def test_negative_control_a_stack_kernel_that_returns_its_matrices_out_of_order_is_caught(W: int) -> None:
+    """Planted: the stack kernel hands the matrices back in reverse order (a wrong split of a stack): the step's
+    params then differ from muon_ref's, though each matrix is orthogonalised right."""
+    case = Case(W, tuple(range(W)), (PACKED,), "float32", "torch", Options(dispatch="global", rounds=1), False)
+    seen: list = []
+    results = on_threads(case, steps=1, kernels=stacking(seen, reverse=True))
+    assert any(shape[0] > 1 for shape in seen), seen
+    with pytest.raises(AssertionError):
+        assert_boxes_of_reference(case, results, steps=1)
+
+
 @pytest.mark.timeout(timeout_for(60))
 @example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False), where=4 * 12,
          policy="skip")  # param 0's element 12: in rank 2's box only
