@@ -7,7 +7,8 @@ padded all-to-all). Consecutive full batches of a run are packed into one all_to
 j owns params j, j + W, ...), k the most that keeps it within 1/rounds of the step's elements (Options.rounds,
 at least one batch; none under force_path): the same owners, bits and bytes as batches of W, in fewer
 collectives. In a shard group of one, a run's params are packed (any sharded path, experts too) up to the step's
-largest param's elements: no collective to save there, but same-shape params then share a stack kernel call. Replicated runs are cut into batches of at most W. Each path's module gives the
+largest param's elements (at least PACK_MIN_ELEMENTS): no collective to save there, but same-shape params then
+share a stack kernel call. Replicated runs are cut into batches of at most W. Each path's module gives the
 owners. The digest of the plan is compared across ranks before the first data collective.
 
 Params with separate blocks (split_sizes, num_heads) take the "blocks" path when sharded: each block goes to the
@@ -47,6 +48,9 @@ REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if
 # DistributedMuon's default: global dispatch in this many rounds (docs/benchmarks.md: the dense set at W = 2 and
 # 4 with 1, 2, 4 and 8 rounds)
 ROUNDS = 4
+# in a shard group of one, a batch may hold this many elements even where every param is smaller (a few hundred
+# KiB at most): small params then share one stack kernel call, whose per-call cost dominates their Newton-Schulz
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -177,12 +181,13 @@ def _packed(entry: Entry, group_size: int, cap: float, largest: int) -> int:
     """How many full batches of this layout's params one batch takes. In a shard group of W > 1, the all-to-all
     family only: as many as keep the batch within `cap` elements (1/rounds of the step's), at least one (other
     paths keep batches of W). In a group of one, where no collective is saved, any sharded path: as many as keep
-    the batch within the step's largest param (`largest` elements), at least one, so that same-shape params share
-    one stack kernel call (muon_dist/kernels.orthogonalize_many) while the step's peak stays its largest param's."""
+    the batch within the step's largest param (`largest` elements) or PACK_MIN_ELEMENTS, whichever is more, at
+    least one, so that same-shape params share one stack kernel call (muon_dist/kernels.orthogonalize_many) while
+    the step's peak stays about its largest param's."""
     if not entry.layout.geometry.sharded or entry.layout.matrices.separate:
         return 1
     if group_size == 1:
-        return max(1, largest // math.prod(entry.layout.global_shape))
+        return max(1, max(largest, PACK_MIN_ELEMENTS) // math.prod(entry.layout.global_shape))
     if expert_path(entry.layout) is not None:
         return 1
     return max(1, int(cap // (group_size * math.prod(entry.layout.global_shape))))

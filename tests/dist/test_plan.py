@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_dist import Entry, Options, expected_bytes, plan
+from muon_dist.plan import PACK_MIN_ELEMENTS
 from muon_dist.balance import lpt, ns_flops
 from muon_dist.paths import PATHS
 
@@ -226,13 +227,13 @@ def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_roun
 @given(spec=mixed, count=st.integers(1, 8))
 def test_a_group_of_one_packs_a_runs_params_up_to_the_steps_largest_param(spec: list, count: int) -> None:
     """_packed in a shard group of one (W = 1), whatever the rounds: consecutive params of a run share a batch while
-    its elements stay within the step's largest active param's (at least one param a batch), so same-shape
-    matrices can share a stack kernel call and the step's peak stays its largest param's; the params' order is that
-    of batches of one."""
+    its elements stay within the step's largest active param's or PACK_MIN_ELEMENTS, whichever is more (at least
+    one param a batch), so same-shape matrices can share a stack kernel call and the step's peak stays about its
+    largest param's; the params' order is that of batches of one."""
     entries = tuple(Entry(layout_1d(shape, placement, 1, "torch.float32"), group, update, active)
                     for shape, placement, group, active, update in spec)
     packed = plan(entries, Options(rounds=count))
-    largest = max((math.prod(e.layout.global_shape) for e in entries if e.active), default=0)
+    largest = max([math.prod(e.layout.global_shape) for e in entries if e.active] + [PACK_MIN_ELEMENTS])
     single = plan(entries, Options(force_path="agrs"))  # batches of W = 1, each run in param-group order
     assert [i for b in packed.batches for i in b.params] == [i for b in single.batches for i in b.params]
     for b in packed.batches:
@@ -250,15 +251,18 @@ def test_a_group_of_one_packs_a_runs_params_up_to_the_steps_largest_param(spec: 
             assert (len(first.params) + 1) * size > largest, (first, second, largest)
 
 
-def test_in_a_group_of_one_expert_stacks_pack_too():
-    """Four (2, 3, 4) expert stacks beside a (6, 8) matrix at W = 1: local batches of two stacks (48 elements, the
-    largest param's)."""
-    stack = layout_ep((2, 3, 4), 1, 1, "torch.float32", None)
-    matrix = layout_1d((6, 8), "S0", 1, "torch.float32")
+def test_in_a_group_of_one_expert_stacks_pack_too_up_to_the_largest_param():
+    """At W = 1, four (2, 128, 256) expert stacks beside a (128, 1024) matrix (2^17 elements, over PACK_MIN_ELEMENTS):
+    local batches of two stacks (the matrix's elements); the (4, 4) matrices all in one batch (PACK_MIN_ELEMENTS)."""
+    assert 2 * (2 * 128 * 256) == 128 * 1024 > PACK_MIN_ELEMENTS
+    stack = layout_ep((2, 128, 256), 1, 1, "torch.float32", None)
+    matrix = layout_1d((128, 1024), "S0", 1, "torch.float32")
+    small = layout_1d((4, 4), "S0", 1, "torch.float32")
     entries = tuple(Entry(stack, 0, "torch.float32", True) for _ in range(4)) + (
-        Entry(matrix, 0, "torch.float32", True),)
+        Entry(matrix, 0, "torch.float32", True),) + tuple(Entry(small, 0, "torch.float32", True) for _ in range(3))
     batches = plan(entries, Options()).batches
-    assert [(b.path, b.params) for b in batches] == [("local", (0, 1)), ("local", (2, 3)), ("all_to_all", (4,))]
+    assert [(b.path, b.params) for b in batches] == [("local", (0, 1)), ("local", (2, 3)), ("all_to_all", (4,)),
+                                                     ("all_to_all", (5, 6, 7))]
 
 
 def test_only_the_all_to_all_family_packs_expert_stacks_keep_batches_of_their_group():
