@@ -191,18 +191,22 @@ class StepRun:
         (made contiguous alike): the calls that kernels.stacks admits go through the backend's orthogonalize_many
         on their whole blocks, so that same-shape matrices of different params share one stack kernel call; the
         others run as they come (the paths pass calls lazily: a large param's input is freed after its call).
-        Should the stacked call raise, its calls run one by one through their guarded kernels, which record the
-        failing param's failure."""
+        Nothing here raises past the guard: should the admission or the stacked call raise, those calls run one by
+        one through their guarded kernels, which record the failing param's failure (agreement.guarded)."""
 
         def many(calls: Iterable[KernelCall]) -> list[Tensor]:
             results: list[Tensor | None] = []
             pending = []  # (position in results, call, orthogonalize_many's call)
             for k, x, box in calls:
                 i = batch.params[k]
-                layout = blocks_in(self.plan.entries[i].layout.matrices, box) if box.numel else None
-                if layout is None or not stacks(
-                    self.backend, layout, x.dtype, x.device, self.configs[i]
-                ):
+                try:
+                    layout = blocks_in(self.plan.entries[i].layout.matrices, box)
+                    admitted = bool(box.numel) and stacks(
+                        self.backend, layout, x.dtype, x.device, self.configs[i]
+                    )
+                except Exception:  # noqa: BLE001 - the guarded kernel below meets it again and records it
+                    admitted = False
+                if not admitted:
                     results.append(each[k](x, box))
                     continue
                 pending.append((len(results), (k, x, box), (x, layout, self.configs[i])))

@@ -171,9 +171,7 @@ def orthogonalize_many(
     """
     if backend.stack is None:
         return [backend.orthogonalize(d, layout, cfg) for d, layout, cfg in calls]
-    stacks: dict[
-        tuple, list[tuple[int, object, Tensor]]
-    ] = {}  # key -> (call, block or None, [k, m, n])
+    groups: dict[tuple, list[tuple[int, object, Tensor]]] = {}  # key -> (call, block, [k, m, n])
     results: list[Tensor | None] = [None] * len(calls)
     for i, (d, layout, cfg) in enumerate(calls):
         if not d.numel():
@@ -186,8 +184,8 @@ def orthogonalize_many(
         )
         for block, matrices in pieces:
             key = (tuple(matrices.shape[1:]), matrices.dtype, matrices.device, ns_key(cfg))
-            stacks.setdefault(key, []).append((i, block, matrices))
-    for members in stacks.values():
+            groups.setdefault(key, []).append((i, block, matrices))
+    for members in groups.values():
         cfg = calls[members[0][0]][2]
         whole = members[0][2] if len(members) == 1 else torch.cat([m for _, _, m in members])
         out = backend.stack(whole, cfg)

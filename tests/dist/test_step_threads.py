@@ -345,12 +345,13 @@ def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, w
     assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
 
 
-def _fail_on_rank_1(flag_reads: bool, expert: bool = False) -> list[object]:
+def _fail_on_rank_1(flag_reads: bool, expert: bool = False, stacked: bool = False) -> list[object]:
     """Two (4, 4) Shard(0) params on W = 2 (one all_to_all batch over the world, every rank owns one): rank 1's
     kernel raises. Each rank's result is (its error, the ledger's calls); flag_reads=False plants a bug: the
     failure flag that the update all-to-all carries always reads "no failure". `expert`: a (2, 4, 4) expert stack
     comes first (the local path: each rank orthogonalises its own expert, no collective), global dispatch, and
-    only the expert's kernel raises on rank 1."""
+    only the expert's kernel raises on rank 1. `stacked`: the backend has a stack kernel that admits every matrix
+    and raises on rank 1 too (Kernels.many: the calls then run one by one, guarded)."""
     import threading
 
     from muon_dist import step as step_module
@@ -363,6 +364,14 @@ def _fail_on_rank_1(flag_reads: bool, expert: bool = False) -> list[object]:
             raise RuntimeError("planted kernel failure")
         return reference_kernel.orthogonalize(x, layout, cfg)
 
+    def stack(S, cfg):
+        if here.rank == 1:
+            raise RuntimeError("planted stack kernel failure")
+        return reference_kernel.stack(S, cfg)
+
+    failing = Backend("failing", orthogonalize, False)
+    if stacked:
+        failing = dataclasses.replace(failing, stack=stack, batches=lambda *args: True)
     layouts = [ParamLayout(f"p{i}", (4, 4), "torch.float32", (0, 1), ("S0",)) for i in range(2)]
     if expert:
         layouts.insert(0, ParamLayout("experts", (2, 4, 4), "torch.float32", (0, 1), ("S0",)))
@@ -391,7 +400,7 @@ def _fail_on_rank_1(flag_reads: bool, expert: bool = False) -> list[object]:
                     step_plan,
                     inputs,
                     configs,
-                    Backend("failing", orthogonalize, False),
+                    failing,
                     lambda batch: comm.group(batch.geometries[0].group_of(rank)),
                     False,
                     skipped,
@@ -410,15 +419,16 @@ def _fail_on_rank_1(flag_reads: bool, expert: bool = False) -> list[object]:
 
 
 @pytest.mark.timeout(timeout_for(30))
-@pytest.mark.parametrize("expert", [False, True], ids=["all_to_all", "local_then_global"])
+@pytest.mark.parametrize("expert, stacked", [(False, False), (True, False), (False, True)],
+                         ids=["all_to_all", "local_then_global", "stacked"])
 def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_a_check_of_its_own(
-    expert: bool,
+    expert: bool, stacked: bool
 ) -> None:
     """agreement.py step 3: a kernel failure on rank 1 is carried by the update all-to-all's flag, every rank raises
     and writes nothing, with no failure-check all-gather. `expert`: the failing kernel is a local expert batch's
     (no collective of its own); the global round the plan puts after it (plan.interleave) closes its write group
     (agreement.write_groups) and carries its flag."""
-    results = _fail_on_rank_1(flag_reads=True, expert=expert)
+    results = _fail_on_rank_1(flag_reads=True, expert=expert, stacked=stacked)
     assert "rank 1 failed mid-step in the kernel" in results[1][0], results[1]
     assert "ranks [1] failed mid-step" in results[0][0], results[0]
     for error, calls in results:
