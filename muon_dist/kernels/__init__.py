@@ -133,8 +133,10 @@ def ns_key(cfg: MuonConfig) -> tuple:
 
 
 # A matrix with more elements than this is orthogonalised in its own call: stacking calls saves their per-call
-# overhead (Python, dispatch, a launch), which matters for small matrices only, and costs a copy of the stack.
-STACK_MAX_ELEMENTS = 1 << 16
+# overhead (Python, dispatch, a launch), which matters for small matrices only, and a stack holds the workspace of
+# all its matrices at once, plus a copy (docs/benchmarks.md, "The expert sets with calls stacked across params":
+# 256 x 256 matrices ran no faster stacked and raised the dense set's peak).
+STACK_MAX_ELEMENTS = 1 << 15
 
 
 def stacks(
