@@ -277,6 +277,40 @@ def test_with_kernel_calls_stacked_across_params_the_step_keeps_muon_refs_bits(c
 
 
 @pytest.mark.timeout(timeout_for(60))
+def test_where_onednn_leaves_bf16_to_aten_the_torch_backend_stacks_params_and_the_batch_only_where_bitwise(
+        monkeypatch) -> None:
+    """The real torch backend, with oneDNN off (ATen's own bf16 kernel: its rule's static parts hold on every CPU):
+    three (16, 32) bf16 params in a group of one share a batch and one stack of three matrices; the stack runs
+    batched exactly where the probe found the batch bitwise for that stack (else the loop), and the step's bits
+    are muon_ref's either way."""
+    from muon_dist.kernels import reference
+    from tests.test_kernels import onednn
+
+    seen, batched = [], []
+    real_batched = reference.newton_schulz_batched
+
+    def spy(G, *args, **kwargs):
+        batched.append(tuple(G.shape))
+        return real_batched(G, *args, **kwargs)
+
+    def stack(S, cfg):
+        seen.append(tuple(S.shape))
+        return reference.orthogonalize_stack(S, cfg)
+
+    monkeypatch.setattr(reference, "newton_schulz_batched", spy)
+    reference.forget_probes()
+    case = Case(1, (0,), (Group((), ((16, 32),) * 3, (("S0",),) * 3),), "bfloat16", "torch", Options(), False)
+    with onednn(False):
+        results = on_threads(case, steps=2, kernels=dataclasses.replace(backend("torch"), stack=stack))
+    verdicts = {key[0]: verdict for key, verdict in reference.probed().items()}
+    reference.forget_probes()
+    assert_boxes_of_reference(case, results, steps=2)
+    assert seen == [(3, 16, 32)] * 2, seen
+    # each probe runs the batch once on its own stack; the step's calls are the rest
+    assert [s for s in batched if s in seen] == ([(3, 16, 32)] * 3 if verdicts[(3, 16, 32)] else [(3, 16, 32)])
+
+
+@pytest.mark.timeout(timeout_for(60))
 @pytest.mark.parametrize("W", [1, 2])
 def test_negative_control_a_stack_kernel_that_returns_its_matrices_out_of_order_is_caught(W: int) -> None:
     """Planted: the stack kernel hands the matrices back in reverse order (a wrong split of a stack): the step's
