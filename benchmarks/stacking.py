@@ -7,8 +7,9 @@ orthogonalising every matrix once under the "torch" preset's Newton-Schulz optio
 keller, 5 steps, bf16, step form "addmm"):
   loop     muon_ref.newton_schulz on each matrix alone: what DistributedMuon's bitwise backend runs wherever the
            reference backend's batched rule does not batch (muon_dist/kernels/reference.py), one call per matrix
-  stacked  the matrices stacked by shape, muon_dist.kernels.reference.newton_schulz_batched once per shape (one
-           bmm / baddbmm per product over the stack, as Dion's megabatches stack same-shape params)
+  stacked  muon_dist.kernels.orthogonalize_many with the "batched" backend: the matrices stacked by shape,
+           newton_schulz_batched once per shape (one bmm / baddbmm per product over the stack, as Dion's
+           megabatches stack same-shape params); what DistributedMuon(ns_backend="batched") runs
 Columns: matrices, shapes (the stacked calls), the median ms of each way over --reps timed runs after --warmup
 untimed ones (one intra-op thread, wall clock), their ratio, and whether every stacked result has the loop's bits
 (else the max |difference| and how many matrices differ). The stacked way is not a contract of any backend: where
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from muon_ref import newton_schulz
+from muon_ref import MuonConfig, matrix_layout, newton_schulz
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
@@ -52,21 +53,18 @@ def by_shape(matrices: list[Tensor]) -> dict[tuple[int, int], list[int]]:
     return groups
 
 
-def loop(matrices: list[Tensor], ns_kwargs: dict) -> list[Tensor]:
-    return [newton_schulz(M, **ns_kwargs) for M in matrices]
+def loop(matrices: list[Tensor], cfg: MuonConfig) -> list[Tensor]:
+    return [newton_schulz(M, **cfg.ns_kwargs()) for M in matrices]
 
 
-def stacked(matrices: list[Tensor], ns_kwargs: dict) -> list[Tensor]:
-    """Each shape's matrices stacked and orthogonalised in one newton_schulz_batched call; results in input order."""
-    from muon_dist.kernels.reference import newton_schulz_batched
+def stacked(matrices: list[Tensor], cfg: MuonConfig) -> list[Tensor]:
+    """Each shape's matrices in one stack kernel call of the "batched" backend (orthogonalize_many); results in
+    input order."""
+    from muon_dist.kernels import backend, orthogonalize_many
 
-    kwargs = {k: v for k, v in ns_kwargs.items() if k != "step_form"}  # "addmm", its only form
-    out: list[Tensor | None] = [None] * len(matrices)
-    for indices in by_shape(matrices).values():
-        results = newton_schulz_batched(torch.stack([matrices[i] for i in indices]), **kwargs)
-        for i, X in zip(indices, results):
-            out[i] = X
-    return out  # type: ignore[return-value]
+    return orthogonalize_many(
+        backend("batched"), [(M, matrix_layout(tuple(M.shape)), cfg) for M in matrices]
+    )
 
 
 def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
@@ -77,15 +75,15 @@ def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
 
 
 def row(table: str, warmup: int, reps: int) -> dict:
-    ns_kwargs = group_config(preset_defaults(PRESET, {})).ns_kwargs()
+    cfg = group_config(preset_defaults(PRESET, {}))
     matrices = matrices_of(table)
-    want, got = loop(matrices, ns_kwargs), stacked(matrices, ns_kwargs)
+    want, got = loop(matrices, cfg), stacked(matrices, cfg)
     differ = [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
     worst = max(
         ((want[i].double() - got[i].double()).abs().max().item() for i in differ), default=0.0
     )
-    loop_ms = median_ms(lambda: loop(matrices, ns_kwargs), warmup, reps)
-    stacked_ms = median_ms(lambda: stacked(matrices, ns_kwargs), warmup, reps)
+    loop_ms = median_ms(lambda: loop(matrices, cfg), warmup, reps)
+    stacked_ms = median_ms(lambda: stacked(matrices, cfg), warmup, reps)
     return {
         "set": table,
         "matrices": len(matrices),

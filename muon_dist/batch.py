@@ -25,20 +25,13 @@ KernelCall = tuple[int, Tensor, Box]
 class Kernels(list):
     """A batch's kernels, kernels[k] the kernel of its k-th param, and `many`: several calls at once, each result
     the one its own call gives (muon_dist/step.py stacks the same-shape matrices of the calls for the backend's
-    stack kernel, muon_dist/kernels.orthogonalize_many); without `many`, the calls one by one."""
+    stack kernel, muon_dist/kernels.orthogonalize_many)."""
 
     def __init__(
-        self,
-        each: Sequence[Kernel],
-        many: Callable[[Iterable[KernelCall]], list[Tensor]] | None = None,
+        self, each: Sequence[Kernel], many: Callable[[Iterable[KernelCall]], list[Tensor]]
     ) -> None:
         super().__init__(each)
-        self._many = many
-
-    def many(self, calls: Iterable[KernelCall]) -> list[Tensor]:
-        if self._many is None:
-            return [self[k](x, box) for k, x, box in calls]
-        return self._many(calls)
+        self.many = many
 
 
 def run_kernels(kernels: Sequence[Kernel], calls: Iterable[KernelCall]) -> list[Tensor]:

@@ -115,6 +115,7 @@ def test_torch_optim_muon_on_one_rank_equals_muon_ref_and_the_peers_are_timed_be
 
 @pytest.mark.timeout(60)
 def test_the_quick_command_runs_and_finds_no_difference(capsys):
+    """`python -m benchmarks --quick`: exit 0, every compared method equal to muon_ref, the load-balance table."""
     assert main(["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "results differing from muon_ref: none" in out and "Load balance" in out
@@ -142,8 +143,8 @@ def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_pl
     matrices = stacking.matrices_of("tiny_moe")
     specs = muon_specs("tiny_moe")
     assert len(matrices) == sum(s.shape[0] if len(s.shape) == 3 else 1 for s in specs)
-    kwargs = stacking.group_config(stacking.preset_defaults(stacking.PRESET, {})).ns_kwargs()
-    want, got = stacking.loop(matrices, kwargs), stacking.stacked(matrices, kwargs)
+    cfg = stacking.group_config(stacking.preset_defaults(stacking.PRESET, {}))
+    want, got = stacking.loop(matrices, cfg), stacking.stacked(matrices, cfg)
     assert all((a.float() - b.float()).abs().max() < 0.05 for a, b in zip(want, got))
     first, second = next(ix for ix in stacking.by_shape(matrices).values() if len(ix) > 1)[:2]
     assert (want[first].float() - got[second].float()).abs().max() > 0.05  # it tells places apart

@@ -165,12 +165,17 @@ def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     return t[geometry.boxes[geometry.member(rank)].index].contiguous()
 
 
+def configs_of(case: Case) -> list:
+    """Each param group's MuonConfig: the case's preset with its non-finite policy."""
+    return [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+
+
 def on_threads(case: Case, steps: int, kernels: Backend | None = None, in_place: bool = False) -> list[object]:
     """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
     raised. in_place: execute writes each new param into the rank's param tensor (out_params), as DistributedMuon
     has it do, and yields that tensor; the tensors are the ones the rank started with."""
     layouts = case.layouts()
-    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    configs = configs_of(case)
     world, results = ThreadWorld(case.world_size, timeout_s=10), [None] * case.world_size
 
     def rank_main(rank: int) -> None:
@@ -253,7 +258,7 @@ def plans_a_stacking_path(case: Case) -> bool:
     """Whether the case's first step (every param active) has a batch on a path that stacks its kernel calls."""
     from muon_dist.plan import plan
 
-    configs = [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    configs = configs_of(case)
     entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), True) for gi, lay in case.layouts())
     return any(b.path in STACKING_PATHS for b in plan(entries, case.options).batches)
 
@@ -374,6 +379,8 @@ def test_with_out_params_the_step_writes_each_new_param_into_its_own_tensor_with
 @settings(max_examples=examples(0.25))
 @given(case=cases(), where=st.integers(0, 10**6), policy=st.just("skip"))
 def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, where: int, policy: str) -> None:
+    """execute(out_params=...) under nonfinite="skip": the same equation, a skipped param or block keeping its
+    param's and buffer's bits in the rank's own tensors."""
     num_params = len(case.layouts())
     case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
     assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
