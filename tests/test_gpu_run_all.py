@@ -26,7 +26,8 @@ def run_all():
 
 
 def test_every_harness_and_benchmark_command_parses_under_its_own_parser(run_all, tmp_path) -> None:
-    # the commands name flags of other modules: one renamed there must fail here, not on a GPU node
+    """Every command the GPU report runs parses under the parser of the module it calls (the commands name flags of
+    other modules: one renamed there must fail here, not on a GPU node)."""
     from muon_check.adapters import load_adapter
     from muon_check.adapters.shipped import SHIPPED
 
@@ -88,6 +89,8 @@ def test_the_tests_json_reports_are_kept_and_their_temporary_folders_removed(
 def test_a_run_writes_one_summary_row_per_command_and_fails_when_one_fails(
     run_all, tmp_path, monkeypatch, capsys
 ) -> None:
+    """summary.md holds one row per command with its output's last line, each part's log is kept, and the exit
+    code is 1 while a command fails, 0 once none does."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fake = {
         "env": [[sys.executable, "-c", "print('gpu: none')"]],
@@ -113,6 +116,7 @@ def test_a_run_writes_one_summary_row_per_command_and_fails_when_one_fails(
 def test_no_cuda_or_an_unknown_part_is_refused_in_one_line(
     run_all, tmp_path, monkeypatch, capsys, argv, error
 ) -> None:
+    """No CUDA device, or an unknown --parts name: exit 2, one line naming what is wrong, nothing written."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run_all.main(["--out", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip()

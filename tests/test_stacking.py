@@ -105,6 +105,7 @@ def test_same_shape_matrices_of_several_calls_share_one_stack_kernel_call():
 
 
 def test_a_backend_without_a_stack_kernel_takes_the_one_call_path():
+    """Backend.stack None: stacks() admits nothing and orthogonalize_many is each call's own orthogonalize."""
     calls = calls_of([("matrix", "keller", 1), ("split", "keller", 2)], torch.float32)
     plain = dataclasses.replace(STACKING, stack=None)
     assert not stacks(plain, calls[0][1], torch.float32, CPU, CONFIGS["keller"])
@@ -156,6 +157,8 @@ BATCHED_DIFFERENCE = {torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("schedule", ["keller", "you5", "polar_express"])
 def test_the_batched_backend_is_within_its_difference_and_muon_refs_bf16_bands(schedule, dtype):
+    """batched.py's contract on the first 8 contract inputs of every kind: max |difference| from muon_ref within the
+    bound, and in bf16 the signed singular values within muon_ref's own band on the same inputs, 2 ulps wider."""
     cfg = MuonConfig(schedule=schedule, ns_dtype=dtype)
     for kind in KINDS:
         r = measure("batched", cfg, kind, range(8), 64, CPU)

@@ -52,8 +52,9 @@ def test_a_forked_pool_serves_calls_inside_a_test_that_captures_sys_stderr(capsy
 
 @pytest.mark.timeout(120)
 def test_a_spawned_pool_serves_calls_as_a_forked_one_does() -> None:
-    # spawn is how device="cuda" starts its ranks (a forked child cannot use CUDA once the parent has): the same
-    # start method, run here on CPU tensors
+    """RankPool(start_method="spawn") answers a call with every rank's result, its ranks spawned processes. Spawn is
+    how device="cuda" starts its ranks (a forked child cannot use CUDA once the parent has): the same start method,
+    run on CPU tensors."""
     pool = RankPool(2, start_method="spawn")
     try:
         assert pool.run(fail_on, -1, "raise", timeout=90) == [0, 1]

@@ -25,6 +25,8 @@ WORLD_SIZES = ("1", "2", "3", "4", "8")
 
 @pytest.mark.timeout(900)
 def test_every_path_on_gloo_ranks_sharing_a_gpu_equals_muon_ref_on_cuda_bitwise(tmp_path):
+    """`python -m muon_check.verify --device cuda` at W = 1, 2, 3, 4, 8: every row bitwise against muon_ref on CUDA,
+    every path of muon_dist.PATHS and the five meshes taken, a resume at each W."""
     out = tmp_path / "verify_cuda.json"
     assert verify.main(["--device", "cuda", "--world-sizes", *WORLD_SIZES, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
