@@ -26,6 +26,11 @@ if sys.argv[1:2] == [
 
     sys.exit(stacking_main(sys.argv[2:]))
 
+if sys.argv[1:2] == ["collectives"]:  # python -m benchmarks collectives [options]: gloo latencies
+    from .collectives import main as collectives_main
+
+    sys.exit(collectives_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

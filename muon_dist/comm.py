@@ -165,6 +165,7 @@ class TorchComm(Comm):
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self._gloo: dict[Any, bool] = {}  # group handle -> whether its backend is gloo
         if dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
@@ -200,10 +201,26 @@ class TorchComm(Comm):
         return finish
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
+        if self.gathers_by_all_to_all(
+            group
+        ):  # every member's x to every member: one exchange, not a ring
+            n = x.numel()
+            splits = [n] * group.size
+            return self._all_to_all_start(x.repeat(group.size), splits, splits, group)()
         out = x.new_empty(group.size * x.numel())
         with older_collective_names():
             self.dist.all_gather_into_tensor(out, x.contiguous(), group=group.handle)
         return out
+
+    def gathers_by_all_to_all(self, group: Group) -> bool:
+        """Whether an all-gather on this group runs as an all_to_all_single of x repeated once per member (the same
+        result, bytes and ledger): on gloo, whose all-gather passes the pieces round a ring in size - 1 steps one
+        after another while its all-to-all sends to every peer at once, so a small all-gather (the step's control
+        digests and flags) waits for one message instead of size - 1 (docs/distributed.md, "Control collectives
+        on gloo"). Other backends (NCCL) keep their all-gather."""
+        if group.handle not in self._gloo:
+            self._gloo[group.handle] = self.dist.get_backend(group.handle) == "gloo"
+        return self._gloo[group.handle]
 
     def _reduce_scatter_sum(self, x: Tensor, group: Group) -> Tensor:
         out = x.new_empty(x.numel() // group.size)

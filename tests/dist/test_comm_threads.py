@@ -6,6 +6,8 @@ what a direct implementation moves (module docstring), per caller-given name.
     reduce_scatter_sum(x) == chunk me of (sum over members of x)                    (W - 1) n / W each way
     check_agreement(digest) == every rank's digest, in rank order                   (W - 1) 32 each way
 in any group of the world's ranks (group order is member order), with a group of one answering locally.
+On gloo (TorchComm), all_gather runs as an all_to_all_single of x repeated once per member: the same bits and
+ledger as the ring all-gather, in one exchange.
 """
 
 from __future__ import annotations
@@ -220,3 +222,25 @@ def test_reduce_scatter_refuses_a_tensor_that_does_not_split_into_equal_chunks()
     comm = NoBackend(ThreadWorld(2), 0)
     with pytest.raises(AssertionError, match=r"^\(5, 2\)$"):  # its own precondition, before any backend call
         comm.reduce_scatter_sum(torch.zeros(5), Group((0, 1)), "p")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("members", [(0, 1, 2), (0, 2)])
+@pytest.mark.parametrize("numel, dtype", [(32, "float32"), (5, "bfloat16"), (0, "float32")])
+def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledger(members, numel, dtype) -> None:
+    """TorchComm.all_gather on gloo, on the world and on a sub-group: the route gloo takes (gathers_by_all_to_all)
+    gives piece j = member j's x, bit for bit, and the same ledger as the ring all-gather. Negative control: a
+    planted route that exchanges nothing (each member's own x, repeated) fails the same check."""
+    from .conftest import get_pool
+    from .workers import all_gather_routes_on_gloo
+
+    results = get_pool(3).run(all_gather_routes_on_gloo, numel, dtype, members, timeout=30)
+    moved = (len(members) - 1) * numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    for rank, r in enumerate(results):
+        if rank not in members:
+            assert r is None
+            continue
+        assert r["by_all_to_all"] is True, (rank, r)  # a property of the gloo backend, not of a CPU
+        for route in ("chosen", "ring"):
+            assert r[route]["bits"] and r[route]["ledger"] == {"g": [moved, moved]}, (rank, route, r)
+        assert r["planted"]["bits"] is (numel == 0), (rank, r)  # the control: caught wherever there is data

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import muon_ref
 from muon_dist import DistributedMuon, expected_bytes, expected_collectives, expected_flops
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_check.fixtures import box_of, chunk, count_kernel_flops, device_mesh, distribute, local, seeded
+from muon_check.fixtures import box_of, chunk, count_kernel_flops, device_mesh, distribute, local, same_bits, seeded
 
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
@@ -403,3 +403,29 @@ def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...])
     local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
     return (torch.equal(t.to_local(), box_of(full, placement, kind, r, W)), box.shape == tuple(local_shape),
             box.offsets == tuple(offset) or box.numel == 0)
+
+def all_gather_routes_on_gloo(numel: int, dtype: str, members: tuple[int, ...]) -> dict | None:
+    """TorchComm.all_gather on gloo over `members` (the world, or a sub-group) by each route: the one gloo takes
+    (gathers_by_all_to_all: an all_to_all_single of x repeated), the ring all-gather, and a planted route that
+    exchanges nothing (each member's own x repeated: the negative control). Per route: whether piece j of the
+    result has member j's bits, and the ledger it recorded. None on a rank outside `members`."""
+    from muon_dist import Group, TorchComm
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    handle = dist.group.WORLD if members == tuple(range(W)) else dist.new_group(list(members))
+    if rank not in members:
+        return None
+    group = Group(members, handle)
+    payload = lambda j: seeded((numel,), 10 + j, getattr(torch, dtype))  # noqa: E731 - member j's x
+    want = torch.cat([payload(j) for j in range(len(members))])
+    mine = payload(members.index(rank))
+    out: dict = {"by_all_to_all": TorchComm().gathers_by_all_to_all(group)}
+    for route in ("chosen", "ring", "planted"):
+        comm = TorchComm()
+        if route == "ring":
+            comm._gloo[handle] = False
+        if route == "planted":
+            comm._all_to_all_start = lambda x, o, i, g: (lambda: x.clone())  # noqa: E731 - no exchange at all
+        got = comm.all_gather(mine.clone(), group, "g")
+        out[route] = {"bits": same_bits(got, want), "ledger": dict(comm.ledger)}
+    return out
