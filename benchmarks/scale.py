@@ -12,7 +12,7 @@ each matrix costed by muon_dist.balance.ns_flops (5 steps). A stack's dim 0 is i
 box holds whole experts.
 
 Schemes:
-  distributed  DistributedMuon as it comes (dispatch="global", rounds=4): its own plan (muon_dist.plan.plan), the
+  distributed  DistributedMuon as it comes (dispatch="global", rounds by size: 4 on these models): its own plan (muon_dist.plan.plan), the
                figures from each path's record (muon_dist.expected_bytes, expected_flops, expected_collectives)
   batched      DistributedMuon(dispatch="batched")
   xtuner       xtuner's Muon with remainder_strategy="pad_all2all", not its default "agrs" (the padded batches of

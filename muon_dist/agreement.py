@@ -37,8 +37,11 @@ from .plan import Entry, Plan
 # the step's control collectives, each logged under its own name (every other name in the ledger is a path's)
 CHECKS: tuple[str, ...] = ("plan_digest", "nonfinite_check", "failure_check")
 # a step writes in at most this many groups (each after its own failure check), unless atomic: the new momentum
-# buffers and updates held at once are about 1/WRITE_GROUPS of the step's, not all of them
+# buffers and updates held at once are about 1/WRITE_GROUPS of the step's, not all of them; but a group that ends
+# with a check of its own holds at least WRITE_GROUP_MIN_ELEMENTS elements (1 MiB of fp32 updates): below that, the
+# check's collective costs more than the memory it saves (docs/benchmarks.md, "Rounds by size")
 WRITE_GROUPS = 16
+WRITE_GROUP_MIN_ELEMENTS = 1 << 18
 
 Failures = list[tuple[str, Exception]]
 
@@ -224,9 +227,10 @@ def write_groups(
 ) -> list[tuple[Batch, ...]]:
     """The plan's batches in order, cut into write groups: the whole step when `atomic`; else a group closes after
     a batch whose failure check is free (`free[b]` for batch b: its path carries the flag over the whole world)
-    or once its params' elements reach 1/WRITE_GROUPS of the step's, unless the next batch's check is free: then
-    that batch closes it, and its check carries the group's (so at most WRITE_GROUPS groups end with a check of
-    their own, and a group holds at most two batches more than that share). Global sizes and the plan's batches,
+    or once its params' elements reach 1/WRITE_GROUPS of the step's (at least WRITE_GROUP_MIN_ELEMENTS), unless
+    the next batch's check is free: then that batch closes it, and its check carries the group's (so at most
+    WRITE_GROUPS groups end with a check of their own, and a group holds at most two batches more than that
+    share). Global sizes and the plan's batches,
     never a rank's box: every rank must cut the same groups, or their failure checks would not match (a
     collective mismatch)."""
     if atomic:  # one group, or none in a step where no param has a gradient
@@ -235,7 +239,8 @@ def write_groups(
         sum(math.prod(g.global_shape) for g in batch.geometries) for batch in step_plan.batches
     ]
     free = free if free is not None else [False] * len(sizes)
-    share, groups, current, held = sum(sizes) / WRITE_GROUPS, [], [], 0
+    share = max(sum(sizes) / WRITE_GROUPS, WRITE_GROUP_MIN_ELEMENTS)
+    groups, current, held = [], [], 0
     for b, (batch, size, cheap) in enumerate(zip(step_plan.batches, sizes, free)):
         current.append(batch)
         held += size

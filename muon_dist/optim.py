@@ -34,7 +34,7 @@ from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
 from .geometry import Geometry
 from .kernels import backend, send_dtype
 from .layout import ParamLayout, read_layout
-from .plan import ROUNDS, Entry, Options, Plan
+from .plan import Entry, Options, Plan
 from .step import ParamInput, execute, prepare
 
 
@@ -76,7 +76,7 @@ def _local(t: Tensor) -> Tensor:
 
 
 def resolve_options(
-    remainder: str | None, force_path: str | None, dispatch: str | None, rounds: int
+    remainder: str | None, force_path: str | None, dispatch: str | None, rounds: int | None
 ) -> Options:
     """The plan's Options from DistributedMuon's arguments: dispatch None is "global" (the fastest in
     docs/benchmarks.md), or "batched" when a remainder path or a forced path is asked for (options of batched
@@ -110,7 +110,8 @@ class DistributedMuon(torch.optim.Optimizer):
             `remainder` or `force_path` is given).
         remainder: batched dispatch's remainder path, "agrs" or "padded_all_to_all".
         force_path: one path of muon_dist.paths.PATHS for every matrix (checks and benchmarks).
-        rounds: the step's all-to-all traffic in about that many pipelined rounds (muon_dist/plan.py).
+        rounds: the step's all-to-all traffic in about that many pipelined rounds; None (the default): up to
+            muon_dist.plan.ROUNDS, each of at least ROUND_MIN_ELEMENTS elements (muon_dist/plan.py, round_count).
         ns_backend: a name of muon_dist.kernels.BACKENDS ("torch", muon_ref's kernel, is bitwise).
         atomic: False (the default) writes the step in write groups, each after every rank agreed that its local
             work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
@@ -129,7 +130,7 @@ class DistributedMuon(torch.optim.Optimizer):
         remainder: str | None = None,
         force_path: str | None = None,
         dispatch: str | None = None,
-        rounds: int = ROUNDS,
+        rounds: int | None = None,
         ns_backend: str = "torch",
         atomic: bool = False,
         **kwargs: Any,
@@ -163,7 +164,7 @@ class DistributedMuon(torch.optim.Optimizer):
             construction["remainder"],
             construction["force_path"],
             construction["dispatch"],
-            construction.get("rounds", ROUNDS),
+            construction.get("rounds"),
         )
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]

@@ -4,7 +4,7 @@ Params with the same layout (all but the name), the same param group, kernel out
 form a run; a run on a sharded layout is cut, in param-group order, into full batches of W (the shard group's
 size) that take the all-to-all path, and a remainder batch of R < W that takes the remainder path (AGRS, or the
 padded all-to-all). Consecutive full batches of a run are packed into one all_to_all batch of k W params (member
-j owns params j, j + W, ...), k the most that keeps it within 1/rounds of the step's elements (Options.rounds,
+j owns params j, j + W, ...), k the most that keeps it within 1/rounds of the step's elements (round_count,
 at least one batch; none under force_path): the same owners, bits and bytes as batches of W, in fewer
 collectives. In a shard group of one, a run's params are packed (any sharded path, experts too) up to the step's
 largest param's elements (at least PACK_MIN_ELEMENTS): no collective to save there, but same-shape params then
@@ -21,8 +21,8 @@ case: the boxes say which case it is.
 dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (Path.global_dispatch: the
 all-to-all family) into one "global_all_to_all" batch per (shard groups, direction dtype, update dtype), each
 param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
-param index and rank), cut into Options.rounds rounds (muon_dist.balance.rounds: each owner gets about
-1/rounds of its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
+param index and rank), cut into rounds (round_count of its elements; muon_dist.balance.rounds: each owner gets
+about 1/rounds of its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
 groups of one stay as they are, placed between the rounds (interleave), so that a write group can end with a
 round that carries its failure check (muon_dist/agreement.py).
 """
@@ -45,9 +45,13 @@ from .layout import ParamLayout
 from .paths import PATHS
 
 REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.remainder)
-# DistributedMuon's default: global dispatch in this many rounds (docs/benchmarks.md: the dense set at W = 2 and
-# 4 with 1, 2, 4 and 8 rounds)
+# DistributedMuon's default (Options.rounds None): global dispatch in up to this many rounds (docs/benchmarks.md: the
+# dense set at W = 2 and 4 with 1, 2, 4 and 8 rounds), each of at least ROUND_MIN_ELEMENTS elements: a round's
+# all-to-alls cost a latency whatever they carry, and below about that size one round overlaps less than a second
+# round's latency costs (docs/benchmarks.md, "Rounds by size": the expert sets ran faster in one round than in
+# four at W = 2 and 4; the dense set keeps four, and its memory).
 ROUNDS = 4
+ROUND_MIN_ELEMENTS = 1 << 18
 # in a shard group of one, a batch may hold this many elements even where every param is smaller (a few hundred
 # KiB at most): small params then share one stack kernel call, whose per-call cost dominates their Newton-Schulz
 PACK_MIN_ELEMENTS = 1 << 16
@@ -58,12 +62,13 @@ class Options:
     """remainder: the path of a remainder batch. force_path: every sharded batch takes this path, full or not
     (so only the paths that take any batch size). dispatch: "batched" (batches of W same-layout params, packed)
     or "global" (one LPT-balanced batch per shard group and dtype pair, in rounds). rounds: the step's
-    all-to-all traffic goes in about this many rounds, pipelined (module docstring)."""
+    all-to-all traffic goes in about this many rounds, pipelined (module docstring); None (the default): as many
+    as round_count gives for its elements."""
 
     remainder: str = "agrs"
     force_path: str | None = None
     dispatch: str = "batched"
-    rounds: int = ROUNDS
+    rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.remainder not in REMAINDER_PATHS:
@@ -75,8 +80,10 @@ class Options:
             )
         if self.dispatch not in ("batched", "global"):
             raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
-        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
-            raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
+        if self.rounds is not None and (
+            not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1
+        ):
+            raise ValueError(f"rounds must be None or an int >= 1, got {self.rounds!r}")
         if self.dispatch == "global" and self.force_path is not None:
             raise ValueError(
                 f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
@@ -177,6 +184,14 @@ def _batch_path(entry: Entry, num_params: int, options: Options) -> str:
     return expert_path(entry.layout) or ("all_to_all" if full else options.remainder)
 
 
+def round_count(options: Options, elements: float) -> int:
+    """How many rounds traffic of `elements` elements goes in: Options.rounds where given; else ROUNDS, fewer
+    where a round would hold under ROUND_MIN_ELEMENTS (at least one)."""
+    if options.rounds is not None:
+        return options.rounds
+    return max(1, min(ROUNDS, int(elements // ROUND_MIN_ELEMENTS)))
+
+
 def _packed(entry: Entry, group_size: int, cap: float, largest: int) -> int:
     """How many full batches of this layout's params one batch takes. In a shard group of W > 1, the all-to-all
     family only: as many as keep the batch within `cap` elements (1/rounds of the step's), at least one (other
@@ -204,7 +219,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
             runs.setdefault(entry.key(), []).append(i)
     batches = []
     sizes = [math.prod(e.layout.global_shape) for e in entries if e.active]
-    cap, largest = sum(sizes) / options.rounds, max(sizes, default=0)
+    cap, largest = sum(sizes) / round_count(options, sum(sizes)), max(sizes, default=0)
     for members in runs.values():
         first = entries[members[0]]
         geometry = first.layout.geometry
@@ -239,13 +254,14 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                 )
             )
     if options.dispatch == "global":
-        batches = _global(entries, batches, options.rounds)
+        batches = _global(entries, batches, options)
     return Plan(tuple(entries), options, tuple(batches))
 
 
-def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> list[Batch]:
+def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) -> list[Batch]:
     """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), params in
-    param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into `count` rounds
+    param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into `count` rounds (round_count
+    of the merged batch's elements)
     (balance.rounds: each round gives each owner about 1/count of its load; empty rounds dropped). The other
     batches go between the rounds (interleave): so a write group can end with a round that carries its failure
     flag (agreement.write_groups), and their local work runs while a round's all-to-all flies."""
@@ -264,6 +280,7 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], count: int) -> lis
         ]
         geometries = tuple(entries[i].layout.geometry for i in params)
         owners = lpt(costs, geometries[0].group_size)
+        count = round_count(options, sum(math.prod(g.global_shape) for g in geometries))
         round_of = rounds(costs, owners, count)
         for r in range(count):
             members = [k for k, rr in enumerate(round_of) if rr == r]

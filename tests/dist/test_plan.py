@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_dist import Entry, Options, expected_bytes, plan
-from muon_dist.plan import PACK_MIN_ELEMENTS
+from muon_dist.plan import PACK_MIN_ELEMENTS, ROUND_MIN_ELEMENTS, ROUNDS, round_count
 from muon_dist.balance import lpt, ns_flops
 from muon_dist.paths import PATHS
 
@@ -249,6 +249,46 @@ def test_a_group_of_one_packs_a_runs_params_up_to_the_steps_largest_param(spec: 
         if same_run and first.path == second.path != "replicated":
             size = math.prod(entries[first.params[0]].layout.global_shape)
             assert (len(first.params) + 1) * size > largest, (first, second, largest)
+
+
+@pytest.mark.parametrize("side, want", [(16, 1), (64, 1), (128, 2), (160, 3), (256, 4), (1024, 4)])
+def test_by_default_a_steps_rounds_hold_at_least_round_min_elements_each(side: int, want: int) -> None:
+    """Options.rounds None (DistributedMuon's default): global dispatch cuts a merged batch of E elements into
+    min(ROUNDS, E // ROUND_MIN_ELEMENTS) rounds, at least one; an explicit rounds= is taken as given. 32 (side,
+    side) matrices on W = 4 (8 per owner, so every round has work): 2^17 elements in all (side 64) is one round,
+    2^19 (side 128) two, 819,200 (side 160) three, 2^21 (side 256) and more the four of ROUNDS. Negative control:
+    ROUNDS rounds asked for explicitly cut the smaller steps into four rounds, which the default does not."""
+    assert (ROUNDS, ROUND_MIN_ELEMENTS) == (4, 1 << 18)
+    entries = tuple(entry(0, 4, (side, side), "S0") for _ in range(32))
+    elements = 32 * side * side
+    assert round_count(Options(dispatch="global"), elements) == want
+    by_size = plan(entries, Options(dispatch="global")).batches
+    asked = plan(entries, Options(dispatch="global", rounds=ROUNDS)).batches
+    assert [b.path for b in by_size] == ["global_all_to_all"] * want
+    assert len(asked) == ROUNDS and (want == ROUNDS) == (len(by_size) == len(asked))
+    assert all(round_count(Options(rounds=r), elements) == r for r in (1, 3, 7))
+
+
+def test_write_groups_that_end_with_a_check_of_their_own_hold_at_least_write_group_min_elements() -> None:
+    """agreement.write_groups: a group whose last batch cannot carry the flag closes once it holds 1/WRITE_GROUPS
+    of the step's elements, and at least WRITE_GROUP_MIN_ELEMENTS: a small step's batches without a free check
+    write in one group (one failure check), a large step's in about WRITE_GROUPS. Negative control: with the
+    floor at zero the small step is cut into one group per batch."""
+    from muon_dist import agreement
+
+    assert agreement.WRITE_GROUP_MIN_ELEMENTS == 1 << 18
+    for side, groups in ((16, 1), (512, 16)):
+        entries = tuple(entry(0, 4, (side, side), "S0") for _ in range(16 * 4))
+        step_plan = plan(entries, Options(dispatch="batched", rounds=16))
+        assert len(step_plan.batches) == 16
+        assert len(agreement.write_groups(step_plan, False)) == groups, side
+    small = plan(tuple(entry(0, 4, (16, 16), "S0") for _ in range(16 * 4)), Options(dispatch="batched", rounds=16))
+    floor = agreement.WRITE_GROUP_MIN_ELEMENTS
+    try:
+        agreement.WRITE_GROUP_MIN_ELEMENTS = 0
+        assert len(agreement.write_groups(small, False)) == 16
+    finally:
+        agreement.WRITE_GROUP_MIN_ELEMENTS = floor
 
 
 def test_in_a_group_of_one_expert_stacks_pack_too_up_to_the_largest_param():
