@@ -5,12 +5,13 @@
                          [--warmup 2] [--steps 10]
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks stacking [options]     a set's Newton-Schulz per matrix or stacked (benchmarks/stacking.py)
+    python -m benchmarks collectives [options]  gloo's all-gather as a ring and as an all-to-all (benchmarks/collectives.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
    same pool, steps interleaved (the order rotates every step) so that the machine's load hits all alike:
-     distributed        DistributedMuon as it comes: global dispatch (LPT owners, ragged all-to-alls in 4
+     distributed        DistributedMuon as it comes: global dispatch (LPT owners, ragged all-to-alls in up to 4
                         pipelined rounds), local experts
      batched            DistributedMuon(dispatch="batched"): same-shape batches of W (packed), AGRS for remainders
      padded_all_to_all  DistributedMuon(remainder="padded_all_to_all"): batched, remainders padded with zero

@@ -1,11 +1,13 @@
 """Where DistributedMuon's step spends its time, stage by stage, beside Dion's step on the same params.
 
     python -m benchmarks stages [--dion PATH] [--world-sizes 1 2 4] [--warmup 2] [--steps 8]
+                                [--sets dense] [--ns-backend torch] [--rounds N]
 
-Parameter set `dense` (benchmarks.run): the 28 Muon matrices of a 4-layer transformer with d = 256 and ff = 1024,
-fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset "torch" (bf16 NS).
-Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global" (its default), and with --dion PATH
-(a microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
+Parameter sets of benchmarks.run (default `dense`: the 28 Muon matrices of a 4-layer transformer with d = 256
+and ff = 1024), fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset
+"torch" (bf16 NS). Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global"
+(its default), with --ns-backend and --rounds as given (default: its own), and with --dion PATH (a
+microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
 
 Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested
 one), measured by wrapping the step's functions for the duration of the run (a wrapper's own cost lands in
@@ -19,7 +21,7 @@ stage its mean over ranks; medians over the timed steps. Stages:
     momentum      muon_ref's momentum_direction on the shards      apply   muon_ref's apply_update on the shards
     shard pad     run_stage's padding and tail handling around those two (elementwise.py)
     pack/unpack   the exchange's buffers, the joins of boxes into matrices and the cuts of updates into boxes
-    NS            the backend's orthogonalize
+    NS            the backend's orthogonalize and its stack kernel (calls stacked across params)
     write         the new momentum buffers into the old ones' storage
     COLL[name]    each collective, by the name it is logged under (a path, or a check of the step): issuing it,
                   and waiting for it where it was issued without blocking (Pending.wait); time computing while
@@ -130,11 +132,15 @@ def instrumented(clock: StageClock) -> Iterator[None]:
 
 
 def timed_backend(opt: Any, clock: StageClock) -> None:
-    """The optimizer's NS backend, timed as "NS"."""
-    from muon_dist.kernels import Backend
+    """The optimizer's NS backend, its orthogonalize and its stack kernel timed as "NS"."""
+    import dataclasses
 
     b = opt.backend
-    opt.backend = Backend(b.name, clock.timed("NS", b.orthogonalize), b.bitwise)
+    opt.backend = dataclasses.replace(
+        b,
+        orthogonalize=clock.timed("NS", b.orthogonalize),
+        stack=None if b.stack is None else clock.timed("NS", b.stack),
+    )
 
 
 def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, dict]:
@@ -150,8 +156,13 @@ def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, 
     chosen = ("batched", "global") + (("dion",) if dion_path is not None else ())
     params = {m: [shard(t) for t in initial(b)] for m in chosen}
     for dispatch in ("batched", "global"):
+        extra = {} if b.rounds is None else {"rounds": b.rounds}
         methods[dispatch] = DistributedMuon(
-            [{"params": params[dispatch], "param_names": names}], preset=b.preset, dispatch=dispatch
+            [{"params": params[dispatch], "param_names": names}],
+            preset=b.preset,
+            dispatch=dispatch,
+            ns_backend=b.ns_backend,
+            **extra,
         )
         timed_backend(methods[dispatch], clock)
     if dion_path is not None:
@@ -174,11 +185,19 @@ def timed_step(opt: Any, params: list[torch.Tensor], grads: list, clock: StageCl
     return {"total": total, **clock.take()}
 
 
-def rank_stages(dion_path: str | None, world_size: int, warmup: int, steps: int) -> dict:
+def rank_stages(
+    dion_path: str | None,
+    world_size: int,
+    warmup: int,
+    steps: int,
+    table: str = "dense",
+    ns_backend: str = "torch",
+    rounds: int | None = None,
+) -> dict:
     """Per method: per timed step, this rank's total and its stage times (ms); Dion's total only."""
     from .run import Bench, gradients
 
-    b = Bench("dense", world_size, warmup, steps)
+    b = Bench(table, world_size, warmup, steps, rounds=rounds, ns_backend=ns_backend)
     clock = StageClock()
     methods, params = methods_of(b, dion_path, clock)
     order = list(methods)
@@ -211,11 +230,13 @@ def table(results: list[dict], method: str) -> dict[str, float]:
     return row
 
 
-def print_tables(world_size: int, rows: dict[str, dict[str, float]]) -> None:
+def print_tables(world_size: int, rows: dict[str, dict[str, float]], table: str = "dense") -> None:
     names = [s for s in STAGES if any(s in r for r in rows.values())]
     names += sorted({k for r in rows.values() for k in r if k.startswith("COLL")}) + ["host"]
     methods = list(rows)
-    print(f"\nW = {world_size}: stage ms (mean over ranks, median over steps); total: slowest rank")
+    print(
+        f"\n{table}, W = {world_size}: stage ms (mean over ranks, median over steps); total: slowest rank"
+    )
     print(f"{'stage':<34}" + "".join(f"{m:>10}" for m in methods))
     for name in ["total", *names]:
         cells = "".join(
@@ -231,8 +252,9 @@ def print_tables(world_size: int, rows: dict[str, dict[str, float]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from muon_check.launch import RankPool
+    from muon_dist.kernels import BACKENDS
 
-    from .run import header
+    from .run import SETS, header
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -241,14 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sets", nargs="+", choices=sorted(SETS), default=["dense"])
+    parser.add_argument("--ns-backend", choices=sorted(BACKENDS), default="torch")
+    parser.add_argument("--rounds", type=int, default=None, help="DistributedMuon's rounds=")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(header("muon_dist stage profile"))
     for W in args.world_sizes:
         pool = RankPool(W)
         try:
-            results = pool.run(rank_stages, args.dion, W, args.warmup, args.steps, timeout=600.0)
+            for name in args.sets:
+                results = pool.run(
+                    rank_stages,
+                    args.dion,
+                    W,
+                    args.warmup,
+                    args.steps,
+                    name,
+                    args.ns_backend,
+                    args.rounds,
+                    timeout=600.0,
+                )
+                print_tables(W, {m: table(results, m) for m in results[0]}, name)
         finally:
             pool.close()
-        print_tables(W, {m: table(results, m) for m in results[0]})
     return 0

@@ -151,3 +151,59 @@ def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_pl
     assert stacking.main(["--sets", "tiny_moe", "--warmup", "0", "--reps", "1"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tiny_moe")]
     assert line.split()[1:3] == [str(len(matrices)), str(len(stacking.by_shape(matrices)))]
+
+
+def test_the_stage_profile_times_a_backend_without_changing_it(capsys) -> None:
+    """benchmarks/stages.py: timed_backend wraps the backend's orthogonalize and stack kernel and keeps every other
+    field (a backend rebuilt from its name, function and bitwise flag alone would lose its stack kernel and its
+    cast flag, and the profile would time another step than the one users run); `--sets`, `--ns-backend` reach
+    the profiled optimizers, whose stacked Newton-Schulz shows in the NS row."""
+    import dataclasses
+    import types
+
+    from benchmarks import stages
+    from muon_dist.kernels import backend
+
+    for name in ("torch", "batched"):
+        original = backend(name)
+        opt = types.SimpleNamespace(backend=original)
+        stages.timed_backend(opt, stages.StageClock())
+        for f in dataclasses.fields(original):
+            kept = getattr(opt.backend, f.name) is getattr(original, f.name)
+            assert kept == (
+                f.name not in ("orthogonalize", "stack")
+                or original.stack is None
+                and f.name == "stack"
+            )
+        assert (opt.backend.stack is None) == (original.stack is None)
+    argv = [
+        "--sets",
+        "tiny_moe",
+        "--ns-backend",
+        "batched",
+        "--world-sizes",
+        "1",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+    ]
+    assert stages.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tiny_moe, W = 1" in out
+    (ns,) = [line.split() for line in out.splitlines() if line.startswith("NS ")]
+    assert len(ns) == 3 and all(float(v) > 0 for v in ns[1:])
+
+
+def test_python_m_benchmarks_collectives_times_both_all_gather_routes(capsys) -> None:
+    """benchmarks/collectives.py: on W = 2 gloo ranks, each route's median latency for each size (the routes'
+    results compared equal inside the run)."""
+    from benchmarks import collectives
+
+    assert collectives.main(["--world-sizes", "2", "--sizes", "8", "64", "--reps", "3"]) == 0
+    rows = [
+        line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  2 ")
+    ]
+    assert [r[1] for r in rows] == ["8", "64"] and all(
+        len(r) == 2 + len(collectives.ROUTES) for r in rows
+    )
