@@ -29,17 +29,17 @@ def lpt(costs: list[int], world_size: int) -> list[int]:
 
 
 def rounds(costs: list[int], owner: list[int], count: int) -> list[int]:
-    """The round (0 .. count - 1) of every unit: each rank's units, in their order, cut by cumulative cost into
-    `count` consecutive pieces of about equal cost (a unit goes to the round its cost's midpoint falls in), so
-    every round gives each rank about 1/count of its load, and the rounds together keep lpt's balance."""
-    totals: dict[int, int] = {}
-    for c, r in zip(costs, owner):
-        totals[r] = totals.get(r, 0) + c
-    seen: dict[int, int] = {}
-    out = []
-    for c, r in zip(costs, owner):
-        before = seen.get(r, 0)
-        seen[r] = before + c
-        total = totals[r]
-        out.append(min(count - 1, (2 * before + c) * count // (2 * total)) if total else 0)
+    """The round (0 .. count - 1) of every unit: each rank's units, largest cost first (ties: in their order), each
+    to the rank's least loaded round so far (ties: the lowest), lpt again with rounds for ranks. So every round
+    gives each rank about 1/count of its load (within its largest unit), the rounds together keep lpt's balance,
+    ranks that lpt gave the same costs get the same load in every round, and a rank's largest units go to
+    different rounds: at a round's all-to-all no rank waits for another's larger unit (a cut of each rank's units
+    in param order could put a large matrix in one rank's round and small ones in another's), and no round
+    gathers every rank's largest matrices (cut largest first, the first round would: the most bytes at once)."""
+    loads: dict[int, list[int]] = {}
+    out = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        mine = loads.setdefault(owner[k], [0] * count)
+        out[k] = min(range(count), key=lambda j: (mine[j], j))
+        mine[out[k]] += costs[k]
     return out
