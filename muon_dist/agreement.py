@@ -230,9 +230,8 @@ def write_groups(
     or once its params' elements reach 1/WRITE_GROUPS of the step's (at least WRITE_GROUP_MIN_ELEMENTS), unless
     the next batch's check is free: then that batch closes it, and its check carries the group's (so at most
     WRITE_GROUPS groups end with a check of their own, and a group holds at most two batches more than that
-    share). Global sizes and the plan's batches,
-    never a rank's box: every rank must cut the same groups, or their failure checks would not match (a
-    collective mismatch)."""
+    share). Global sizes and the plan's batches, never a rank's box: every rank must cut the same groups, or their
+    failure checks would not match (a collective mismatch)."""
     if atomic:  # one group, or none in a step where no param has a gradient
         return [step_plan.batches] if step_plan.batches else []
     sizes = [

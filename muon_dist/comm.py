@@ -201,9 +201,8 @@ class TorchComm(Comm):
         return finish
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
-        if self.gathers_by_all_to_all(
-            group
-        ):  # every member's x to every member: one exchange, not a ring
+        if self.gathers_by_all_to_all(group):
+            # every member's x to every member: one exchange, not a ring
             n = x.numel()
             splits = [n] * group.size
             return self._all_to_all_start(x.repeat(group.size), splits, splits, group)()
