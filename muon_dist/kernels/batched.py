@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muon_ref import MuonConfig, newton_schulz
+from muon_ref import MuonConfig
 
 from . import Backend, over_stacks
-from .reference import newton_schulz_batched, preconditioner
+from .reference import preconditioner, stack_through
 
 
 def runs_batched(cfg: MuonConfig) -> bool:
@@ -43,11 +43,7 @@ def runs_batched(cfg: MuonConfig) -> bool:
 def _stack_kernel(stack: Tensor, cfg: MuonConfig) -> Tensor:
     """A stack [k, m, n] through newton_schulz_batched under cfg's Newton-Schulz (muon_ref.newton_schulz where
     runs_batched says the batched kernel does not implement it)."""
-    kwargs = cfg.ns_kwargs()
-    if not runs_batched(cfg):
-        return newton_schulz(stack, **kwargs)
-    del kwargs["step_form"]
-    return newton_schulz_batched(stack, **kwargs)
+    return stack_through(stack, cfg, runs_batched(cfg))
 
 
 def _batches(

@@ -208,15 +208,23 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
     )
 
 
+def stack_through(stack: Tensor, cfg: MuonConfig, batch: bool) -> Tensor:
+    """A stack [k, m, n] under cfg's Newton-Schulz: newton_schulz_batched where `batch` (the caller has checked
+    that cfg's step form is "addmm", which that kernel implements), else muon_ref.newton_schulz (a loop over the
+    stack's matrices, each alone)."""
+    kwargs = cfg.ns_kwargs()
+    if not batch:
+        return newton_schulz(stack, **kwargs)
+    del kwargs["step_form"]  # "addmm"
+    return newton_schulz_batched(stack, **kwargs)
+
+
 def orthogonalize_stack(stack: Tensor, cfg: MuonConfig) -> Tensor:
     """The backend's stack kernel: muon_ref.newton_schulz on a stack [k, m, n] (a loop over its matrices, each
     alone), batched where batched_is_bitwise says it is bitwise; so each matrix gets muon_ref's bits for it,
     whatever else the stack holds (Backend.stack)."""
-    kwargs = cfg.ns_kwargs()
-    if not batched_is_bitwise(stack.shape, stack.dtype, stack.device, **kwargs):
-        return newton_schulz(stack, **kwargs)
-    del kwargs["step_form"]  # "addmm": a condition of the rule
-    return newton_schulz_batched(stack, **kwargs)
+    bitwise = batched_is_bitwise(stack.shape, stack.dtype, stack.device, **cfg.ns_kwargs())
+    return stack_through(stack, cfg, bitwise)  # "addmm" is a condition of the rule
 
 
 def may_batch(
