@@ -121,7 +121,8 @@ def preset_defaults(preset: str | None, overrides: dict[str, Any]) -> dict[str, 
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     overrides = resolve_group(overrides, "Muon options")
-    values = {k: getattr(MuonConfig(), k) for k in CONFIG_KEYS}
+    default = MuonConfig()  # one instance: its fields are the defaults
+    values = {k: getattr(default, k) for k in CONFIG_KEYS}
     values.update(PRESETS.get(preset, {}) if preset else {})
     values.update({k: v for k, v in overrides.items() if k in CONFIG_KEYS})
     MuonConfig(**values)  # validate once, with a message naming the bad option
