@@ -30,6 +30,7 @@ of errors is a crash, named by the ranks that raised and those that did not.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch import Tensor
 
 import muon_ref
 from muon_ref.functional import apply_update, momentum_direction, orthogonalize
-from muon_ref.presets import preset_defaults
+from muon_ref.presets import PRESETS, preset_defaults
 
 from ..fixtures import same_bits
 from . import Adapter
@@ -368,7 +369,49 @@ def reference_optimizer(
     return cls(reference_groups(params, options), preset=preset, **options)
 
 
+# muon_ref's runs kept for the life of the process, the least recently used dropped beyond REFERENCE_RUNS_KEPT: a
+# check's search for the nearest configuration, and the planted suite's candidates one after another, ask for the
+# same (case, claim, rounding) runs many times. A run is a function of its key alone, muon_ref's code being fixed
+# for the process: the case fixes its params and gradients (seeded), the claim (the preset's options as they are
+# now, and the overrides) and the rounding its options, and torch's intra-op thread count, part of the key, where on
+# CPU its bf16 elementwise ops round (muon_dist/elementwise.py). Callers only read a run's tensors.
+REFERENCE_RUNS_KEPT = 4096
+_kept_runs: OrderedDict[tuple, RefRun] = OrderedDict()
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for an option's value (dicts, lists and sets by their items); TypeError if none."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _frozen(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(map(repr, value))))
+    hash(value)
+    return value
+
+
 def _reference_run(
+    case: Case, preset: str | None, overrides: dict[str, Any], policy: str, rounding: Rounding
+) -> RefRun:
+    """_run_reference's run, kept (_kept_runs) where its key is hashable."""
+    try:
+        claim = (preset, _frozen(PRESETS.get(preset or "", {})), _frozen(overrides))
+        key = (case, claim, policy, rounding, torch.get_num_threads())
+        hash(key)
+    except TypeError:  # an option without a hashable value: run it each time
+        return _run_reference(case, preset, overrides, policy, rounding)
+    run = _kept_runs.get(key)
+    if run is None:
+        run = _kept_runs[key] = _run_reference(case, preset, overrides, policy, rounding)
+        if len(_kept_runs) > REFERENCE_RUNS_KEPT:
+            _kept_runs.popitem(last=False)
+    else:
+        _kept_runs.move_to_end(key)
+    return run
+
+
+def _run_reference(
     case: Case, preset: str | None, overrides: dict[str, Any], policy: str, rounding: Rounding
 ) -> RefRun:
     params = initial_params(case)
