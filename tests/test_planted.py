@@ -218,6 +218,8 @@ def test_the_correct_muon_under_each_planted_bug_conforms_where_the_bug_is_caugh
 
 
 def test_the_planted_bugs_fall_into_fewer_base_groups_and_each_bug_into_one() -> None:
+    """_base_groups is a partition of PLANTED (every bug in exactly one group, so the base check above covers every
+    bug), coarser than one group per bug."""
     groups = _base_groups()
     assert sorted(p.field_bug for g in groups for p in g) == sorted(p.field_bug for p in PLANTED)
     assert len(groups) < len(PLANTED)

@@ -79,6 +79,8 @@ def test_kept_runs_keep_their_bits_through_a_departing_check_and_its_search(
 def test_a_run_asked_again_is_the_kept_one_and_the_thread_count_is_part_of_its_key(
     empty_store,
 ) -> None:
+    """_reference_run(K) is _reference_run(K) again (the same object); an override or the thread count changed is
+    another key, another run."""
     case = Case("even", "single", 1, ((4, 5),))
     first = oracle._reference_run(case, "torch", {"lr": 0.02}, "skip", oracle.WHOLE)
     assert oracle._reference_run(case, "torch", {"lr": 0.02}, "skip", oracle.WHOLE) is first
@@ -95,6 +97,9 @@ def test_a_run_asked_again_is_the_kept_one_and_the_thread_count_is_part_of_its_k
 def test_an_option_that_cannot_be_hashed_is_run_each_time_and_not_kept(
     empty_store, monkeypatch
 ) -> None:
+    """An override with no hashable value is run by _run_reference at every call and never kept; a hashable one is
+    run once and kept. _frozen: equal for equal options in any order, unequal for a list and a tuple."""
+
     class Unhashable:
         __hash__ = None
 

@@ -414,6 +414,9 @@ def _reference_run(
 def _run_reference(
     case: Case, preset: str | None, overrides: dict[str, Any], policy: str, rounding: Rounding
 ) -> RefRun:
+    """muon_ref.Muon under the claim (reference_optimizer, with the rounding's elementwise stages) on the case's full
+    initial params, stepped on oracle_gradients(case, step, policy) for case.steps steps: the params and momentum
+    buffers after each step, as CPU copies."""
     params = initial_params(case)
     opt = reference_optimizer(params, case, preset, overrides, rounding)
     per_step, momenta = [], []
