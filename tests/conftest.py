@@ -10,8 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from tests.failure_log import pytest_runtest_logreport  # noqa: F401 - a hook: $MUON_TEST_FAILURES
-
 _COMMON = dict(
     deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
@@ -63,7 +61,8 @@ def run_conformance(args: list[str]) -> tuple[int, str, str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """The muon_check fixture (muon_check/pytest_plugin.py), as a project's top-level conftest.py names it
-    with `pytest_plugins` (this conftest is not the rootdir's, where that name is not read)."""
+    with `pytest_plugins` (this conftest is not the rootdir's, where that name is not read); and the check that a
+    whole run of tests/dist took every path (tests/paths_exercised.py), and the failure log (tests/failure_log.py)."""
     import importlib
 
     plugin = importlib.import_module("muon_check.pytest_plugin")
@@ -71,3 +70,28 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin
     ):  # named already (-p, or an older install's entry point)
         config.pluginmanager.register(plugin, "muon_check.pytest_plugin")
+    for name in ("tests.paths_exercised", "tests.failure_log"):  # failure_log: $MUON_TEST_FAILURES
+        module = importlib.import_module(name)
+        if not config.pluginmanager.is_registered(module):
+            config.pluginmanager.register(module, name)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs TEST_JOBS workers on the same cores), each test's timeout (its marker's,
+    or the ini's) is multiplied by the number of workers: a timeout here stops a hang, and a test that shares the
+    cores with N - 1 others gets about 1/N of them. One process: the timeouts as written."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers <= 1:
+        return
+    default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        kwargs = dict(marker.kwargs) if marker is not None else {}
+        seconds = (
+            marker.args[0] if marker is not None and marker.args else kwargs.pop("timeout", default)
+        )
+        kwargs.pop("timeout", None)
+        if seconds:
+            # first among the item's own markers, so that it is the closest one pytest-timeout reads
+            item.add_marker(pytest.mark.timeout(float(seconds) * workers, **kwargs), append=False)

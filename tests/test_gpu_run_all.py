@@ -164,7 +164,10 @@ def test_the_correctness_parts_run_side_by_side_and_the_bench_alone_after_them(
 
 def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -> None:
     """tests/failure_log.py: with MUON_TEST_FAILURES set, a failing test's name and its assertion are in the file
-    (a passing one adds nothing); without it nothing is written."""
+    once (a passing one adds nothing), under pytest-xdist too, where only the controller writes; without it nothing
+    is written. The pytest here runs inside this one's environment, an xdist worker's when the suite runs under
+    xdist, and is not a worker itself."""
+    import importlib.util
     import os
     import subprocess
 
@@ -173,7 +176,12 @@ def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -
     )
     log = tmp_path / "failures.log"
     root = str(RUN_ALL.parents[2])
-    for env in ({"MUON_TEST_FAILURES": str(log)}, {}):
+    runs = [({"MUON_TEST_FAILURES": str(log)}, ()), ({}, ())]
+    if importlib.util.find_spec("xdist") is not None:
+        runs.append(({"MUON_TEST_FAILURES": str(log)}, ("-n", "2")))
+    for env, args in runs:
+        if env:
+            log.unlink(missing_ok=True)
         subprocess.run(
             [
                 sys.executable,
@@ -184,6 +192,7 @@ def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -
                 "tests.failure_log",
                 "-p",
                 "no:cacheprovider",
+                *args,
                 str(tmp_path / "test_two.py"),
             ],
             cwd=tmp_path,
@@ -192,5 +201,8 @@ def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -
             timeout=120,
         )
         text = log.read_text() if log.exists() else ""
-        assert text.count("=== FAILED") == 1 and "test_two.py::test_fails (call)" in text
+        assert text.count("=== FAILED") == 1 and "test_two.py::test_fails (call)" in text, (
+            args,
+            text,
+        )
         assert "planted" in text and "test_passes" not in text
