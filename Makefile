@@ -25,8 +25,12 @@ verify: $(STAMP)
 	$(PY) -m muon_check.verify
 	$(PY) -m muon_check --planted
 
+# pytest-xdist workers (TEST_JOBS=0: one process); each test module runs on one worker (--dist loadscope), so a
+# module's fixtures are made once
+TEST_JOBS ?= 2
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope
 
 # ruff (configured in pyproject.toml): lint rules and the formatter's line length of 100
 lint: $(STAMP)

@@ -4,7 +4,7 @@ and says which the check caught, by which families, and whether its diagnosis is
 
 Four small correct Muons carry the defects, one per way a candidate sees its parameters; each is muon_ref's three
 stages (muon_ref.functional: momentum_direction, orthogonalize, apply_update) on whole tensors, so each is bitwise
-muon_ref.Muon, and each conforms on every family of its mode (BASES; tests/test_planted.py checks each where the
+muon_ref.Muon, and each conforms on every family of its mode (BASES; tests/test_planted_cases.py checks each where the
 planted bugs built on it are caught). A planted bug is one of them with one method changed:
     SmallMuon        single device
     GatherMuon       DTensor Shard(0): every rank gathers each param whole (DTensor.full_tensor) and keeps its box
@@ -863,7 +863,7 @@ UNREACHABLE: dict[int, str] = {
     "code, before the optimizer step; the check builds and steps the optimizer alone on gloo ranks, so "
     "it never runs a trainer's clipping.",
 }
-# Each base conforms on every family of its kind (tests/test_planted.py): the planted defect is the only departure.
+# Each base conforms on every family of its kind (tests/test_planted_cases.py): the planted defect is the only departure.
 BASES: tuple[PlantedAdapter, ...] = (
     PlantedAdapter(SmallMuon, None, SINGLE_FAMILIES),
     PlantedAdapter(GatherMuon, "dtensor", DIST_FAMILIES | FUSED_DIST_FAMILIES),
