@@ -43,11 +43,13 @@ def _watched(path: object) -> bool:
 
 
 def pytest_deselected(items) -> None:
+    """Count the deselected tests of WATCHED (a run with any is not a whole run)."""
     STATE["deselected"] += sum(_watched(i.fspath) for i in items)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items) -> None:
+    """Count the collected tests of WATCHED (none: the check does not apply)."""
     STATE["collected"] = sum(_watched(i.fspath) for i in items)
 
 
@@ -85,6 +87,8 @@ def pytest_testnodedown(node, error) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A worker hands its paths and counts to the controller; the controller (or the one process) fails a passing
+    whole run that missed a required path, naming it."""
     config = session.config
     if hasattr(config, "workerinput"):  # an xdist worker: the controller decides
         config.workeroutput[OUTPUT_KEY] = {"exercised": sorted(EXERCISED), **STATE}

@@ -51,6 +51,8 @@ def run(tmp_path: Path, required: set[str], *args: str) -> subprocess.CompletedP
 
 @pytest.mark.timeout(240)
 def test_a_path_no_test_took_fails_a_whole_run_and_is_named(tmp_path: Path) -> None:
+    """In one process: a whole run that took every required path exits 0; one required path no test took makes it
+    exit 1 with that path named (the negative control)."""
     assert run(tmp_path, {"gw0"}).returncode == 0
     proc = run(tmp_path, {"gw0", "gw1"})
     assert proc.returncode == 1, proc.stdout[-2000:]
@@ -59,6 +61,8 @@ def test_a_path_no_test_took_fails_a_whole_run_and_is_named(tmp_path: Path) -> N
 
 @pytest.mark.timeout(240)
 def test_under_xdist_the_controller_checks_the_union_of_the_workers_paths(tmp_path: Path) -> None:
+    """On two workers (`--dist each`, each recording a path named after itself): the controller checks the union,
+    so a run that needs both workers' paths exits 0, and one that needs a path neither took exits 1 naming it."""
     pytest.importorskip("xdist", reason="pytest-xdist is not installed (pip install -e .[dev])")
     both = run(tmp_path, {"gw0", "gw1"}, "-n", "2", "--dist", "each")
     assert both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
