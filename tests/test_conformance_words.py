@@ -479,6 +479,24 @@ def test_the_search_finds_two_options_at_once():
         and "weight_decay_form='add_self'" in report["diagnosis"]
     ), report["diagnosis"]
     assert report["diagnosis"].startswith("convention: matches claimed preset 'torch' with")
+    assert (
+        "search stopped" not in report["diagnosis"]
+    )  # it tried what it needed to: nothing to qualify
+
+
+def test_a_search_stopped_at_its_budget_says_so_beside_the_departures_it_left():
+    """A departure that the configuration search did not explain is a bug or a departure only as far as the search
+    went: where its budget ran out first, the diagnosis says so once, after the departures, and names no convention
+    it did not reach. The candidate is TwoAway (two conventions at once, found with the default budget: the test
+    above is the negative control); with a budget of 0 the search stops before its first configuration."""
+    report = check(TwoAway(), (1,), 2, 60.0, 0.0, log=quiet, search_budget=0.0)
+    diagnosis = report["diagnosis"]
+    assert report["verdict"] == "departs" and "convention:" not in diagnosis, diagnosis
+    assert diagnosis.endswith(
+        "; the configuration search stopped at its 0 s budget (--search-budget), so a convention it did not reach "
+        "is not ruled out"
+    ), diagnosis
+    assert diagnosis.count("search stopped") == 1, diagnosis
 
 
 def test_where_nothing_is_exact_the_nearest_configuration_is_named_with_its_distance():

@@ -23,7 +23,8 @@ Search for a configuration, in order (the first that reproduces every completed 
     2. every other preset, with the claim's lr, weight_decay, momentum and nesterov;
     3. every other preset with one option changed;
     4. the claimed preset with two options of different keys changed, those of the located stage first;
-bounded by a time budget (--search-budget). A configuration is tried on the departing cases first (most fail at
+bounded by a time budget (--search-budget; where it runs out first, the departures' findings end with a note
+saying so: Search.stopped). A configuration is tried on the departing cases first (most fail at
 their first step), then on the cases that were bitwise (a convention must keep those too). The nearest
 configuration is the one of steps 1-3 with the most departing cases bitwise, then the fewest units in the last
 place, reported where no configuration is exact.
@@ -179,11 +180,15 @@ def _ulps(value: float) -> str:
 
 
 class Search:
-    """The configuration search of one diagnosis, memoised per (outcome, configuration) and bounded in time."""
+    """The configuration search of one diagnosis, memoised per (outcome, configuration) and bounded in time:
+    `stopped` once the budget ran out before the search had tried every configuration it was asked to (then a
+    departure it leaves unexplained may still be a convention it did not reach, and the diagnosis says so)."""
 
     def __init__(self, budget_s: float = SEARCH_BUDGET_S) -> None:
+        self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.seen: dict[tuple, Outcome] = {}
+        self.stopped = False
 
     def judged(self, o: Outcome, p: str | None, t: dict[str, Any]) -> Outcome:
         key = (id(o), p, repr(sorted(t.items(), key=lambda kv: kv[0])))
@@ -195,7 +200,18 @@ class Search:
         return self.judged(o, p, t).status in ("bitwise", "close")
 
     def out_of_time(self) -> bool:
-        return time.monotonic() > self.deadline
+        if time.monotonic() > self.deadline:
+            self.stopped = True
+        return self.stopped
+
+    def stopped_note(self) -> str:
+        """What a departure's finding adds where the search stopped at its budget ("" where it did not)."""
+        if not self.stopped:
+            return ""
+        return (
+            f"; the configuration search stopped at its {self.budget_s:g} s budget (--search-budget), so a "
+            "convention it did not reach is not ruled out"
+        )
 
     def find(
         self,
@@ -423,10 +439,13 @@ def _departures(
         out.append(
             Finding("convention", "by partition: " + "; ".join(f"{w}: {c}" for w, c in found))
         )
-    out += _located(
+    located = _located(
         outcomes, [o for o in unexplained if o not in disagree], preset, overrides, search
     )
-    return out
+    last = max((i for i, f in enumerate(located) if f.kind in ("bug", "departs")), default=None)
+    if last is not None and search.stopped:  # said once, after the departures it qualifies
+        located[last] = Finding(located[last].kind, located[last].text + search.stopped_note())
+    return out + located
 
 
 def _disagreements(outcomes: list[Outcome], departing: list[Outcome]) -> list[Finding]:
