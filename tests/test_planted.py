@@ -17,6 +17,7 @@ from muon_check.adapters.planted import (
     PLANTED,
     UNREACHABLE,
     Planted,
+    judge,
 )
 
 FIELD_BUGS = range(1, 33)  # the classes of docs/field-bugs.md
@@ -80,6 +81,34 @@ def test_the_setup_suite_counts_in_the_planted_figures(monkeypatch, setup_right:
         f"caught 1/1 planted bugs (1 of them setup bugs), diagnosis right for {suite['right']}"
         in printed[-2]
     )
+
+
+def test_a_wrong_planted_diagnosis_names_the_message_of_a_crash_where_the_plant_has_none() -> None:
+    """judge's wrong list: a family the plant keeps bitwise that crashed or hung carries the first such case's
+    message (so a verdict changed by the machine, a load or a stale pool, shows its cause in the suite's line); a
+    family that merely differs has no message to give (the control: its entry is the status alone)."""
+    (planted,) = [
+        p for p in PLANTED if p.field_bug == 16
+    ]  # crashes on the checkpoint families only
+    crashed = [
+        {"family": f, "status": "crash", "error": "rank 0: KeyError: 'state'"}
+        for f in planted.caught_by
+    ]
+    report = {
+        "outcomes": [
+            *crashed,
+            {"family": "uneven", "status": "crash", "error": "rank 1: RuntimeError:\n  peer gone"},
+            {"family": "even", "status": "differs", "error": None},
+        ],
+        "diagnosis": "crashes on checkpoint (1/1: W=2)",
+        "conforms": False,
+    }
+    verdict = judge(planted, report)
+    assert not verdict["right"]
+    assert verdict["wrong"] == [
+        "even departed (differs)",
+        "uneven departed (crash: rank 1: RuntimeError: peer gone)",
+    ], verdict["wrong"]
 
 
 def test_every_field_bug_class_is_planted_or_named_unreachable_with_its_reason() -> None:

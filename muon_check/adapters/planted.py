@@ -893,9 +893,14 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
     right: the expected kind (Planted.diagnosis), every caught_by family departing, every bitwise_on family bitwise."""
     outcomes, diagnosis = report["outcomes"], report["diagnosis"]
     by: dict[str, set[str]] = {}
+    errors: dict[
+        str, str
+    ] = {}  # the first crash's or hang's message per family, for a wrong diagnosis's line
     for o in outcomes:
         if o["status"] != "bitwise":
             by.setdefault(o["family"], set()).add(o["status"])
+        if o["status"] in ("crash", "hang") and o.get("error"):
+            errors.setdefault(o["family"], " ".join(str(o["error"]).split())[:240])
     expected_status = {"crash": "crash", "hang": "hang", "lazy state": "crash"}.get(
         planted.diagnosis
     )
@@ -912,7 +917,8 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
     wrong = [f"not {planted.diagnosis}"] if not kind else []
     wrong += [f"{f} did not depart" for f in sorted(planted.caught_by - set(by))]
     wrong += [
-        f"{f} departed ({', '.join(sorted(by[f]))})" for f in sorted(planted.bitwise_on & set(by))
+        f"{f} departed ({', '.join(sorted(by[f]))}{': ' + errors[f] if f in errors else ''})"
+        for f in sorted(planted.bitwise_on & set(by))
     ]
     if expected_status:
         wrong += [
