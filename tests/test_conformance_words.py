@@ -479,9 +479,8 @@ def test_the_search_finds_two_options_at_once():
         and "weight_decay_form='add_self'" in report["diagnosis"]
     ), report["diagnosis"]
     assert report["diagnosis"].startswith("convention: matches claimed preset 'torch' with")
-    assert (
-        "search stopped" not in report["diagnosis"]
-    )  # it tried what it needed to: nothing to qualify
+    # it tried what it needed to: nothing to qualify
+    assert "search stopped" not in report["diagnosis"]
 
 
 def test_a_search_stopped_at_its_budget_says_so_beside_the_departures_it_left():

@@ -893,9 +893,8 @@ def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
     right: the expected kind (Planted.diagnosis), every caught_by family departing, every bitwise_on family bitwise."""
     outcomes, diagnosis = report["outcomes"], report["diagnosis"]
     by: dict[str, set[str]] = {}
-    errors: dict[
-        str, str
-    ] = {}  # the first crash's or hang's message per family, for a wrong diagnosis's line
+    # the first crash's or hang's message per family, for a wrong diagnosis's line
+    errors: dict[str, str] = {}
     for o in outcomes:
         if o["status"] != "bitwise":
             by.setdefault(o["family"], set()).add(o["status"])
