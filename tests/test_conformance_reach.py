@@ -46,9 +46,14 @@ class HashOrderControl(GatherControl):
     dtypes = ("float32",)
 
 
+def verdict_only(adapter, world_sizes: tuple[int, ...], steps: int) -> dict:
+    """check's report without the configuration search (search_budget 0): the search names a diagnosis, the
+    verdict is a function of the cases' outcomes alone (muon_check.adapters.verdict.verdict)."""
+    return check(adapter, world_sizes, steps, 60.0, 0.0, log=quiet, search_budget=0.0)
+
+
 def test_a_candidate_ordered_by_a_hash_seed_is_caught_on_spawned_ranks():
-    # the verdict alone: no configuration search (it names a diagnosis, never changes a verdict)
-    report = check(HashOrderControl(), (4,), 1, 60.0, 0.0, log=quiet, search_budget=0.0)
+    report = verdict_only(HashOrderControl(), (4,), 1)
     assert report["verdict"] == "departs", report["diagnosis"]
 
 
@@ -211,11 +216,9 @@ class ScaledGradientControl(GatherControl):
 
 
 def _verdict(families: set[str], world_sizes: tuple[int, ...]) -> str:
-    """The check's verdict alone: no configuration search (search_budget 0), which names a diagnosis, never
-    changes a verdict."""
     adapter = ScaledGradientControl()
     adapter.families = frozenset(families)
-    return check(adapter, world_sizes, 2, 60.0, 0.0, log=quiet, search_budget=0.0)["verdict"]
+    return verdict_only(adapter, world_sizes, 2)["verdict"]
 
 
 def test_a_scale_bug_hidden_at_two_ranks_is_caught_at_three_and_by_tiny_gradients():

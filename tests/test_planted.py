@@ -87,9 +87,8 @@ def test_a_wrong_planted_diagnosis_names_the_message_of_a_crash_where_the_plant_
     """judge's wrong list: a family the plant keeps bitwise that crashed or hung carries the first such case's
     message (so a verdict changed by the machine, a load or a stale pool, shows its cause in the suite's line); a
     family that merely differs has no message to give (the control: its entry is the status alone)."""
-    (planted,) = [
-        p for p in PLANTED if p.field_bug == 16
-    ]  # crashes on the checkpoint families only
+    # bug 16 crashes on the checkpoint families only
+    (planted,) = [p for p in PLANTED if p.field_bug == 16]
     crashed = [
         {"family": f, "status": "crash", "error": "rank 0: KeyError: 'state'"}
         for f in planted.caught_by

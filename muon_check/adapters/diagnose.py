@@ -443,8 +443,9 @@ def _departures(
         outcomes, [o for o in unexplained if o not in disagree], preset, overrides, search
     )
     last = max((i for i, f in enumerate(located) if f.kind in ("bug", "departs")), default=None)
-    if last is not None and search.stopped:  # said once, after the departures it qualifies
-        located[last] = Finding(located[last].kind, located[last].text + search.stopped_note())
+    note = search.stopped_note()
+    if last is not None and note:  # said once, after the departures it qualifies
+        located[last] = Finding(located[last].kind, located[last].text + note)
     return out + located
 
 

@@ -890,7 +890,8 @@ def planted_verdict(planted: Planted, report: dict[str, Any], absent: str | None
 
 def judge(planted: Planted, report: dict[str, Any]) -> dict[str, Any]:
     """Did the check catch the planted bug (some case departs), in which families and how, and is its diagnosis
-    right: the expected kind (Planted.diagnosis), every caught_by family departing, every bitwise_on family bitwise."""
+    right: the expected kind (Planted.diagnosis), every caught_by family departing, every bitwise_on family bitwise.
+    Where it is not, `wrong` says why; a bitwise_on family that crashed or hung carries its first case's message."""
     outcomes, diagnosis = report["outcomes"], report["diagnosis"]
     by: dict[str, set[str]] = {}
     # the first crash's or hang's message per family, for a wrong diagnosis's line
