@@ -7,7 +7,11 @@ Parameter sets of benchmarks.run (default `dense`: the 28 Muon matrices of a 4-l
 and ff = 1024), fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset
 "torch" (bf16 NS). Methods, steps interleaved in one pool: DistributedMuon with dispatch "batched" and "global"
 (its default), with --ns-backend and --rounds as given (default: its own), and with --dion PATH (a
-microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors.
+microsoft/dion checkout) dion.Muon (Polar Express off, bf16 NS) on the same DTensors. For dion.Muon the stages
+are two: NS, the Newton-Schulz function its step calls (its `_newton_schulz_func`, timed the same way; a Dion
+without that attribute shows its total alone), and host, the rest of its step. The line "NS alone / dion's step"
+divides each DistributedMuon method's NS by dion.Muon's total: above 1, no step that runs that Newton-Schulz (the
+bitwise backend's is muon_ref's, matrix by matrix where its batch is not bitwise) can be as fast as dion.Muon's.
 
 Each stage's time is its exclusive wall time on a rank (time inside a nested stage counts for the nested
 one), measured by wrapping the step's functions for the duration of the run (a wrapper's own cost lands in
@@ -167,7 +171,18 @@ def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, 
         timed_backend(methods[dispatch], clock)
     if dion_path is not None:
         methods["dion"] = dion_muon(load_dion(dion_path), params["dion"])
+        timed_dion(methods["dion"], clock)
     return methods, params
+
+
+def timed_dion(opt: Any, clock: StageClock) -> bool:
+    """dion.Muon's Newton-Schulz function (the `_newton_schulz_func` its step passes to its megabatch updates)
+    timed as "NS"; False, and nothing wrapped, where the optimizer has no such callable."""
+    ns = getattr(opt, "_newton_schulz_func", None)
+    if not callable(ns):
+        return False
+    opt._newton_schulz_func = clock.timed("NS", ns)
+    return True
 
 
 def timed_step(opt: Any, params: list[torch.Tensor], grads: list, clock: StageClock) -> dict:
@@ -194,7 +209,7 @@ def rank_stages(
     ns_backend: str = "torch",
     rounds: int | None = None,
 ) -> dict:
-    """Per method: per timed step, this rank's total and its stage times (ms); Dion's total only."""
+    """Per method: per timed step, this rank's total and its stage times (ms); dion.Muon's total and NS."""
     from .run import Bench, gradients
 
     b = Bench(table, world_size, warmup, steps, rounds=rounds, ns_backend=ns_backend)
@@ -209,7 +224,7 @@ def rank_stages(
                 method = order[(step + k) % len(order)]
                 row = timed_step(methods[method], params[method], grads, clock)
                 if step >= b.warmup:
-                    out[method].append(row if method != "dion" else {"total": row["total"]})
+                    out[method].append(row)
     return {m: [{k: 1e3 * v for k, v in row.items()} for row in rows] for m, rows in out.items()}
 
 
@@ -248,6 +263,13 @@ def print_tables(world_size: int, rows: dict[str, dict[str, float]], table: str 
             f"{m} / dion {rows[m]['total'] / rows['dion']['total']:.2f}" for m in methods[:-1]
         )
         print(f"ratios of totals: {ratios}")
+        if "NS" in rows["dion"]:
+            floors = ", ".join(
+                f"{m} {rows[m]['NS'] / rows['dion']['total']:.2f}"
+                for m in methods[:-1]
+                if "NS" in rows[m]
+            )
+            print(f"NS alone / dion's step: {floors}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,6 +195,67 @@ def test_the_stage_profile_times_a_backend_without_changing_it(capsys) -> None:
     assert len(ns) == 3 and all(float(v) > 0 for v in ns[1:])
 
 
+def stand_in_dion(root, with_ns_function: bool) -> str:
+    """A stand-in for a microsoft/dion checkout at `root` (the real one is never needed by the tests): dion.Muon
+    with the constructor benchmarks.peers calls, whose step passes each gradient's local tensor through its
+    `_newton_schulz_func` where it has one (else through a function of its module)."""
+    package = root / "dion"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import torch\n"
+        "def zeropower(G, epsilon=1e-7):\n"
+        "    return G.bfloat16()\n"
+        "class Muon(torch.optim.Optimizer):\n"
+        "    def __init__(self, params, distributed_mesh, lr, mu, weight_decay, nesterov, use_polar_express):\n"
+        "        super().__init__(params, dict(lr=lr))\n"
+        + (
+            "        self._newton_schulz_func = zeropower\n"
+            if with_ns_function
+            else "        self.ns = zeropower\n"
+        )
+        + "    @torch.no_grad()\n"
+        "    def step(self):\n"
+        "        ns = getattr(self, '_newton_schulz_func', zeropower)\n"
+        "        for group in self.param_groups:\n"
+        "            for p in group['params']:\n"
+        "                p.to_local().sub_(group['lr'] * ns(p.grad.to_local()).float())\n"
+    )
+    return str(root)
+
+
+@pytest.mark.timeout(120)
+def test_the_stage_profile_times_dions_newton_schulz_and_divides_by_its_step(
+    capsys, tmp_path
+) -> None:
+    """benchmarks/stages.py with --dion: dion.Muon's Newton-Schulz function (its `_newton_schulz_func`) is timed as
+    its NS stage and the rest of its step as host, and a line divides each DistributedMuon method's NS by
+    dion.Muon's step; a Dion without that attribute (control) shows its total alone and no such line."""
+    from benchmarks import stages
+
+    argv = ["--sets", "tiny_moe", "--world-sizes", "1", "--warmup", "0", "--steps", "1", "--dion"]
+    for with_ns in (True, False):
+        checkout = stand_in_dion(tmp_path / str(with_ns), with_ns)
+        assert stages.main([*argv, checkout]) == 0
+        out = capsys.readouterr().out
+        rows = {
+            line.split()[0]: line.split()[1:]
+            for line in out.splitlines()
+            if line[:1].isalpha() and not line.startswith("NS alone")
+        }
+        assert rows["stage"] == ["batched", "global", "dion"]
+        assert len(rows["total"]) == 3 and len(rows["host"]) == (3 if with_ns else 2)
+        assert len(rows["NS"]) == (3 if with_ns else 2) and all(float(v) > 0 for v in rows["NS"])
+        floors = [line for line in out.splitlines() if line.startswith("NS alone / dion's step: ")]
+        assert len(floors) == (1 if with_ns else 0)
+        if with_ns:
+            values = dict(part.split() for part in floors[0].split(": ")[1].split(", "))
+            ns, total = rows["NS"], rows["total"]
+            for i, method in enumerate(("batched", "global")):
+                assert float(values[method]) == pytest.approx(
+                    float(ns[i]) / float(total[2]), rel=0.05, abs=0.01
+                )  # the table's cells are rounded to 0.01 ms
+
+
 def test_python_m_benchmarks_collectives_times_both_all_gather_routes(capsys) -> None:
     """benchmarks/collectives.py: on W = 2 gloo ranks, each route's median latency for each size (the routes'
     results compared equal inside the run)."""
