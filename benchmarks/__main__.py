@@ -31,6 +31,13 @@ if sys.argv[1:2] == ["collectives"]:  # python -m benchmarks collectives [option
 
     sys.exit(collectives_main(sys.argv[2:]))
 
+if sys.argv[1:2] == [
+    "elementwise"
+]:  # python -m benchmarks elementwise: position-free stages, measured
+    from .elementwise import main as elementwise_main
+
+    sys.exit(elementwise_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

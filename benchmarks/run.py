@@ -6,6 +6,7 @@
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks stacking [options]     a set's Newton-Schulz per matrix or stacked (benchmarks/stacking.py)
     python -m benchmarks collectives [options]  gloo's all-gather as a ring and as an all-to-all (benchmarks/collectives.py)
+    python -m benchmarks elementwise [--cases N]  which elementwise stages run on a shard as it is (benchmarks/elementwise.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)

@@ -17,6 +17,18 @@ Other elements' values never change an element's bits (the stage is elementwise)
 with its own tail, so muon_ref's bf16 bits depend on torch.get_num_threads(); run_stage reproduces the
 one-thread reference.
 
+Position-free stages. Where a stage's bits do not depend on an element's place in the call at all, the shard is
+the reference's call as far as each element is concerned, and the stage runs on it as it is (run_stage's `free`):
+no padded copy, no tail call. position_free decides it at runtime, once per stage, config (its learning rate
+aside: a scalar operand of the same ops), input dtypes, device and thread count: only on the CPU, only for a stage
+whose every pointwise op computes in float32 or float64, outputs and intermediates alike (a bf16 op can differ
+between body and tail on a few rare inputs, which no probe can rule out), and only where a probe finds every probed element's bits equal in the whole call, in calls
+shifted against the vector blocks and in calls too short for a vector body (probe_position_free). In float32 a
+body and a tail that differ run different formulas (a fused multiply-add against a multiply and an add, a constant
+rounded to another precision), which shows on a large share of Gaussian inputs; the probe also holds NaNs,
+infinities, signed zeros and subnormals. Contract: bitwise when chosen (the probe's verdict); elsewhere the padded
+calls above. docs/distributed.md, "Elementwise stages on shards", has the measurements.
+
 on_box runs a stage on a box of a param whose layout may hold separate blocks (each block a param of its own,
 as muon_ref steps it); momentum_on_box and update_on_box are the step's two stages, and buffer_on_box the new
 momentum buffer alone, which the step computes again when it writes rather than hold it through the exchange.
@@ -24,12 +36,14 @@ momentum buffer alone, which the step computes again when it writes rather than 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from muon_ref import MatrixLayout, MuonConfig
 from muon_ref.functional import apply_update, momentum_buffer, momentum_direction
@@ -41,6 +55,129 @@ from .geometry import Box
 BLOCK = 64
 
 Stage = Callable[..., tuple[Tensor, ...]]
+
+# position_free: the dtypes a stage's outputs must all have; the probe's length (not a multiple of any vector
+# chunk: its whole call has a tail), the shifts of its shifted calls, the starts of its short calls (BLOCK - 1
+# elements each: no vector body), the special values it plants; at most POSITION_FREE_KEYS verdicts are kept
+POSITION_FREE_DTYPES = (torch.float32, torch.float64)
+PROBE_ELEMENTS = 64 * BLOCK + 45
+PROBE_SHIFTS = (1, 7, 33, BLOCK - 1)
+PROBE_SHORT_STARTS = (0, 5, 1000, PROBE_ELEMENTS - (BLOCK - 1))
+PROBE_SPECIALS = (math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-40, -3e38)
+POSITION_FREE_KEYS = 1024
+_POSITION_FREE: dict[tuple, bool] = {}
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# what keys a config's verdict: every field but the learning rate, a scalar operand of the same ops (a schedule
+# changes it every step; the ops, and which of their code paths run, stay the same)
+_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(MuonConfig) if f.name != "lr")
+
+
+def stage_key(cfg: MuonConfig) -> tuple:
+    """What position_free's verdict for a stage under cfg depends on: cfg's fields but lr."""
+    return tuple(getattr(cfg, name) for name in _KEY_FIELDS)
+
+
+# stage_key -> a small int standing for it; id(cfg) -> (cfg, its token): a step's configs are new objects that
+# the stages ask about many times, and hashing a config's fields each time would cost more than the padding saved
+_TOKENS: dict[tuple, int] = {}
+_TOKEN_OF: dict[int, tuple[MuonConfig, int]] = {}
+
+
+def _token(cfg: MuonConfig) -> int:
+    hit = _TOKEN_OF.get(id(cfg))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    if len(_TOKENS) >= POSITION_FREE_KEYS:  # the verdicts are keyed by tokens: they go with them
+        _TOKENS.clear()
+        _TOKEN_OF.clear()
+        _POSITION_FREE.clear()
+    token = _TOKENS.setdefault(stage_key(cfg), len(_TOKENS))
+    if len(_TOKEN_OF) >= 256:
+        del _TOKEN_OF[next(iter(_TOKEN_OF))]
+    _TOKEN_OF[id(cfg)] = (cfg, token)
+    return token
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(_INT_OF_SIZE[a.element_size()]),
+            b.contiguous().view(_INT_OF_SIZE[b.element_size()]),
+        )
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def probe_inputs(dtypes: tuple[torch.dtype, ...], device: torch.device) -> tuple[Tensor, ...]:
+    """The probe's inputs: Gaussian (seed 0, drawn in float32) with PROBE_SPECIALS planted at a few places, each
+    input's specials at other places than the others', cast to each dtype. Cached: never written."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for k, dtype in enumerate(dtypes):
+        x = torch.randn(PROBE_ELEMENTS, generator=gen)
+        for j, value in enumerate(PROBE_SPECIALS):
+            for at in (3 + 11 * j + 5 * k, 2000 + 13 * j + 7 * k, PROBE_ELEMENTS - 1 - 3 * j - k):
+                x[at] = value
+        out.append(x.to(dtype).to(device))
+    return tuple(out)
+
+
+class _PointwiseDtypes(TorchDispatchMode):
+    """Records the dtype of every floating output of every pointwise aten op run inside it (torch.Tag.pointwise:
+    the arithmetic, not the casts, copies and views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.pointwise in func.tags:
+            for y in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(y, Tensor) and y.is_floating_point():
+                    self.dtypes.add(y.dtype)
+        return out
+
+
+def probe_position_free(stage: Stage, dtypes: Sequence[torch.dtype], device: torch.device) -> bool:
+    """Whether `stage`, on inputs of these dtypes, gives every probed element the same bits wherever it sits in a
+    call: every pointwise op of its whole call on probe_inputs computes in POSITION_FREE_DTYPES (its outputs, and
+    its intermediates: an fp32 update of a bf16 O scaled in bf16 first is not taken), and the whole call equals bit
+    for bit calls on the same inputs shifted by PROBE_SHIFTS and short calls at PROBE_SHORT_STARTS."""
+    xs = probe_inputs(tuple(dtypes), torch.device(device))
+    with _PointwiseDtypes() as seen:
+        whole = stage(*xs)
+    if any(y.dtype not in POSITION_FREE_DTYPES for y in whole) or not seen.dtypes <= set(
+        POSITION_FREE_DTYPES
+    ):
+        return False
+    calls = [(s, PROBE_ELEMENTS) for s in PROBE_SHIFTS]
+    calls += [(start, start + BLOCK - 1) for start in PROBE_SHORT_STARTS]
+    for lo, hi in calls:
+        part = stage(*(x[lo:hi] for x in xs))
+        if not all(_same_bits(w[lo:hi], p) for w, p in zip(whole, part)):
+            return False
+    return True
+
+
+def position_free(kind: str, cfg: MuonConfig, stage: Stage, inputs: Sequence[Tensor]) -> bool:
+    """Whether `stage` (the stage `kind` under cfg) may run on a shard as it is: CPU inputs, and
+    probe_position_free's verdict for their dtypes, cached per kind, stage_key(cfg), dtypes, device and thread
+    count (module docstring, "Position-free stages")."""
+    device = inputs[0].device
+    if device.type != "cpu":
+        return False
+    dtypes = tuple(x.dtype for x in inputs)
+    key = (kind, _token(cfg), dtypes, device, torch.get_num_threads())
+    verdict = _POSITION_FREE.get(key)
+    if verdict is None:
+        verdict = probe_position_free(stage, dtypes, device)
+        if len(_POSITION_FREE) >= POSITION_FREE_KEYS:
+            del _POSITION_FREE[next(iter(_POSITION_FREE))]
+        _POSITION_FREE[key] = verdict
+    return verdict
 
 
 @functools.lru_cache(maxsize=4096)
@@ -69,12 +206,14 @@ def _padded(x: Tensor, length: int) -> Tensor:
     return out
 
 
-def runs_as_is(inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box) -> bool:
-    """Whether run_stage runs the stage on these inputs as they are, without padding or a tail call: the box is
-    the whole tensor (the reference's own call), or the shard is contiguous, a multiple of BLOCK elements and
-    holds no tail element (every element in the body on both sides). Then stage(*inputs) has the reference's
-    bits for every element, and so has any bitwise out= form of it."""
-    if tuple(box.shape) == tuple(global_shape):
+def runs_as_is(
+    inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box, free: bool = False
+) -> bool:
+    """Whether run_stage runs the stage on these inputs as they are, without padding or a tail call: the stage is
+    position-free (`free`), the box is the whole tensor (the reference's own call), or the shard is contiguous, a
+    multiple of BLOCK elements and holds no tail element (every element in the body on both sides). Then
+    stage(*inputs) has the reference's bits for every element, and so has any bitwise out= form of it."""
+    if free or tuple(box.shape) == tuple(global_shape):
         return True
     local_idx, _, _ = tail_positions(tuple(global_shape), box)
     return (
@@ -85,12 +224,17 @@ def runs_as_is(inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box
 
 
 def run_stage(
-    stage: Stage, inputs: Sequence[Tensor], global_shape: tuple[int, ...], box: Box
+    stage: Stage,
+    inputs: Sequence[Tensor],
+    global_shape: tuple[int, ...],
+    box: Box,
+    free: bool = False,
 ) -> tuple[Tensor, ...]:
     """stage(*inputs) on the shard `box` of a tensor of `global_shape`, each element with the bits that
     stage(*full_inputs) gives it (see module doc). A box that is the whole tensor is the reference's own call
-    (the same values, shape, strides and dtype): the stage runs on it as it is, without padding."""
-    if tuple(box.shape) == tuple(global_shape):
+    (the same values, shape, strides and dtype), and a position-free stage (`free`: position_free's verdict)
+    gives an element its bits wherever it sits: either runs on the inputs as they are, without padding."""
+    if free or tuple(box.shape) == tuple(global_shape):
         return tuple(stage(*inputs))
     if runs_as_is(inputs, global_shape, box):
         # all in the body on both sides and no padding to add: the padded call without its copies
@@ -116,12 +260,24 @@ def on_box(
     matrices: MatrixLayout,
     global_shape: tuple[int, ...],
     box: Box,
+    kind: tuple[str, MuonConfig] | None = None,
 ) -> tuple[Tensor, ...]:
     """stage(matrices)(*inputs) on this rank's box with the reference's bits (run_stage): on the whole param for a
     shared layout; for a separate layout (split_sizes, num_heads) on each block's part of the box, as the
-    block's own tensor (muon_ref steps each block as a param of its own: muon_ref.functional.map_blocks)."""
+    block's own tensor (muon_ref steps each block as a param of its own: muon_ref.functional.map_blocks).
+    `kind`: the stage's name and config, for position_free (None: the stage is never taken as position-free)."""
+
+    def run(fn: Stage, xs: Sequence[Tensor], shape: tuple[int, ...], part: Box):
+        free = (
+            kind is not None
+            and part.numel > 0
+            and not runs_as_is(xs, shape, part)
+            and position_free(*kind, fn, xs)
+        )
+        return run_stage(fn, xs, shape, part, free)
+
     if not matrices.separate:
-        return run_stage(stage(matrices), inputs, global_shape, box)
+        return run(stage(matrices), inputs, global_shape, box)
     if (
         not box.numel
     ):  # nothing here: any block's stage on the empty inputs gives the empty outputs' dtypes
@@ -132,7 +288,7 @@ def on_box(
         if part is None:
             continue
         mine = part.within(box)
-        results = run_stage(
+        results = run(
             stage(block.as_param()),
             [x[mine.index].contiguous() for x in inputs],
             block.shape,
@@ -160,8 +316,28 @@ def momentum_on_box(
         matrices,
         global_shape,
         box,
+        ("momentum_direction", cfg),
     )
     return new_buf, direction
+
+
+def _buffer_stage(cfg: MuonConfig) -> Callable[[MatrixLayout], Stage]:
+    return lambda m: lambda g, b: (momentum_buffer(g, b, cfg),)
+
+
+def _update_stage(cfg: MuonConfig) -> Callable[[MatrixLayout], Stage]:
+    return lambda m: lambda p, u: (apply_update(p, u, m, cfg),)
+
+
+def _shared_free(
+    kind: tuple[str, MuonConfig],
+    stage: Callable[[MatrixLayout], Stage],
+    matrices: MatrixLayout,
+    inputs: Sequence[Tensor],
+    box: Box,
+) -> bool:
+    """position_free's verdict for a shared layout's stage on a non-empty box (False otherwise), as on_box asks."""
+    return not matrices.separate and box.numel > 0 and position_free(*kind, stage(matrices), inputs)
 
 
 def buffer_on_box(
@@ -177,19 +353,14 @@ def buffer_on_box(
     momentum_on_box's first result's (the same ops on the same inputs). With in_place, written into buf itself
     by the op's out= form where that is bitwise (writes_in_place, and the new buffer has buf's dtype), and buf
     returned; else a new tensor."""
+    key = ("momentum_buffer", cfg)
     if (
         in_place
         and grad.dtype == buf.dtype
-        and writes_in_place(matrices, [grad, buf], global_shape, box, ())
+        and _writes_in_place(key, _buffer_stage(cfg), matrices, [grad, buf], global_shape, box, ())
     ):
         return momentum_buffer(grad, buf, cfg, out=buf)
-    (new_buf,) = on_box(
-        lambda m: lambda g, b: (momentum_buffer(g, b, cfg),),
-        [grad, buf],
-        matrices,
-        global_shape,
-        box,
-    )
+    (new_buf,) = on_box(_buffer_stage(cfg), [grad, buf], matrices, global_shape, box, key)
     return new_buf
 
 
@@ -199,11 +370,38 @@ def writes_in_place(
     global_shape: tuple[int, ...],
     box: Box,
     skipped_blocks: tuple[int, ...],
+    free: bool = False,
 ) -> bool:
     """Whether update_on_box may write a param (inputs: its local param and update) into its destination by
     apply_update's out= form, bitwise the fresh result (muon_ref.functional.apply_update): a shared layout, no
-    skipped block, and a box on which run_stage runs the stage on the inputs as they are (runs_as_is)."""
-    return not matrices.separate and not skipped_blocks and runs_as_is(inputs, global_shape, box)
+    skipped block, and a box on which run_stage runs the stage on the inputs as they are (runs_as_is; `free`:
+    the stage is position-free there)."""
+    return (
+        not matrices.separate and not skipped_blocks and runs_as_is(inputs, global_shape, box, free)
+    )
+
+
+def _writes_in_place(
+    kind: tuple[str, MuonConfig],
+    stage: Callable[[MatrixLayout], Stage],
+    matrices: MatrixLayout,
+    inputs: Sequence[Tensor],
+    global_shape: tuple[int, ...],
+    box: Box,
+    skipped_blocks: tuple[int, ...],
+) -> bool:
+    """writes_in_place, asking position_free only where the box alone does not allow it."""
+    return writes_in_place(matrices, inputs, global_shape, box, skipped_blocks) or (
+        not skipped_blocks
+        and writes_in_place(
+            matrices,
+            inputs,
+            global_shape,
+            box,
+            skipped_blocks,
+            _shared_free(kind, stage, matrices, inputs, box),
+        )
+    )
 
 
 def update_on_box(
@@ -220,17 +418,12 @@ def update_on_box(
     keep param's bits. With `out`, the result is written there and returned: in place by apply_update's own ops
     where that is bitwise (writes_in_place), else computed without it (padding, tails, per-block calls, skipped
     blocks) and copied."""
-    if out is not None and writes_in_place(
-        matrices, [param, update], global_shape, box, skipped_blocks
+    key = ("apply_update", cfg)
+    if out is not None and _writes_in_place(
+        key, _update_stage(cfg), matrices, [param, update], global_shape, box, skipped_blocks
     ):
         return apply_update(param, update.reshape(box.shape), matrices, cfg, out=out)
-    (new,) = on_box(
-        lambda m: lambda p, u: (apply_update(p, u, m, cfg),),
-        [param, update],
-        matrices,
-        global_shape,
-        box,
-    )
+    (new,) = on_box(_update_stage(cfg), [param, update], matrices, global_shape, box, key)
     keep_blocks(new, param, matrices, box, skipped_blocks)
     return new if out is None else out.copy_(new)
 
@@ -244,3 +437,69 @@ def keep_blocks(
         if (part := box.intersect(matrices.blocks[b])) is not None:
             mine = part.within(box).index
             new[mine] = old[mine]
+
+
+def measure(cases: int, seed: int = 0) -> int:
+    """For every preset and param dtype (float32, float64, bfloat16): position_free's verdict for the step's three
+    stages, and over `cases` random matrices cut by rows into two shards, the elements whose bits differ between the
+    whole call and the unpadded call on a shard. Prints a row each; returns how many (preset, dtype, stage) the
+    probe took as position-free yet differed somewhere (0 is the contract)."""
+    import random
+
+    from muon_ref.functional import matrix_layout
+    from muon_ref.optim import group_config
+    from muon_ref.presets import PRESETS, preset_defaults
+
+    violations = 0
+    print(
+        f"{'preset':<12} {'dtype':<9} {'free (momentum, buffer, update)':<32} {'elements':>9} differing"
+    )
+    for preset in sorted(PRESETS):
+        cfg = group_config(preset_defaults(preset, {}))
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            rng = random.Random(seed)
+            update_dtype = cfg.ns_dtype or dtype
+            stages = {
+                "momentum_direction": lambda m: lambda g, b: momentum_direction(g, b, cfg),
+                "momentum_buffer": _buffer_stage(cfg),
+                "apply_update": _update_stage(cfg),
+            }
+            dtypes = {
+                "momentum_direction": (dtype, dtype),
+                "momentum_buffer": (dtype, dtype),
+                "apply_update": (dtype, update_dtype),
+            }
+            free = {
+                kind: position_free(
+                    kind,
+                    cfg,
+                    stage(matrix_layout((8, 8))),
+                    [torch.zeros(1, dtype=d) for d in dtypes[kind]],
+                )
+                for kind, stage in stages.items()
+            }
+            differing, elements = dict.fromkeys(stages, 0), 0
+            for case in range(cases):
+                shape = (rng.randint(2, 300), rng.randint(1, 300))
+                cut = rng.randint(1, shape[0] - 1)
+                gen = torch.Generator().manual_seed(seed * 100003 + case)
+                for kind, stage in stages.items():
+                    fn = stage(matrix_layout(shape))
+                    xs = [torch.randn(shape, generator=gen).to(d) for d in dtypes[kind]]
+                    whole = fn(*xs)
+                    for rows in (slice(0, cut), slice(cut, shape[0])):
+                        for w, p in zip(whole, fn(*(x[rows].contiguous() for x in xs))):
+                            differing[kind] += int(
+                                (
+                                    w[rows].contiguous().view(_INT_OF_SIZE[w.element_size()])
+                                    != p.view(_INT_OF_SIZE[p.element_size()])
+                                ).sum()
+                            )
+                elements += shape[0] * shape[1]
+            violations += sum(1 for kind in stages if free[kind] and differing[kind])
+            verdicts = ", ".join(str(free[kind]) for kind in stages)
+            counts = ", ".join(str(differing[kind]) for kind in stages)
+            print(
+                f"{preset:<12} {str(dtype).split('.')[1]:<9} {verdicts:<32} {elements:>9} {counts}"
+            )
+    return violations

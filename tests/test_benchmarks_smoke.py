@@ -268,3 +268,16 @@ def test_python_m_benchmarks_collectives_times_both_all_gather_routes(capsys) ->
     assert [r[1] for r in rows] == ["8", "64"] and all(
         len(r) == 2 + len(collectives.ROUTES) for r in rows
     )
+
+
+def test_python_m_benchmarks_elementwise_prints_its_table_and_exits_0(capsys) -> None:
+    """benchmarks/elementwise.py: the header names the CPU's capability and the torch, a row per preset and dtype,
+    the count of violations (0), exit status 0."""
+    from benchmarks import elementwise
+    from muon_ref.presets import PRESETS
+
+    assert elementwise.main(["--cases", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert torch.backends.cpu.get_cpu_capability() in out[0] and torch.__version__ in out[0]
+    assert sum(1 for line in out if line.split()[0] in PRESETS) == 3 * len(PRESETS)
+    assert out[-1] == "stages taken as position-free that differed: 0"

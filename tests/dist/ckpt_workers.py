@@ -281,8 +281,8 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
         opt.backend = Backend("torch", lambda d, layout, cfg: (_raise_on(failing_rank, where),
                                                                real_backend.orthogonalize(d, layout, cfg))[1], True)
     else:  # the first run_stage call of the step is param 0's momentum
-        elementwise.run_stage = lambda stage, inputs, shape, box: (_raise_on(failing_rank, where),
-                                                                   real_stage(stage, inputs, shape, box))[1]
+        elementwise.run_stage = lambda stage, inputs, shape, box, free=False: (
+            _raise_on(failing_rank, where), real_stage(stage, inputs, shape, box, free))[1]
     _set_grads(case, params, 1, (), 0)
     error, start = "no error", time.monotonic()
     try:

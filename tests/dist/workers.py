@@ -113,7 +113,7 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
         import muon_dist.elementwise as elementwise
 
         real_stage = elementwise.run_stage
-        elementwise.run_stage = lambda stage, inputs, global_shape, box: stage(*inputs)
+        elementwise.run_stage = lambda stage, inputs, global_shape, box, free=False: stage(*inputs)
         opt._restore = lambda: setattr(elementwise, "run_stage", real_stage)
 
 
