@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -77,24 +78,30 @@ def stage_key(cfg: MuonConfig) -> tuple:
     return tuple(getattr(cfg, name) for name in _KEY_FIELDS)
 
 
-# stage_key -> a small int standing for it; id(cfg) -> (cfg, its token): a step's configs are new objects that
-# the stages ask about many times, and hashing a config's fields each time would cost more than the padding saved
-_TOKENS: dict[tuple, int] = {}
-_TOKEN_OF: dict[int, tuple[MuonConfig, int]] = {}
+# stage_key -> an object standing for it (hashed by identity); id(cfg) -> (cfg, its token): a step's configs are
+# new objects that the stages ask about many times, and hashing a config's fields each time would cost more than
+# the padding saved. The caches change under _LOCK (ranks may be threads of one process: muon_dist.comm.ThreadComm)
+_TOKENS: dict[tuple, object] = {}
+_TOKEN_OF: dict[int, tuple[MuonConfig, object]] = {}
+_LOCK = threading.Lock()
 
 
-def _token(cfg: MuonConfig) -> int:
+def _token(cfg: MuonConfig) -> object:
     hit = _TOKEN_OF.get(id(cfg))
     if hit is not None and hit[0] is cfg:
         return hit[1]
-    if len(_TOKENS) >= POSITION_FREE_KEYS:  # the verdicts are keyed by tokens: they go with them
-        _TOKENS.clear()
-        _TOKEN_OF.clear()
-        _POSITION_FREE.clear()
-    token = _TOKENS.setdefault(stage_key(cfg), len(_TOKENS))
-    if len(_TOKEN_OF) >= 256:
-        del _TOKEN_OF[next(iter(_TOKEN_OF))]
-    _TOKEN_OF[id(cfg)] = (cfg, token)
+    key = stage_key(cfg)
+    with _LOCK:
+        if (
+            len(_TOKENS) >= POSITION_FREE_KEYS
+        ):  # the verdicts are keyed by tokens: they go with them
+            _TOKENS.clear()
+            _TOKEN_OF.clear()
+            _POSITION_FREE.clear()
+        token = _TOKENS.setdefault(key, object())
+        if len(_TOKEN_OF) >= 256:
+            del _TOKEN_OF[next(iter(_TOKEN_OF))]
+        _TOKEN_OF[id(cfg)] = (cfg, token)
     return token
 
 
@@ -174,9 +181,10 @@ def position_free(kind: str, cfg: MuonConfig, stage: Stage, inputs: Sequence[Ten
     verdict = _POSITION_FREE.get(key)
     if verdict is None:
         verdict = probe_position_free(stage, dtypes, device)
-        if len(_POSITION_FREE) >= POSITION_FREE_KEYS:
-            del _POSITION_FREE[next(iter(_POSITION_FREE))]
-        _POSITION_FREE[key] = verdict
+        with _LOCK:
+            if len(_POSITION_FREE) >= POSITION_FREE_KEYS:
+                del _POSITION_FREE[next(iter(_POSITION_FREE))]
+            _POSITION_FREE[key] = verdict
     return verdict
 
 

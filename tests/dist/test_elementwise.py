@@ -338,8 +338,47 @@ def test_the_measurement_finds_every_position_free_stage_bitwise_and_catches_a_w
     planted = elementwise.measure(3)
     out = capsys.readouterr().out
     differing = [
-        row for row in out.splitlines() if " bfloat16 " in row and row.split()[-3:] != ["0,", "0,", "0"]
+        row
+        for row in out.splitlines()
+        if " bfloat16 " in row and row.split()[-3:] != ["0,", "0,", "0"]
     ]
     if not differing:
         pytest.skip("bf16 stages gave position-independent bits on the CPU build running the test")
     assert planted >= len(differing) > 0
+
+
+def test_ranks_as_threads_get_each_configs_own_verdict(monkeypatch) -> None:
+    """Ranks may be threads of one process (ThreadComm): configs asked about at once from several threads each get
+    a token of their own (equal configs but their lr one token), so no config is answered with another's verdict;
+    the verdicts are each config's (the probe planted to answer by the momentum the stage was built with)."""
+    import threading
+
+    from muon_dist import elementwise
+
+    monkeypatch.setattr(elementwise, "_POSITION_FREE", {})
+    monkeypatch.setattr(elementwise, "probe_position_free", lambda stage, *a: stage.free)
+    base = group_config(preset_defaults("torch", {}))
+    configs = [base.replace(momentum=0.5 + 0.05 * k) for k in range(8)]
+    tokens: dict[int, set] = {k: set() for k in range(8)}
+    verdicts: dict[int, set] = {k: set() for k in range(8)}
+    start = threading.Barrier(8)
+
+    def rank(k: int) -> None:
+        stage = lambda g, b: (g,)  # noqa: E731
+        stage.free = k % 2 == 0
+        start.wait()
+        for step in range(50):
+            cfg = configs[k].replace(
+                lr=0.01 * (step + 1)
+            )  # a schedule: a new config object every step
+            tokens[k].add(elementwise._token(cfg))
+            verdicts[k].add(elementwise.position_free("m", cfg, stage, [torch.zeros(2)]))
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(len(tokens[k]) == 1 for k in range(8))
+    assert len(set.union(*tokens.values())) == 8
+    assert all(verdicts[k] == {k % 2 == 0} for k in range(8))
