@@ -17,17 +17,18 @@ Other elements' values never change an element's bits (the stage is elementwise)
 with its own tail, so muon_ref's bf16 bits depend on torch.get_num_threads(); run_stage reproduces the
 one-thread reference.
 
-Position-free stages. Where a stage's bits do not depend on an element's place in the call at all, the shard is
-the reference's call as far as each element is concerned, and the stage runs on it as it is (run_stage's `free`):
-no padded copy, no tail call. position_free decides it at runtime, once per stage, config (its learning rate
-aside: a scalar operand of the same ops), input dtypes, device and thread count: only on the CPU, only for a stage
-whose every pointwise op computes in float32 or float64, outputs and intermediates alike (a bf16 op can differ
-between body and tail on a few rare inputs, which no probe can rule out), and only where a probe finds every probed element's bits equal in the whole call, in calls
-shifted against the vector blocks and in calls too short for a vector body (probe_position_free). In float32 a
-body and a tail that differ run different formulas (a fused multiply-add against a multiply and an add, a constant
-rounded to another precision), which shows on a large share of Gaussian inputs; the probe also holds NaNs,
-infinities, signed zeros and subnormals. Contract: bitwise when chosen (the probe's verdict); elsewhere the padded
-calls above. docs/distributed.md, "Elementwise stages on shards", has the measurements.
+Position-free stages. Where a stage's bits do not depend on an element's place in the call at all, the shard is the
+reference's call as far as each element is concerned, and the stage runs on it as it is (run_stage's `free`): no
+padded copy, no tail call. position_free decides it at runtime, once per stage, config (its learning rate aside: a
+scalar operand of the same ops), input dtypes, device and thread count: only for plain CPU tensors, only for a
+stage whose every pointwise op computes in float32 or float64, outputs and intermediates alike (a bf16 op can
+differ between body and tail on a few rare inputs, which no probe can rule out), and only where a probe finds every
+probed element's bits equal in the whole call, in calls shifted against the vector blocks and in calls too short
+for a vector body (probe_position_free). In float32 a body and a tail that differ run different formulas (a fused
+multiply-add against a multiply and an add, a constant rounded to another precision), which shows on a large share
+of Gaussian inputs; the probe also holds NaNs, infinities, signed zeros and subnormals. Contract: bitwise when
+chosen (the probe's verdict); elsewhere the padded calls above. docs/distributed.md, "Elementwise stages on
+shards", has the measurements.
 
 on_box runs a stage on a box of a param whose layout may hold separate blocks (each block a param of its own,
 as muon_ref steps it); momentum_on_box and update_on_box are the step's two stages, and buffer_on_box the new
@@ -68,6 +69,7 @@ PROBE_SPECIALS = (math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-40, -3
 POSITION_FREE_KEYS = 1024
 _POSITION_FREE: dict[tuple, bool] = {}
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_PLAIN = (Tensor, torch.nn.Parameter)
 # what keys a config's verdict: every field but the learning rate, a scalar operand of the same ops (a schedule
 # changes it every step; the ops, and which of their code paths run, stay the same)
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(MuonConfig) if f.name != "lr")
@@ -170,11 +172,12 @@ def probe_position_free(stage: Stage, dtypes: Sequence[torch.dtype], device: tor
 
 
 def position_free(kind: str, cfg: MuonConfig, stage: Stage, inputs: Sequence[Tensor]) -> bool:
-    """Whether `stage` (the stage `kind` under cfg) may run on a shard as it is: CPU inputs, and
-    probe_position_free's verdict for their dtypes, cached per kind, stage_key(cfg), dtypes, device and thread
-    count (module docstring, "Position-free stages")."""
+    """Whether `stage` (the stage `kind` under cfg) may run on a shard as it is: CPU inputs that are plain tensors
+    (not a subclass: a fake or traced tensor has no bits to probe), and probe_position_free's verdict for their
+    dtypes, cached per kind, stage_key(cfg), dtypes, device and thread count (module docstring, "Position-free
+    stages")."""
     device = inputs[0].device
-    if device.type != "cpu":
+    if device.type != "cpu" or any(type(x) not in _PLAIN for x in inputs):
         return False
     dtypes = tuple(x.dtype for x in inputs)
     key = (kind, _token(cfg), dtypes, device, torch.get_num_threads())

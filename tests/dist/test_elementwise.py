@@ -267,7 +267,8 @@ def test_position_free_keeps_its_verdict_across_learning_rates_and_probes_again_
     monkeypatch,
 ) -> None:
     """The verdict is cached per stage, config but its lr, dtypes, device and threads: a new lr (a schedule's next
-    step) asks no new probe, a new momentum, dtype or thread count does; a tensor off the CPU is never taken."""
+    step) asks no new probe, a new momentum, dtype or thread count does; a tensor off the CPU, or of a tensor
+    subclass (as fake and traced tensors are), is never taken; a Parameter is a plain tensor."""
     from muon_dist import elementwise
 
     probes = []
@@ -293,6 +294,12 @@ def test_position_free_keeps_its_verdict_across_learning_rates_and_probes_again_
         torch.set_num_threads(threads)
     assert len(probes) == 4
     assert not elementwise.position_free("m", cfg, stage, [t.to("meta") for t in x])
+
+    class Traced(torch.Tensor):  # a tensor subclass, as fake and traced tensors are
+        pass
+
+    assert not elementwise.position_free("m", cfg, stage, [t.as_subclass(Traced) for t in x])
+    assert elementwise.position_free("m", cfg, stage, [torch.nn.Parameter(t) for t in x])
     assert len(probes) == 4
 
 
