@@ -107,15 +107,13 @@ def _token(cfg: MuonConfig) -> object:
     return token
 
 
+def _bits(t: Tensor) -> Tensor:
+    """t's bit patterns as integers of its width (torch.equal calls -0.0 and +0.0 equal, and NaN unequal)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
 def _same_bits(a: Tensor, b: Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(
-            a.contiguous().view(_INT_OF_SIZE[a.element_size()]),
-            b.contiguous().view(_INT_OF_SIZE[b.element_size()]),
-        )
-    )
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 @functools.lru_cache(maxsize=64)
@@ -322,7 +320,7 @@ def momentum_on_box(
 ) -> tuple[Tensor, Tensor]:
     """(new buffer, direction) on the box: muon_ref.functional.momentum_direction's bits (on_box)."""
     new_buf, direction = on_box(
-        lambda m: lambda g, b: momentum_direction(g, b, cfg),
+        _momentum_stage(cfg),
         [grad, buf],
         matrices,
         global_shape,
@@ -332,11 +330,18 @@ def momentum_on_box(
     return new_buf, direction
 
 
+def _momentum_stage(cfg: MuonConfig) -> Callable[[MatrixLayout], Stage]:
+    """The stage (grad, buf) -> muon_ref.functional.momentum_direction's (new buffer, direction) under cfg."""
+    return lambda m: lambda g, b: momentum_direction(g, b, cfg)
+
+
 def _buffer_stage(cfg: MuonConfig) -> Callable[[MatrixLayout], Stage]:
+    """The stage (grad, buf) -> (muon_ref.functional.momentum_buffer's new buffer,) under cfg."""
     return lambda m: lambda g, b: (momentum_buffer(g, b, cfg),)
 
 
 def _update_stage(cfg: MuonConfig) -> Callable[[MatrixLayout], Stage]:
+    """The stage (param, update) -> (muon_ref.functional.apply_update's new param,) under cfg, for layout m."""
     return lambda m: lambda p, u: (apply_update(p, u, m, cfg),)
 
 
@@ -401,17 +406,10 @@ def _writes_in_place(
     box: Box,
     skipped_blocks: tuple[int, ...],
 ) -> bool:
-    """writes_in_place, asking position_free only where the box alone does not allow it."""
+    """writes_in_place, asking position_free only where the box alone does not allow it (with `free`,
+    writes_in_place asks only for a shared layout and no skipped block, which _shared_free and the test here give)."""
     return writes_in_place(matrices, inputs, global_shape, box, skipped_blocks) or (
-        not skipped_blocks
-        and writes_in_place(
-            matrices,
-            inputs,
-            global_shape,
-            box,
-            skipped_blocks,
-            _shared_free(kind, stage, matrices, inputs, box),
-        )
+        not skipped_blocks and _shared_free(kind, stage, matrices, inputs, box)
     )
 
 
@@ -471,7 +469,7 @@ def measure(cases: int, seed: int = 0) -> int:
             rng = random.Random(seed)
             update_dtype = cfg.ns_dtype or dtype
             stages = {
-                "momentum_direction": lambda m: lambda g, b: momentum_direction(g, b, cfg),
+                "momentum_direction": _momentum_stage(cfg),
                 "momentum_buffer": _buffer_stage(cfg),
                 "apply_update": _update_stage(cfg),
             }
@@ -500,12 +498,7 @@ def measure(cases: int, seed: int = 0) -> int:
                     whole = fn(*xs)
                     for rows in (slice(0, cut), slice(cut, shape[0])):
                         for w, p in zip(whole, fn(*(x[rows].contiguous() for x in xs))):
-                            differing[kind] += int(
-                                (
-                                    w[rows].contiguous().view(_INT_OF_SIZE[w.element_size()])
-                                    != p.view(_INT_OF_SIZE[p.element_size()])
-                                ).sum()
-                            )
+                            differing[kind] += int((_bits(w[rows]) != _bits(p)).sum())
                 elements += shape[0] * shape[1]
             violations += sum(1 for kind in stages if free[kind] and differing[kind])
             verdicts = ", ".join(str(free[kind]) for kind in stages)
