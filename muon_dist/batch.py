@@ -77,6 +77,27 @@ class Batch:
     def numel(self, k: int) -> int:
         return math.prod(self.geometries[k].global_shape)
 
+    def send_offsets(self, member: int) -> tuple[list[int], int]:
+        """Where each param's box of `member` starts in that member's forward send buffer, in the exchange's order
+        (muon_dist/paths/exchange.py, pack: the boxes of the params that owner 0 orthogonalises, in param order,
+        then owner 1's, and so on), and the buffer's length in elements."""
+        offsets, at = [0] * len(self.params), 0
+        for owner in range(self.group_size):
+            for k, o in enumerate(self.owners):
+                if o == owner:
+                    offsets[k], at = at, at + self.geometries[k].sizes[member]
+        return offsets, at
+
+
+class Packed(list):
+    """A batch's directions, already in the exchange's forward send buffer: self[k] is param k's box of its
+    direction, a view into `buffer`, whose layout is Batch.send_offsets'. A path that takes them so
+    (Path.packed_directions) sends the buffer as it is, with no copy of its own; the views keep it alive."""
+
+    def __init__(self, views: Sequence[Tensor], buffer: Tensor) -> None:
+        super().__init__(views)
+        self.buffer = buffer
+
 
 @dataclass
 class FailureFlag:

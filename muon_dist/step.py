@@ -9,7 +9,8 @@ prepare: the plan (muon_dist/plan.py, once per step) and the agreement on it (mu
 execute: for each batch of the plan, in a pipeline (muon_dist/runtime.py), the stages
   momentum  each param's new buffer and direction on this rank's box (muon_dist/elementwise.py), the direction
             cast to the batch's direction dtype where the plan sends a narrower one (the kernel's own first op,
-            muon_ref.newton_schulz.input_cast: the same bits);
+            muon_ref.newton_schulz.input_cast: the same bits), for a path that takes them packed written straight
+            into the forward send buffer (Path.packed_directions);
   exchange  the batch through its path (muon_dist/paths): some member runs the backend's kernel on whole blocks,
             every member gets back its box of each update;
   write     after each write group's failure check (agreement step 3), each param's new local shard and new
@@ -33,7 +34,7 @@ from torch import Tensor
 from muon_ref import MatrixLayout, MuonConfig
 
 from . import agreement, elementwise
-from .batch import Batch, FailureFlag, Kernel, KernelCall, Kernels
+from .batch import Batch, FailureFlag, Kernel, KernelCall, Kernels, Packed
 from .comm import Comm, Group
 from .geometry import Box, Geometry, blocks_in
 from .kernels import Backend, orthogonalize_many, stacks
@@ -143,11 +144,18 @@ class StepRun:
         return list(zip(batch.params, batch.geometries, updates))
 
     def momentum(self, batch: Batch) -> list[Tensor]:
-        """Each param's direction in the batch's direction dtype, on this rank's box. The new buffer is not kept:
-        the write stage computes it again (elementwise.buffer_on_box, the same bits), so that no new buffer is
-        held through the exchange."""
-        directions = []
-        for i, geometry in zip(batch.params, batch.geometries):
+        """Each param's direction in the batch's direction dtype, on this rank's box: for a path that takes them
+        packed (Path.packed_directions, a shard group of more than one), written straight into the forward send
+        buffer at Batch.send_offsets (a Packed: copy_ casts as .to does, the same bits, with no cast copy and
+        no concatenation). The new buffer is not kept: the write stage computes it again
+        (elementwise.buffer_on_box, the same bits), so that no new buffer is held through the exchange."""
+        directions: list[Tensor] = []
+        send, offsets = None, []
+        if PATHS[batch.path].packed_directions and batch.group_size > 1:
+            offsets, length = batch.send_offsets(batch.geometries[0].member(self.comm.rank))
+            device = self.inputs[batch.params[0]].param.device
+            send = torch.empty(length, dtype=batch.direction_torch_dtype, device=device)
+        for k, (i, geometry) in enumerate(zip(batch.params, batch.geometries)):
             layout, x, cfg = self.plan.entries[i].layout, self.inputs[i], self.configs[i]
             box = geometry.boxes[geometry.member(self.comm.rank)]
             stage = agreement.guarded(
@@ -159,10 +167,13 @@ class StepRun:
                 lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
             _, direction = stage(x.grad, x.buf)
-            if str(direction.dtype) != batch.direction_dtype:  # the kernel's input cast, done here
-                direction = direction.to(batch.direction_torch_dtype)
-            directions.append(direction)
-        return directions
+            if send is not None:
+                view = send[offsets[k] : offsets[k] + box.numel].view(box.shape)
+                directions.append(view.copy_(direction))  # with the kernel's input cast
+            else:  # the kernel's input cast where the batch's direction dtype is narrower (else itself)
+                directions.append(direction.to(batch.direction_torch_dtype))
+            del direction  # not held past its copy into the send buffer
+        return directions if send is None else Packed(directions, send)
 
     def exchange(self, batch: Batch, directions: list[Tensor]) -> Steps:
         """The batch through its path, each param's kernel guarded: this rank's box of every update."""

@@ -47,4 +47,5 @@ PATH = Path(
     global_dispatch=True,  # dispatch="global" merges its batches into global_all_to_all
     remainder=False,  # takes full batches only
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
+    packed_directions=True,  # the step writes the directions into the forward send buffer (exchange_steps)
 )

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, run_kernels
+from ..batch import Batch, FailureFlag, Kernel, Packed, run_kernels
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry, whole
 from ..runtime import Steps
@@ -61,7 +61,8 @@ def exchange_steps(
     collectives logged under `name`. A group of one owns every param whole: the kernels run on the directions as
     they are, with no exchange (and no yield). `flag`: the update's all-to-all also carries every member's
     failure flag (FailureFlag; a group of more than one), read right before it is issued. It holds the
-    directions only until they are packed."""
+    directions only until they are packed; directions given as a Packed (muon_dist/batch.py) are sent as their
+    buffer, which holds exactly what pack would build from them."""
     W, me = group.size, group.ranks.index(comm.rank)
     if W == 1:
         return _orthogonalise_whole(directions, kernels, geometries, update_dtype)
@@ -72,7 +73,11 @@ def exchange_steps(
     to_owner = [sum(sizes[k][me] for k in owned[j]) for j in range(W)]
     from_member = [sum(sizes[k][j] for k in owned[me]) for j in range(W)]
     empty = directions[0].new_empty(0)
-    send = pack([[directions[k] for k in owned[j]] for j in range(W)], empty)
+    if isinstance(directions, Packed):  # already in pack's order (Batch.send_offsets)
+        send = directions.buffer
+        assert send.numel() == sum(to_owner), (send.numel(), to_owner)
+    else:
+        send = pack([[directions[k] for k in owned[j]] for j in range(W)], empty)
     num_params = len(directions)
     del directions  # packed: this frame holds them no longer
     pending = comm.all_to_all(send, from_member, to_owner, group, name, async_op=True)

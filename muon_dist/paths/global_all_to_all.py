@@ -48,4 +48,5 @@ PATH = Path(
     collectives=2,  # directions out, updates back
     global_dispatch=False,  # it is the merged batch
     carries_flag=True,  # steps(..., flag=) carries the write group's failure flag in its last collective
+    packed_directions=True,  # the step writes the directions into the forward send buffer (exchange_steps)
 )

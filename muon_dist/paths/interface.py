@@ -2,8 +2,8 @@
 end of the path's module as PATH and registered in muon_dist.paths.PATHS.
 
 A reader (or a type checker) follows PATHS[name] to the record and each field to the module's function. The
-planner reads name, owners, check, global_dispatch, remainder and moves_directions; the step reads run / steps
-and carries_flag; the accounting reads expected_bytes (traffic) and work (kernel calls). Each module's docstring states its reference
+planner reads name, owners, check, global_dispatch, remainder and moves_directions; the step reads run / steps,
+carries_flag and packed_directions; the accounting reads expected_bytes (traffic) and work (kernel calls). Each module's docstring states its reference
 equation, its contract and its traffic formula (proofs/paths.md).
 """
 
@@ -87,7 +87,10 @@ class Path:
     global_dispatch: dispatch="global" merges its batches into global_all_to_all; remainder: it takes a batch of
     any size up to W (Options.remainder / force_path); carries_flag: steps(..., flag=) carries the write
     group's failure flag in its last collective (muon_dist/agreement.py); moves_directions: its collectives move
-    directions (a batch's directions then travel in the entries' narrower send dtype, muon_dist/plan.py)."""
+    directions (a batch's directions then travel in the entries' narrower send dtype, muon_dist/plan.py);
+    packed_directions: in a shard group of more than one, steps(...) takes the directions as a Packed
+    (muon_dist/batch.py), written by the step's momentum stage straight into the forward send buffer, and sends
+    that buffer as it is."""
 
     name: str
     run: Run
@@ -101,10 +104,14 @@ class Path:
     remainder: bool = False
     carries_flag: bool = False
     moves_directions: bool = True
+    packed_directions: bool = False
 
     def __post_init__(self) -> None:
         assert not self.carries_flag or self.steps is not None, (
             f"{self.name}: a flag travels in steps"
+        )
+        assert not self.packed_directions or self.steps is not None, (
+            f"{self.name}: packed directions go to steps"
         )
 
     @property

@@ -520,3 +520,58 @@ def test_directions_sent_in_the_kernels_input_cast_give_the_same_bits_and_half_t
     own, others = 2 * 3, 3 * 2 * 3  # its box of each param: 2 rows of 3 (torch.chunk of 5 rows over 4 ranks)
     sent = results[0][1]
     assert sent == others * (2 if direction_dtype else 4) + (5 * 3 - own) * 2, sent
+
+
+@settings(max_examples=examples(1.0))
+@given(W=st.integers(2, 5), rows=st.lists(st.integers(1, 9), min_size=1, max_size=6), data=st.data())
+def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(W: int, rows: list[int], data) -> None:
+    """Batch.send_offsets(member), where the momentum stage writes each param's box of its direction (a Packed),
+    is the layout exchange.pack builds from the boxes: owner 0's params in param order, then owner 1's, and so on;
+    any owners, uneven and empty boxes (torch.chunk of `rows` over W members). Control: the boxes written in param
+    order alone differ from it where the owners are not in param order."""
+    from muon_dist.batch import Batch
+    from muon_dist.paths import exchange
+
+    from .batches import layout_1d
+
+    geometries = tuple(layout_1d((r, 3), "S0", W, "torch.float32").geometry for r in rows)
+    owners = tuple(data.draw(st.lists(st.integers(0, W - 1), min_size=len(rows), max_size=len(rows))))
+    batch = Batch("global_all_to_all", tuple(range(len(rows))), geometries, owners, "torch.float32", "torch.float32")
+    for member in range(W):
+        boxes = [torch.full((g.sizes[member],), float(k)) + torch.arange(g.sizes[member]) / 100
+                 for k, g in enumerate(geometries)]
+        offsets, length = batch.send_offsets(member)
+        written = torch.full((length,), float("nan"))
+        for k, b in enumerate(boxes):
+            written[offsets[k]:offsets[k] + b.numel()] = b
+        packed = exchange.pack([[boxes[k] for k, o in enumerate(owners) if o == j] for j in range(W)],
+                               torch.empty(0))
+        assert same_bits(written, packed), (member, owners, offsets)
+        in_param_order = torch.cat(boxes)
+        if owners != tuple(sorted(owners)) and all(b.numel() for b in boxes):
+            assert not same_bits(in_param_order, packed)  # the control
+
+
+@pytest.mark.timeout(timeout_for(30))
+@pytest.mark.parametrize("dispatch", ["global", "batched"])
+def test_the_momentum_stage_packs_the_forward_send_and_the_exchange_sends_it_as_it_is(
+        monkeypatch: pytest.MonkeyPatch, dispatch: str) -> None:
+    """On the paths that take their directions packed (Path.packed_directions), the momentum stage writes every
+    direction into the forward send buffer (its cast to bf16 included: the torch preset's directions travel in the
+    kernel's input dtype), so exchange.pack runs once per exchange, for the updates' way back; the boxes stay
+    muon_ref's bit for bit. Control: a path that is not marked packed still packs both ways (two calls per batch)."""
+    from muon_dist.paths import PATHS, exchange
+
+    case = Case(2, (0, 1), (Group((), ((5, 3),) * 3 + ((6, 4),), (("S0",),) * 4),), "float32", "torch",
+                Options(dispatch=dispatch), False)
+    real_pack, calls = exchange.pack, []
+    monkeypatch.setattr(exchange, "pack", lambda pieces, empty: calls.append(1) or real_pack(pieces, empty))
+    results = on_threads(case, steps=1)
+    assert_boxes_of_reference(case, results, steps=1)
+    packed_calls = len(calls)
+    assert packed_calls > 0 and packed_calls % 2 == 0, packed_calls  # one per exchange on each of the 2 ranks
+    calls.clear()
+    for name in ("all_to_all", "global_all_to_all"):
+        monkeypatch.setitem(PATHS, name, dataclasses.replace(PATHS[name], packed_directions=False))
+    assert_boxes_of_reference(case, on_threads(case, steps=1), steps=1)
+    assert len(calls) == 2 * packed_calls, (len(calls), packed_calls)

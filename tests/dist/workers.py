@@ -81,16 +81,21 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
             return muon_ref.newton_schulz(direction.reshape(-1, direction.shape[-1]),
                                           **cfg.ns_kwargs()).reshape(direction.shape)
         opt.backend = Backend("torch", bundled, bitwise=False)
-    elif how == "global_send_order":  # global_all_to_all's forward send packs boxes in reverse param order
-        from muon_dist.paths import exchange
+    elif how == "global_send_order":  # global_all_to_all's forward send buffer holds each owner's boxes in reverse
+        from muon_dist.batch import Batch  # param order (the momentum stage writes them there: Batch.send_offsets)
 
-        real_pack, calls = exchange.pack, [0]
+        real_offsets = Batch.send_offsets
 
-        def reversed_forward(pieces, empty):  # odd calls are forward sends (reversing both ways only relabels)
-            calls[0] += 1
-            return real_pack([row[::-1] for row in pieces] if calls[0] % 2 else pieces, empty)
-        exchange.pack = reversed_forward
-        opt._restore = lambda: setattr(exchange, "pack", real_pack)
+        def reversed_forward(batch, member):  # the update's way back keeps its order (both reversed only relabels)
+            offsets, length = real_offsets(batch, member)
+            for owner in range(batch.group_size):
+                owned = [k for k, o in enumerate(batch.owners) if o == owner]
+                at = min((offsets[k] for k in owned), default=0)
+                for k in reversed(owned):
+                    offsets[k], at = at, at + batch.geometries[k].sizes[member]
+            return offsets, length
+        Batch.send_offsets = reversed_forward
+        opt._restore = lambda: setattr(Batch, "send_offsets", real_offsets)
     elif how == "extra_collective":  # global_all_to_all calls one all-to-all more than its record states (0 bytes)
         from muon_dist.paths import PATHS
 
