@@ -7,12 +7,19 @@ record_function range, and only the runs after the first are measured: every blo
 momentum buffers and params of the previous step) was allocated under the profiler, and its free is seen.
 A run's peak extra memory = max over the run of (running sum of the reported bytes) - (the sum at its start).
 Not seen: memory outside c10's allocator (gloo's own transport buffers, Python objects). validate() checks the
-method on a known allocation pattern.
+method on known allocation patterns.
+
+Garbage: Python's cyclic collector runs whenever its allocation counts cross a threshold, so it may run inside a
+measured run and free there blocks that reference cycles kept from before it (a DTensor gradient replaced before
+the step is such a block); the run then reads lower by their size, by chance. So each measured run starts after a
+collection and runs with the collector off (settle_garbage): it reads what the call holds by reference counting,
+the same in every run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from typing import Callable, Iterator
@@ -38,15 +45,21 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 def peak_extra_bytes(
-    call: Callable[[], object], prepare: Callable[[int], object], repeats: int
+    call: Callable[[], object],
+    prepare: Callable[[int], object],
+    repeats: int,
+    settle_garbage: bool = True,
 ) -> list[int]:
     """The peak extra bytes of runs 1..repeats of `call` (run 0 is unmeasured); prepare(k) runs before run k,
-    outside the measured range (setting a step's gradients)."""
+    outside the measured range (setting a step's gradients). settle_garbage (module docstring): a collection
+    after prepare, and the cyclic collector off during the run (as it was, after); False only to show what a
+    collection inside a run does to the reading."""
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for k in range(repeats + 1):
             prepare(k)
-            with record_function(f"{MARK}{k}"):
-                call()
+            with _settled() if settle_garbage else contextlib.nullcontext():
+                with record_function(f"{MARK}{k}"):
+                    call()
     events = prof.profiler.kineto_results.events()
     ranges = {
         int(e.name()[len(MARK) :]): (e.start_ns(), e.end_ns())
@@ -57,6 +70,19 @@ def peak_extra_bytes(
         (e.start_ns(), i, e.nbytes()) for i, e in enumerate(events) if e.name() == "[memory]"
     )
     return [_peak_in(memory, *ranges[k]) for k in range(1, repeats + 1)]
+
+
+@contextlib.contextmanager
+def _settled() -> Iterator[None]:
+    """Garbage collected now, and the cyclic collector off until the block ends (then as it was)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _peak_in(memory: list[tuple[int, int, int]], start: int, end: int) -> int:
@@ -80,14 +106,36 @@ def _known_pattern() -> None:
     _held.append(torch.empty(1000))
 
 
-def validate() -> int:
-    """The method on the known pattern; raises if it reads anything but 6,000 B."""
-    _held.append(
-        torch.empty(1000)
-    )  # allocated before the profiler: run 0 frees it unseen, unmeasured
-    peaks = peak_extra_bytes(_known_pattern, lambda k: None, repeats=2)
-    if peaks != [6_000, 6_000]:
+def _garbage(k: int) -> None:
+    """A prepare step that leaves a 12,000 B block in a reference cycle: garbage that only the cyclic collector
+    frees."""
+    cycle: list[object] = [torch.empty(3000)]
+    cycle.append(cycle)
+
+
+def _pattern_after_a_collection() -> None:
+    """_known_pattern, after the collection that an allocation threshold would start there if the collector
+    is on (gc.collect() only where gc.isenabled(): deterministic, where the threshold is not). With the garbage
+    of _garbage freed inside the run, a run reads 12,000 B less: 0 B."""
+    if gc.isenabled():
+        gc.collect()
+    _known_pattern()
+
+
+def validate(settle_garbage: bool = True) -> int:
+    """The method on the known pattern, alone and after garbage that a collection inside the run would free;
+    raises if it reads anything but 6,000 B."""
+    peaks = []
+    for call, prepare in ((_known_pattern, None), (_pattern_after_a_collection, _garbage)):
+        _held.append(
+            torch.empty(1000)
+        )  # allocated before the profiler: run 0 frees it unseen, unmeasured
+        peaks += peak_extra_bytes(
+            call, prepare or (lambda k: None), repeats=2, settle_garbage=settle_garbage
+        )
+        _held.clear()
+    if peaks != [6_000] * 4:
         raise RuntimeError(
-            f"peak_extra_bytes read {peaks} B on a pattern whose peak is 6,000 B: not reliable here"
+            f"peak_extra_bytes read {peaks} B on patterns whose peak is 6,000 B: not reliable here"
         )
     return peaks[0]

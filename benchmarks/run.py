@@ -34,7 +34,8 @@
 2. Load balance of the planner on dense_7b and moe_30b_a3b for W = 8..1024 (benchmarks.balance_table).
 3. Peak extra memory per rank during a step of each method: the median of 3 more steps (after one more,
    unmeasured, under the same profiler), the max over ranks (benchmarks.memory: measured with torch.profiler's
-   memory events, after validating the method on a known allocation pattern).
+   memory events, each step after a garbage collection and with the cyclic collector off, after validating the
+   method on known allocation patterns).
 """
 
 from __future__ import annotations
@@ -236,21 +237,23 @@ def rank_bench(b: Bench) -> dict:
         "shards": {m: [p.detach().to_local().clone() for p in params[m]] for m in methods},
         "paths": sorted({p for _, p in opts["distributed"].last_report.paths if p}),
     }
-    out["peak_bytes"] = {m: peak_bytes(b, params[m], opts[m]) for m in methods}
+    out["peak_readings"] = {m: peak_readings(b, params[m], opts[m]) for m in methods}
+    out["peak_bytes"] = {m: int(statistics.median(out["peak_readings"][m])) for m in methods}
     return out
 
 
-def peak_bytes(b: Bench, params: list[torch.Tensor], opt: Method) -> int:
-    """The median over MEMORY_STEPS more steps of a step's peak extra memory on this rank (benchmarks.memory): a
-    step now and then reads a few hundred KiB more than its neighbours (seen on one rank, padded_all_to_all,
-    scaled_moe, W = 4: 2,114 KiB in 3 of 6 steps, 2,210-2,497 KiB in the others)."""
+def peak_readings(b: Bench, params: list[torch.Tensor], opt: Method) -> list[int]:
+    """A step's peak extra memory on this rank in each of MEMORY_STEPS more steps (benchmarks.memory); the
+    benchmark takes their median. The profiler sees one thread's allocations: a method whose tensors are freed or
+    allocated on another thread (a collective's worker) reads otherwise from step to step, which
+    unsettled_peaks reports."""
     import torch.distributed as dist
 
     def prepare(k: int) -> None:
         set_grads(params, gradients(b, b.total_steps + k))
         dist.barrier()
 
-    return int(statistics.median(memory.peak_extra_bytes(opt.step, prepare, MEMORY_STEPS)))
+    return memory.peak_extra_bytes(opt.step, prepare, MEMORY_STEPS)
 
 
 # ----------------------------------------------------------------------------------------------- parent
@@ -352,6 +355,8 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
                 if b.compared(method)
                 else None,
                 "peak_bytes": max(r["peak_bytes"][method] for r in results),
+                "peak_min_bytes": min(min(r["peak_readings"][method]) for r in results),
+                "peak_max_bytes": max(max(r["peak_readings"][method]) for r in results),
             }
         )
     return rows
@@ -388,7 +393,28 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
             f"{r['control_per_rank']:>9.0f} {r['collectives']:>5.0f} {r['peak_bytes'] / 1024:>9.1f} "
             f"{r['peak_bytes'] / padded:>8.2f} {verdict(r['equal_muon_ref']):>10}"
         )
+    moved = unsettled_peaks(rows)
+    if moved:
+        print(
+            f"peak readings more than {PEAK_SETTLED:.0%} apart over steps and ranks (a ratio with these is not "
+            "settled): " + "; ".join(moved)
+        )
     print_ratios(rows)
+
+
+# peak readings of one method further apart than this (relative to the least) are reported as unsettled (a
+# settled DistributedMuon step's readings differ by under 0.1 KiB on the benchmark's sets)
+PEAK_SETTLED = 0.01
+
+
+def unsettled_peaks(rows: list[dict]) -> list[str]:
+    """'method min-max KiB' for each row whose peak readings (every rank, every measured step) lie more than
+    PEAK_SETTLED apart."""
+    return [
+        f"{r['method']} {r['peak_min_bytes'] / 1024:,.0f}-{r['peak_max_bytes'] / 1024:,.0f} KiB"
+        for r in rows
+        if r["peak_max_bytes"] > (1 + PEAK_SETTLED) * r["peak_min_bytes"]
+    ]
 
 
 def print_ratios(rows: list[dict]) -> None:
@@ -468,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(header("muon_dist benchmarks"))
     print(
-        f"memory method validated on a known allocation pattern: peak {memory.validate()} B of 6,000 B"
+        f"memory method validated on known allocation patterns (one after garbage): peak {memory.validate()} B "
+        "of 6,000 B"
     )
     step_rows, failures = [], []
     for W in args.world_sizes:

@@ -5,7 +5,9 @@ method must read a known allocation pattern."""
 
 from __future__ import annotations
 
+import gc
 import math
+import statistics
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from benchmarks import balance_table, memory, peers
 from benchmarks.run import (
     METHODS,
+    PEAK_SETTLED,
     Bench,
     equals_reference,
     main,
@@ -20,6 +23,7 @@ from benchmarks.run import (
     rank_bench,
     reference,
     summarise,
+    unsettled_peaks,
 )
 from muon_check.launch import RankPool
 from muon_dist.geometry import chunk_bounds
@@ -84,6 +88,41 @@ def test_baseline_bytes_are_the_bytes_their_collectives_send(results):
 def test_memory_method_reads_a_known_allocation_pattern(results):
     assert memory.validate() == 6_000
     assert all(r["peak_bytes"][m] > 0 for r in results for m in METHODS)
+
+
+@pytest.mark.timeout(30)
+def test_memory_method_reads_the_same_when_a_collection_would_free_garbage_inside_a_run():
+    """benchmarks.memory settles garbage: a run starts after a collection and runs with the cyclic collector off,
+    so a block that a reference cycle kept from before the run is never freed inside it (the reading is what the
+    call holds, not when the collector ran). Negative control: with settle_garbage=False the known pattern after
+    12,000 B of garbage and a collection reads 0 B, not 6,000 B."""
+    assert memory.validate() == 6_000
+    with pytest.raises(RuntimeError, match=r"read \[6000, 6000, 0, 0\] B"):
+        memory.validate(settle_garbage=False)
+    assert gc.isenabled()  # as it was before
+
+
+@pytest.mark.timeout(30)
+def test_a_rows_peak_is_the_largest_rank_median_and_moved_readings_are_reported(results):
+    """summarise: a method's peak is the largest over ranks of each rank's median reading, between the least and
+    the most reading of any rank and step; unsettled_peaks names exactly the rows whose readings lie more than
+    PEAK_SETTLED apart. Negative control: one reading of one rank raised by a tenth makes its row reported."""
+    rows = summarise(BENCH, results, reference(BENCH))
+    for row in rows:
+        per_rank = [r["peak_readings"][row["method"]] for r in results]
+        assert row["peak_bytes"] == max(int(statistics.median(p)) for p in per_rank)
+        assert row["peak_min_bytes"] <= row["peak_bytes"] <= row["peak_max_bytes"]
+    moved = {
+        r["method"] for r in rows if r["peak_max_bytes"] > (1 + PEAK_SETTLED) * r["peak_min_bytes"]
+    }
+    assert [m.split()[0] for m in unsettled_peaks(rows)] == [
+        r["method"] for r in rows if r["method"] in moved
+    ]
+    bumped = [dict(r, peak_readings=dict(r["peak_readings"])) for r in results]
+    readings = list(bumped[1]["peak_readings"]["distributed"])
+    bumped[1]["peak_readings"]["distributed"] = [max(readings) * 11 // 10 + 1, *readings[1:]]
+    reported = unsettled_peaks(summarise(BENCH, bumped, reference(BENCH)))
+    assert {m.split()[0] for m in reported} == moved | {"distributed"}
 
 
 @pytest.mark.timeout(30)
