@@ -19,9 +19,12 @@ the same in every run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
+import statistics
 import sys
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -139,3 +142,124 @@ def validate(settle_garbage: bool = True) -> int:
             f"peak_extra_bytes read {peaks} B on patterns whose peak is 6,000 B: not reliable here"
         )
     return peaks[0]
+
+
+# ------------------------------------------------------------------------------- resident memory, every thread
+#
+# The profiler above reports the allocations and frees of the thread that runs it only: a tensor freed (or
+# allocated) on a collective's worker thread goes unseen, and a method whose tensors are reads otherwise from step to
+# step (torch.optim.Muon on DTensors over gloo). resident_peak_extra_bytes reads the process's resident memory
+# instead (Linux: /proc/self/status VmHWM, the high-water mark that writing "5" to /proc/self/clear_refs resets to
+# the current VmRSS), which counts every thread's pages. It needs a process started with glibc's mmap threshold
+# fixed (RESIDENT_ENV): every block of 64 KiB or more is then mapped when allocated and unmapped when freed, so
+# resident memory follows the live large blocks rather than the allocator's free lists; malloc_trim(0) before each
+# run gives back the pages of smaller freed chunks. The kernel counts resident pages in per-thread batches of up to
+# 64 pages, so a reading is good to a few hundred KiB (RESIDENT_TOLERANCE_BYTES, validate_resident).
+
+RESIDENT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+RESIDENT_TOLERANCE_BYTES = 512 << 10
+
+
+def resident_unavailable() -> str | None:
+    """None where resident_peak_extra_bytes can run in this process, else why not."""
+    if not sys.platform.startswith("linux"):
+        return f"resident peaks need Linux's /proc (platform {sys.platform})"
+    missing = {k: v for k, v in RESIDENT_ENV.items() if os.environ.get(k) != v}
+    if missing:
+        return f"resident peaks need a process started with {missing} in its environment"
+    if getattr(ctypes.CDLL(None), "malloc_trim", None) is None:
+        return "resident peaks need glibc's malloc_trim"
+    try:
+        _reset_high_water()
+        _resident()
+    except OSError as error:
+        return f"resident peaks need /proc/self/clear_refs and /proc/self/status: {error}"
+    return None
+
+
+def _reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _resident() -> tuple[int, int]:
+    """(VmHWM, VmRSS) in bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmHWM"], fields["VmRSS"]
+
+
+def resident_peak_extra_bytes(
+    call: Callable[[], object], prepare: Callable[[int], object], repeats: int, warmup: int = 1
+) -> list[int]:
+    """The peak extra resident bytes, every thread's, of runs warmup..warmup + repeats - 1 of `call` (the first
+    `warmup` unmeasured): the high-water mark during the run over the resident memory at its start, garbage
+    settled as in peak_extra_bytes. prepare(k) runs before run k, outside the reading."""
+    why_not = resident_unavailable()
+    if why_not:
+        raise RuntimeError(why_not)
+    trim = ctypes.CDLL(None).malloc_trim
+    peaks = []
+    for k in range(warmup + repeats):
+        prepare(k)
+        with _settled():
+            trim(0)
+            _reset_high_water()
+            start = _resident()[1]
+            call()
+            high = _resident()[0]
+        if k >= warmup:
+            peaks.append(max(0, high - start))
+    return peaks
+
+
+THREADED_PEAK = 6 << 20
+
+
+def _threaded_pattern() -> None:
+    """Each run holds 4 MiB while another thread allocates, fills and frees 2 MiB, then 1 MiB more: a peak of
+    THREADED_PEAK, 2 MiB of it on the other thread."""
+    held = torch.ones(1 << 20)
+    worker = threading.Thread(target=lambda: torch.ones(1 << 19).sum())
+    worker.start()
+    worker.join()
+    more = torch.ones(1 << 18)
+    del held, more
+
+
+def threaded_readings(
+    reader: Callable[[Callable[[], object], Callable[[int], object], int], list[int]],
+) -> list[int]:
+    """A peak reader's readings of three runs of _threaded_pattern; raises unless each lies within
+    RESIDENT_TOLERANCE_BYTES of THREADED_PEAK (the profiler's peak_extra_bytes reads 5 MiB: it does not see the
+    other thread)."""
+    peaks = reader(_threaded_pattern, lambda k: None, 3)
+    if any(abs(p - THREADED_PEAK) > RESIDENT_TOLERANCE_BYTES for p in peaks):
+        raise RuntimeError(
+            f"read {peaks} B on a pattern whose peak is {THREADED_PEAK} B, 2 MiB of it on a second thread"
+        )
+    return peaks
+
+
+def validate_resident() -> int:
+    """resident_peak_extra_bytes on the threaded pattern (threaded_readings): the median reading."""
+    return int(statistics.median(threaded_readings(resident_peak_extra_bytes)))
+
+
+@contextlib.contextmanager
+def resident_environment() -> Iterator[None]:
+    """RESIDENT_ENV in os.environ for the block (processes spawned in it start with it), then as it was."""
+    saved = {k: os.environ.get(k) for k in RESIDENT_ENV}
+    os.environ.update(RESIDENT_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

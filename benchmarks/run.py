@@ -35,7 +35,12 @@
 3. Peak extra memory per rank during a step of each method: the median of 3 more steps (after one more,
    unmeasured, under the same profiler), the max over ranks (benchmarks.memory: measured with torch.profiler's
    memory events, each step after a garbage collection and with the cyclic collector off, after validating the
-   method on known allocation patterns).
+   method on known allocation patterns). The profiler sees the thread that runs it only: a method whose tensors
+   are freed or allocated on a collective's worker thread reads otherwise from step to step (named under the
+   table when its readings lie more than 1% apart). So beside it, the peak extra resident memory of a step, every
+   thread's (Linux with glibc: benchmarks.memory.resident_peak_extra_bytes, on fresh ranks spawned with glibc's
+   mmap threshold fixed, each method on fresh params, 2 unmeasured steps and the median of 3, max over ranks):
+   the "resident peak" ratios.
 """
 
 from __future__ import annotations
@@ -242,6 +247,49 @@ def rank_bench(b: Bench) -> dict:
     return out
 
 
+RESIDENT_WARMUP = 2
+
+
+def rank_resident(b: Bench) -> dict:
+    """On a rank spawned with memory.RESIDENT_ENV: the resident method validated on its threaded pattern, then
+    each method on fresh params, RESIDENT_WARMUP unmeasured steps and MEMORY_STEPS read
+    (memory.resident_peak_extra_bytes: every thread's pages, which the profiler's reading is not)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    validated = memory.validate_resident()
+    names = [s.name for s in muon_specs(b.table)]
+    readings = {}
+    for method in b.methods:
+        params = [shard(t) for t in initial(b)]
+        opt = make(method, params, names, b)
+
+        def prepare(k: int, params: list[torch.Tensor] = params) -> None:
+            set_grads(params, gradients(b, k))
+            dist.barrier()
+
+        readings[method] = memory.resident_peak_extra_bytes(
+            opt.step, prepare, MEMORY_STEPS, RESIDENT_WARMUP
+        )
+        del opt, params
+    return {"validated": validated, "readings": readings}
+
+
+def resident_results(b: Bench, timeout: float) -> list[dict] | str:
+    """rank_resident on W fresh ranks spawned with memory.RESIDENT_ENV, or why the platform has no such reading."""
+    from muon_check.launch import RankPool
+
+    with memory.resident_environment():
+        why_not = memory.resident_unavailable()
+        if why_not:
+            return why_not
+        pool = RankPool(b.world_size, start_method="spawn")
+        try:
+            return pool.run(rank_resident, b, timeout=timeout)
+        finally:
+            pool.close()
+
+
 def peak_readings(b: Bench, params: list[torch.Tensor], opt: Method) -> list[int]:
     """A step's peak extra memory on this rank in each of MEMORY_STEPS more steps (benchmarks.memory); the
     benchmark takes their median. The profiler sees one thread's allocations: a method whose tensors are freed or
@@ -283,7 +331,11 @@ def equals_reference(results: list[dict], method: str, want: list[torch.Tensor])
 
 
 NAN = float("nan")
-PEER_COLUMNS = (("step_ms", "step"), ("peak_bytes", "peak memory"))
+PEER_COLUMNS = (
+    ("step_ms", "step"),
+    ("peak_bytes", "peak memory"),
+    ("resident_peak_bytes", "resident peak"),
+)
 
 # bf16 updates (the "torch" preset's ns_dtype); a direction element's bytes: muon_dist.kernels.direction_bytes (bf16 for a
 # preset whose kernel casts the fp32 direction to bf16 first, as "torch" does)
@@ -333,8 +385,14 @@ def traffic(results: list[dict], method: str) -> dict[str, float]:
     }
 
 
-def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[dict]:
-    """One row per method; equal_muon_ref is None for a method not compared (Bench.compared)."""
+def summarise(
+    b: Bench,
+    results: list[dict],
+    want: list[torch.Tensor],
+    resident: list[dict] | str | None = None,
+) -> list[dict]:
+    """One row per method; equal_muon_ref is None for a method not compared (Bench.compared). resident:
+    resident_results' per-rank readings (the resident_peak_bytes column: the largest rank median; NaN without)."""
     rows = []
     for method in b.methods:
         timed = range(b.warmup, b.total_steps)
@@ -355,6 +413,11 @@ def summarise(b: Bench, results: list[dict], want: list[torch.Tensor]) -> list[d
                 if b.compared(method)
                 else None,
                 "peak_bytes": max(r["peak_bytes"][method] for r in results),
+                "resident_peak_bytes": max(
+                    statistics.median(r["readings"][method]) for r in resident
+                )
+                if isinstance(resident, list)
+                else NAN,
                 "peak_min_bytes": min(min(r["peak_readings"][method]) for r in results),
                 "peak_max_bytes": max(max(r["peak_readings"][method]) for r in results),
             }
@@ -366,7 +429,23 @@ def verdict(equal: bool | None) -> str:
     return "not comp." if equal is None else "bitwise" if equal else "DIFFERS"
 
 
-def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
+def print_resident(rows: list[dict], resident: list[dict] | str) -> None:
+    """The resident peaks of a table's methods, or why there are none."""
+    if isinstance(resident, str):
+        print(f"resident peaks: {resident}")
+        return
+    validated = max(r["validated"] for r in resident)
+    print(
+        f"resident peak KiB, every thread's (fresh ranks spawned with glibc's mmap threshold at 64 KiB; median of "
+        f"{MEMORY_STEPS} steps after {RESIDENT_WARMUP}, max over ranks; the method read "
+        f"{validated / 1024:,.0f} KiB on a 6,144 KiB pattern, 2,048 on a second thread): "
+        + ", ".join(f"{r['method']} {r['resident_peak_bytes'] / 1024:,.0f}" for r in rows)
+    )
+
+
+def print_steps(
+    b: Bench, rows: list[dict], paths: list[str], resident: list[dict] | str | None = None
+) -> None:
     base = rows[0]
     padded = next(r for r in rows if r["method"] == "padded_all_to_all")["peak_bytes"]
     print(
@@ -393,6 +472,8 @@ def print_steps(b: Bench, rows: list[dict], paths: list[str]) -> None:
             f"{r['control_per_rank']:>9.0f} {r['collectives']:>5.0f} {r['peak_bytes'] / 1024:>9.1f} "
             f"{r['peak_bytes'] / padded:>8.2f} {verdict(r['equal_muon_ref']):>10}"
         )
+    if resident is not None:
+        print_resident(rows, resident)
     moved = unsettled_peaks(rows)
     if moved:
         print(
@@ -512,8 +593,9 @@ def main(argv: list[str] | None = None) -> int:
                     ns_backend=args.ns_backend,
                 )
                 results = pool.run(rank_bench, b, timeout=args.timeout)
-                rows = summarise(b, results, reference(b))
-                print_steps(b, rows, results[0]["paths"])
+                resident = resident_results(b, args.timeout)
+                rows = summarise(b, results, reference(b), resident)
+                print_steps(b, rows, results[0]["paths"], resident)
                 differing = [
                     f"{table} W={W} {r['method']}" for r in rows if r["equal_muon_ref"] is False
                 ]

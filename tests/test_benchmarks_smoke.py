@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from benchmarks.run import (
     muon_specs,
     rank_bench,
     reference,
+    resident_results,
     summarise,
     unsettled_peaks,
 )
@@ -125,6 +129,75 @@ def test_a_rows_peak_is_the_largest_rank_median_and_moved_readings_are_reported(
     assert {m.split()[0] for m in reported} == moved | {"distributed"}
 
 
+RESIDENT_CHECK = """
+from benchmarks import memory
+print(memory.resident_unavailable())
+print(memory.validate_resident())
+try:
+    memory.threaded_readings(memory.peak_extra_bytes)
+except RuntimeError as error:
+    print("control:", error)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_resident_peaks_see_a_second_threads_block_which_the_profiler_does_not():
+    """memory.resident_peak_extra_bytes, in a process started with RESIDENT_ENV on Linux with glibc: the threaded
+    pattern (4 MiB held while a second thread fills and frees 2 MiB, then 1 MiB) reads 6 MiB within
+    RESIDENT_TOLERANCE_BYTES. Negative control: the profiler's peak_extra_bytes reads exactly 5 MiB there and fails
+    the same check. Without RESIDENT_ENV (this test process) the method says why it cannot run; elsewhere than
+    Linux the child says why instead of reading."""
+    assert "MALLOC_MMAP_THRESHOLD_" in (memory.resident_unavailable() or "")
+    child = subprocess.run(
+        [sys.executable, "-c", RESIDENT_CHECK],
+        env={**os.environ, **memory.RESIDENT_ENV},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    why_not, validated, control = child.stdout.strip().splitlines()[-3:]
+    if sys.platform.startswith("linux"):
+        assert why_not == "None"
+        assert abs(int(validated) - memory.THREADED_PEAK) <= memory.RESIDENT_TOLERANCE_BYTES
+        assert control == (
+            f"control: read {[5 << 20] * 3} B on a pattern whose peak is {memory.THREADED_PEAK} B, 2 MiB of "
+            "it on a second thread"
+        )
+    else:
+        assert "Linux" in why_not
+
+
+@pytest.mark.timeout(120)
+def test_resident_results_give_every_method_a_reading_and_the_row_its_largest_rank_median(results):
+    """resident_results on fresh spawned ranks: each rank's threaded-pattern check and MEMORY_STEPS readings per
+    method; summarise takes the largest rank median (NaN when given the reason there is none). Control: a
+    reading of one rank raised above the others' moves the row's figure to that rank's median."""
+    resident = resident_results(BENCH, timeout=110)
+    if isinstance(resident, str):  # not Linux with glibc: the reason is the result
+        assert not sys.platform.startswith("linux"), resident
+        return
+    assert len(resident) == BENCH.world_size
+    for r in resident:
+        assert abs(r["validated"] - memory.THREADED_PEAK) <= memory.RESIDENT_TOLERANCE_BYTES
+        assert all(len(r["readings"][m]) == 3 for m in BENCH.methods)
+    rows = {row["method"]: row for row in summarise(BENCH, results, reference(BENCH), resident)}
+    for method, row in rows.items():
+        assert row["resident_peak_bytes"] == max(
+            statistics.median(r["readings"][method]) for r in resident
+        )
+    raised = [dict(r, readings=dict(r["readings"])) for r in resident]
+    raised[0]["readings"]["distributed"] = [1 << 30] * 3
+    row = next(
+        x
+        for x in summarise(BENCH, results, reference(BENCH), raised)
+        if x["method"] == "distributed"
+    )
+    assert row["resident_peak_bytes"] == 1 << 30
+    nan = summarise(BENCH, results, reference(BENCH), "no resident peaks here")
+    assert all(math.isnan(x["resident_peak_bytes"]) for x in nan)
+
+
 @pytest.mark.timeout(30)
 def test_no_assignment_beats_the_bound_in_the_load_balance_table():
     for row in balance_table.rows([8, 64]):
@@ -152,7 +225,7 @@ def test_torch_optim_muon_on_one_rank_equals_muon_ref_and_the_peers_are_timed_be
     assert all(row["cpu_ms"] > 0 for row in rows.values())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_the_quick_command_runs_and_finds_no_difference(capsys):
     """`python -m benchmarks --quick`: exit 0, every compared method equal to muon_ref, the load-balance table."""
     assert main(["--quick", "--steps", "1"]) == 0
