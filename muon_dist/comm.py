@@ -190,12 +190,18 @@ class TorchComm(Comm):
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group
     ) -> Callable[[], Tensor]:
         out = x.new_empty(sum(out_splits))
-        work = self.dist.all_to_all_single(
-            out, x.contiguous(), out_splits, in_splits, group=group.handle, async_op=True
-        )
+        # the work holds the send buffer until it goes: dropped once waited for, so that a Pending kept by its
+        # caller holds only the result
+        works = [
+            self.dist.all_to_all_single(
+                out, x.contiguous(), out_splits, in_splits, group=group.handle, async_op=True
+            )
+        ]
+        del x
 
         def finish() -> Tensor:
-            work.wait()
+            if works:
+                works.pop().wait()
             return out
 
         return finish

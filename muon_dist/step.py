@@ -193,7 +193,9 @@ class StepRun:
             return path.run(self.comm, group, batch, directions, kernels)
         flag = self.flags.get(id(batch))
         extra = {} if flag is None else {"flag": flag}
-        return (yield from path.steps(self.comm, group, batch, directions, kernels, **extra))
+        steps = path.steps(self.comm, group, batch, directions, kernels, **extra)
+        del directions  # held by the path's Steps alone, which let them go once sent
+        return (yield from steps)
 
     def stacked(
         self, batch: Batch, each: list[Kernel]

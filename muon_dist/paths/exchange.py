@@ -85,6 +85,7 @@ def exchange_steps(
     yield
     # recv[j][i]: member j's box of owned[me][i]
     recv = unpack(pending.wait(), [[sizes[k][j] for k in owned[me]] for j in range(W)])
+    del pending  # the received buffer lives as long as its pieces in recv, no longer
     rows = _orthogonalise_owned(recv, owned[me], geometries, kernels, update_dtype)
     del recv
     lengths = [[sizes[k][me] for k in owned[j]] for j in range(W)]

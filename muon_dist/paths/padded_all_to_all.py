@@ -54,12 +54,14 @@ def steps(
     real = len(directions)
     extra = batch.group_size - real
     zeros = [torch.zeros_like(directions[0]) for _ in range(extra)]
+    sent = [directions + zeros]
+    del directions, zeros  # held by exchange_steps alone, which lets them go once packed
     updates = yield from exchange_steps(
         comm,
         group,
         geometries,
         all_owners,
-        directions + zeros,
+        sent.pop(),
         list(kernels) + [kernels[0]] * extra,
         batch.update_torch_dtype,
         "padded_all_to_all",

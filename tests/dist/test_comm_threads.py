@@ -244,3 +244,50 @@ def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledge
         for route in ("chosen", "ring"):
             assert r[route]["bits"] and r[route]["ledger"] == {"g": [moved, moved]}, (rank, route, r)
         assert r["planted"]["bits"] is (numel == 0), (rank, r)  # the control: caught wherever there is data
+
+
+def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
+    """TorchComm's asynchronous all_to_all: the backend's work holds the send buffer while the collective runs (as
+    torch's Work does); once wait() returned, a Pending its caller keeps holds the result only, and the send buffer
+    goes with its last other reference. Negative control: a finish that keeps the work (as TorchComm's did before)
+    keeps the send buffer alive after wait()."""
+    import weakref
+
+    from muon_dist.comm import Comm, TorchComm
+
+    class Work:
+        def __init__(self, out: torch.Tensor, x: torch.Tensor) -> None:
+            self.out, self.x = out, x
+
+        def wait(self) -> None:
+            self.out.copy_(self.x)
+
+    class Dist:
+        @staticmethod
+        def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
+            return Work(out, x)
+
+    comm = TorchComm.__new__(TorchComm)
+    Comm.__init__(comm)
+    comm.dist, comm.rank, comm.world_size = Dist(), 0, 2
+    group = Group((0, 1), None)
+    send = torch.arange(4.0)
+    sent = weakref.ref(send)
+    pending = comm.all_to_all(send, [2, 2], [2, 2], group, "p", async_op=True)
+    del send
+    assert sent() is not None  # in flight: the work holds it
+    assert pending.wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert sent() is None and pending.wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    def keeping(x, out_splits, in_splits, group):
+        out = x.new_empty(sum(out_splits))
+        work = Dist.all_to_all_single(out, x, out_splits, in_splits)
+        return lambda: (work.wait(), out)[1]
+
+    comm._all_to_all_start = keeping
+    send = torch.arange(4.0)
+    sent = weakref.ref(send)
+    pending = comm.all_to_all(send, [2, 2], [2, 2], group, "p", async_op=True)
+    del send
+    pending.wait()
+    assert sent() is not None

@@ -575,3 +575,52 @@ def test_the_momentum_stage_packs_the_forward_send_and_the_exchange_sends_it_as_
         monkeypatch.setitem(PATHS, name, dataclasses.replace(PATHS[name], packed_directions=False))
     assert_boxes_of_reference(case, on_threads(case, steps=1), steps=1)
     assert len(calls) == 2 * packed_calls, (len(calls), packed_calls)
+
+
+@pytest.mark.timeout(timeout_for(30))
+@pytest.mark.parametrize("dispatch", ["global", "batched"])
+def test_the_forward_send_buffer_is_let_go_once_sent(monkeypatch: pytest.MonkeyPatch, dispatch: str) -> None:
+    """A batch's forward send buffer (the Packed the momentum stage writes) is held by nothing once its all-to-all
+    is done: when a batch's kernels run, at most one send buffer of that rank is alive, the next batch's, whose
+    all-to-all the pipeline has issued (ThreadComm's peer may still hold its pieces); so the batches in flight do
+    not hold their directions through the kernels, and the boxes stay muon_ref's. Negative control: an exchange
+    stage whose frame keeps its directions (as the step's did before) leaves two or more alive at some kernel."""
+    import threading
+    import weakref
+
+    from muon_dist.batch import Packed
+    from muon_dist.step import StepRun
+
+    case = Case(2, (0, 1), (Group((), ((6, 4),) * 6, (("S0",),) * 6),), "float32", "torch",
+                Options(dispatch=dispatch, rounds=3), False)
+    sends: dict[int, list] = {}
+    real_momentum = StepRun.momentum
+
+    def momentum(self, batch):
+        directions = real_momentum(self, batch)
+        if isinstance(directions, Packed):
+            sends.setdefault(threading.get_ident(), []).append(weakref.ref(directions.buffer))
+        return directions
+
+    monkeypatch.setattr(StepRun, "momentum", momentum)
+    real, alive = backend("torch"), []
+
+    def orthogonalize(x, layout, cfg):
+        alive.append(sum(w() is not None for w in sends.get(threading.get_ident(), [])))
+        return real.orthogonalize(x, layout, cfg)
+
+    watching = dataclasses.replace(real, orthogonalize=orthogonalize)
+    assert_boxes_of_reference(case, on_threads(case, steps=1, kernels=watching), steps=1)
+    assert sends and alive and max(alive) <= 1, (len(sends), alive)
+
+    real_exchange = StepRun.exchange
+
+    def holding(self, batch, directions):
+        kept = directions  # noqa: F841 - the planted hold
+        return (yield from real_exchange(self, batch, directions))
+
+    monkeypatch.setattr(StepRun, "exchange", holding)
+    sends.clear()
+    alive.clear()
+    assert_boxes_of_reference(case, on_threads(case, steps=1, kernels=watching), steps=1)
+    assert max(alive) >= 2, alive
