@@ -175,13 +175,19 @@ def test_a_rows_resident_peak_is_the_largest_rank_median(results):
     the quick command's test). Control: one rank's readings raised above the others' move the row's figure to
     that rank's median."""
     resident = [
-        {"validated": memory.THREADED_PEAK, "readings": {m: [4096 * (r + 1), 1024, 8192 * (r + 1)] for m in BENCH.methods}}
+        {
+            "validated": memory.THREADED_PEAK,
+            "readings": {m: [4096 * (r + 1), 1024, 8192 * (r + 1)] for m in BENCH.methods},
+        }
         for r in range(BENCH.world_size)
     ]
     rows = summarise(BENCH, results, reference(BENCH), resident)
     assert [row["resident_peak_bytes"] for row in rows] == [4096 * BENCH.world_size] * len(rows)
     resident[0]["readings"]["distributed"] = [1 << 30] * 3
-    raised = {x["method"]: x["resident_peak_bytes"] for x in summarise(BENCH, results, reference(BENCH), resident)}
+    raised = {
+        x["method"]: x["resident_peak_bytes"]
+        for x in summarise(BENCH, results, reference(BENCH), resident)
+    }
     assert raised["distributed"] == 1 << 30 and raised["batched"] == 4096 * BENCH.world_size
     nan = summarise(BENCH, results, reference(BENCH), "no resident peaks here")
     assert all(math.isnan(x["resident_peak_bytes"]) for x in nan)
@@ -227,9 +233,15 @@ def test_the_quick_command_runs_and_finds_no_difference(capsys):
         assert line.startswith("resident peaks: "), line
         return
     read = re.search(r"the method read ([0-9,]+) KiB", line)
-    assert read and abs(int(read[1].replace(",", "")) * 1024 - memory.THREADED_PEAK) <= memory.RESIDENT_TOLERANCE_BYTES
+    assert (
+        read
+        and abs(int(read[1].replace(",", "")) * 1024 - memory.THREADED_PEAK)
+        <= memory.RESIDENT_TOLERANCE_BYTES
+    )
     peaks = dict(re.findall(r"([a-z_]+) ([0-9,]+)(?:,|$)", line.split("thread): ")[1]))
-    assert sorted(peaks) == sorted(Bench("tiny_moe", 2, 1, 2, dion=peers.installed_dion()).methods), line
+    assert sorted(peaks) == sorted(
+        Bench("tiny_moe", 2, 1, 2, dion=peers.installed_dion()).methods
+    ), line
 
 
 def test_ns_backend_reaches_distributed_muons_methods_and_only_theirs() -> None:
