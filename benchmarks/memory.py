@@ -147,8 +147,8 @@ def validate(settle_garbage: bool = True) -> int:
 # ------------------------------------------------------------------------------- resident memory, every thread
 #
 # The profiler above reports the allocations and frees of the thread that runs it only: a tensor freed (or
-# allocated) on a collective's worker thread goes unseen, and a method whose tensors are reads otherwise from step to
-# step (torch.optim.Muon on DTensors over gloo). resident_peak_extra_bytes reads the process's resident memory
+# allocated) on a collective's worker thread goes unseen, and a method with such tensors reads otherwise from step
+# to step (torch.optim.Muon on DTensors over gloo). resident_peak_extra_bytes reads the process's resident memory
 # instead (Linux: /proc/self/status VmHWM, the high-water mark that writing "5" to /proc/self/clear_refs resets to
 # the current VmRSS), which counts every thread's pages. It needs a process started with glibc's mmap threshold
 # fixed (RESIDENT_ENV): every block of 64 KiB or more is then mapped when allocated and unmapped when freed, so
