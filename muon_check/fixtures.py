@@ -157,6 +157,60 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def gathers_through_c10d(t: Tensor) -> bool:
+    """Whether `whole` gathers t with c10d's all_gather_into_tensor rather than DTensor.full_tensor: for DTensors of
+    CUDA tensors on a gloo group. There torch's functional collectives, which full_tensor and redistribute go
+    through, killed both ranks with SIGSEGV on torch 2.11.0+cu130 (an H200, even and uneven Shard(0), docs/gpu.md),
+    while c10d's all_gather_into_tensor, all_gather and all_to_all_single ran on the same tensors."""
+    if not hasattr(t, "device_mesh") or t.device.type != "cuda":
+        return False
+    import torch.distributed as dist
+
+    return dist.get_backend(t.device_mesh.get_group()) == "gloo"
+
+
+def whole(t: Tensor, through: str | None = None) -> Tensor:
+    """The whole tensor of a DTensor (every rank gets it), or t itself. through: "full_tensor" (DTensor.full_tensor),
+    "c10d", or None: "c10d" where gathers_through_c10d(t), else "full_tensor". The "c10d" gather does what
+    DTensor's Shard(0) does, from the DTensor's own (logical) shape: each shard zero-padded to ceil(rows / W) rows
+    when W does not divide rows, one all_gather_into_tensor on the mesh's group, then its first `rows` rows. Contract: the same bits as full_tensor (a gather copies; tests/dist/test_whole.py). Where
+    ranks disagree on the shape (a DTensor made with a global shape inferred from one rank's shard), the gather's
+    sizes are those full_tensor's would be, by construction (not run in the tests: such a gather hangs on gloo).
+    Layouts: a 1-D mesh with Shard(0) or Replicate; others raise ValueError on every rank (before any collective)."""
+    if not hasattr(t, "device_mesh"):
+        return t
+    through = through or ("c10d" if gathers_through_c10d(t) else "full_tensor")
+    if through == "full_tensor":
+        return t.full_tensor()
+    if through != "c10d":
+        raise ValueError(f"whole(): through={through!r}; valid: 'full_tensor', 'c10d', None")
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    if placements == (Replicate(),):
+        return t.to_local()
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(
+            f"whole(): placements={placements} on a {mesh.ndim}-D mesh; the c10d gather takes "
+            "(Shard(0),) or (Replicate(),) on a 1-D mesh"
+        )
+    parts, rows, piece = mesh.size(), t.shape[0], t.to_local()
+    if rows % parts:
+        full_rows = -(-rows // parts)
+        pad = [0, 0] * (piece.ndim - 1) + [
+            0,
+            full_rows - piece.shape[0],
+        ]  # DTensor's pad_tensor: F.pad of dim 0
+        piece = torch.nn.functional.pad(piece, pad)
+    piece = piece.contiguous()
+    out = piece.new_empty((parts * piece.shape[0], *piece.shape[1:]))
+    dist.all_gather_into_tensor(out, piece, group=mesh.get_group())
+    if out.shape[0] < rows:
+        raise RuntimeError(f"whole(): gathered {out.shape[0]} rows of a DTensor of {rows}")
+    return out[:rows].contiguous()
+
+
 def count_kernel_flops(opt: Any) -> list[int]:
     """Replace a DistributedMuon's backend by one that adds the Newton-Schulz FLOPs of every block it orthogonalises
     (muon_dist.balance.ns_flops, 5 steps) to the returned one-element list, then runs the real one: the figure

@@ -14,8 +14,8 @@ are fused [E * m, n] with num_experts = E, the layout whose boxes can split an e
 (local, subgroup_all_gather, or the fallback) all occur. The parent runs muon_ref.Muon on the full tensors with
 the same gradients and param groups, and compares every rank's shard with its box of the reference, bit
 pattern for bit pattern. Shards come back to the parent as they are (their global offsets beside them): no
-rank ever gathers a full tensor (DTensor.full_tensor of uneven shards segfaulted on gloo over CUDA tensors,
-torch 2.11: docs/gpu.md).
+rank ever gathers a full tensor (DTensor.full_tensor, through torch's functional collectives, killed the ranks
+with SIGSEGV on gloo over CUDA tensors, torch 2.11: docs/gpu.md).
 
 --device cuda: the ranks' params, gradients and optimizer live on CUDA (W ranks share the node's GPUs, gloo
 carrying CUDA tensors; muon_check.launch) and the reference runs on CUDA too: the same code as on CPU, with

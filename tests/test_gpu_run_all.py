@@ -206,3 +206,53 @@ def test_a_failed_tests_report_reaches_the_failure_log_as_it_happens(tmp_path) -
             text,
         )
         assert "planted" in text and "test_passes" not in text
+
+
+def test_a_part_whose_commands_cannot_be_listed_is_a_failed_row_and_the_others_run(
+    run_all, tmp_path, monkeypatch
+) -> None:
+    """A part whose command list raises (an import error) gets one "not listed" row naming the error; the other
+    parts still run and the exit status is 1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fake(part, out, dion, jobs=1):
+        if part == "conformance":
+            raise ModuleNotFoundError("No module named 'muon_check'")
+        return [[sys.executable, "-c", f"print('{part} ran')"]]
+
+    monkeypatch.setattr(run_all, "commands", fake)
+    argv = ["--out", str(tmp_path), "--parts", "tests", "conformance", "bench"]
+    assert run_all.main(argv) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| conformance | `(the conformance part's commands)` | not listed |" in summary
+    assert "No module named 'muon_check'" in summary
+    assert "tests ran" in summary and "bench ran" in summary
+
+
+def test_the_script_lists_the_conformance_commands_without_the_repository_on_the_path(
+    tmp_path,
+) -> None:
+    """Run as a script (`python3 tests/gpu/run_all.py`, no PYTHONPATH), the conformance part still names every
+    shipped adapter: the script puts the repository root on sys.path. The child runs without site (so without this
+    environment's editable install) and first asserts that muon_check is not importable there, so the check can
+    fail."""
+    import os
+    import subprocess
+
+    site_packages = str(Path(torch.__file__).resolve().parents[1])
+    code = (
+        "import importlib.util, runpy, sys\n"
+        f"sys.path.append({site_packages!r})\n"
+        "assert importlib.util.find_spec('muon_check') is None, 'muon_check importable without the script'\n"
+        f"g = runpy.run_path({str(RUN_ALL)!r}, run_name='listed')\n"
+        "from pathlib import Path\n"
+        "print(len(g['commands']('conformance', Path('.'), None)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    from muon_check.adapters.shipped import SHIPPED
+
+    assert int(done.stdout.split()[-1]) == len(SHIPPED)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..fixtures import whole
 from . import Adapter
 from .cases import DIST_FAMILIES, SINGLE_FAMILIES
 
@@ -137,7 +138,8 @@ class ShardEngine(torch.optim.Optimizer):
 
 
 class GatherEngine(ShardEngine):
-    """D = DTensor.full_tensor() of the direction shards on every rank; each rank keeps its box of NS(D)."""
+    """D = DTensor.full_tensor() of the direction shards on every rank; each rank keeps its box of NS(D). On gloo
+    over CUDA tensors the same gather through c10d (muon_check.fixtures.whole: the same bits)."""
 
     def orthogonalized(self, work: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
         from torch.distributed.tensor import DTensor
@@ -148,9 +150,9 @@ class GatherEngine(ShardEngine):
             if W == 1:
                 out.append(newton_schulz(d))
                 continue
-            full = DTensor.from_local(
-                d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            ).full_tensor()
+            full = whole(
+                DTensor.from_local(d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            )
             a, b = _rows(p.shape[0], W)[rank]
             out.append(newton_schulz(full)[a:b])
         return out

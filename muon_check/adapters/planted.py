@@ -34,7 +34,7 @@ from muon_ref.functional import apply_update, decay
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
-from ..fixtures import chunk, local
+from ..fixtures import chunk, local, whole
 from . import Adapter
 from .cases import (
     CHECKPOINT_FAMILIES,
@@ -250,8 +250,9 @@ class GatherMuon(torch.optim.Optimizer):
         return orthogonalize(direction, layout, cfg)
 
     def gathered(self, t: Tensor) -> Tensor:
-        """The whole tensor of a DTensor (DTensor.full_tensor: an all-gather, exact for any boxes), or t."""
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
+        """The whole tensor of a DTensor (DTensor.full_tensor: an all-gather, exact for any boxes; through c10d on
+        gloo over CUDA tensors, muon_check.fixtures.whole), or t."""
+        return whole(t)
 
     def scale_layout(self, p: Tensor, layout: MatrixLayout) -> MatrixLayout:
         """The layout whose (fan_out, fan_in) gives the lr scale: the param's own."""
@@ -459,7 +460,7 @@ class GlobalShapeFromLocal(GatherMuon):
             return t
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local(t), t.device_mesh, t.placements).full_tensor()
+        return whole(DTensor.from_local(local(t), t.device_mesh, t.placements))
 
 
 # ---------------------------------------------------------------- replicated, DDP style

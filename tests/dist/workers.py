@@ -434,3 +434,36 @@ def all_gather_routes_on_gloo(numel: int, dtype: str, members: tuple[int, ...]) 
         got = comm.all_gather(mine.clone(), group, "g")
         out[route] = {"bits": same_bits(got, want), "ledger": dict(comm.ledger)}
     return out
+
+
+def whole_against_full_tensor(shapes: tuple, dtype: str) -> list[tuple[bool, bool]]:
+    """For each shape: a seeded whole tensor distributed Shard(0) on a 1-D mesh of every rank, gathered by
+    muon_check.fixtures.whole through "c10d" and through "full_tensor". Per shape: (c10d equal to full_tensor and to
+    the seeded tensor, bitwise; the control equal to full_tensor), the control being the c10d gather with its rows
+    taken from the end of the gathered buffer instead of the start."""
+    from muon_check.fixtures import whole
+
+    out = []
+    for i, shape in enumerate(shapes):
+        full = seeded(tuple(shape), 100 + i, dtype)
+        t = distribute(full, "S0", "fsdp")
+        by_c10d, by_dtensor = whole(t, "c10d"), whole(t, "full_tensor")
+        control = _gathered_rows_from_the_end(t)
+        out.append(
+            (
+                same_bits(by_c10d, by_dtensor) and same_bits(by_c10d, full),
+                same_bits(control, by_dtensor),
+            )
+        )
+    return out
+
+
+def _gathered_rows_from_the_end(t: DTensor) -> torch.Tensor:
+    """The control of whole_against_full_tensor: whole()'s c10d gather, its rows taken from the end."""
+    parts, rows, piece = t.device_mesh.size(), t.shape[0], t.to_local()
+    full_rows = -(-rows // parts)
+    pad = [0, 0] * (piece.ndim - 1) + [0, full_rows - piece.shape[0]]
+    piece = torch.nn.functional.pad(piece, pad).contiguous()
+    out = piece.new_empty((parts * full_rows, *piece.shape[1:]))
+    dist.all_gather_into_tensor(out, piece, group=t.device_mesh.get_group())
+    return out[out.shape[0] - rows :].contiguous()

@@ -22,6 +22,9 @@ In three phases: env; then tests, conformance and planted side by side (correctn
 the node's cores); then bench alone, so that nothing else runs on the GPU while it times (--serial: every part in
 turn). OUT/summary.md has one row per command (the part, the command, its exit status or "timed out", its wall
 seconds, its last line of output), rewritten after each command, so a run stopped midway keeps what it finished.
+A part whose commands cannot be listed (the conformance part imports muon_check to name the shipped adapters) gets
+one row, "not listed", with the error, and the other parts still run. The script puts the repository root on
+sys.path itself, so `python3 tests/gpu/run_all.py` needs no PYTHONPATH for that.
 Exit status: 0 when every command exited 0, 1 otherwise, 2 for a usage error or when torch sees no CUDA device
 (nothing runs then).
 """
@@ -41,6 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+if (
+    str(ROOT) not in sys.path
+):  # run as a script: sys.path[0] is tests/gpu; the conformance part imports muon_check
+    sys.path.insert(0, str(ROOT))
 PARTS = ("env", "tests", "conformance", "planted", "bench")
 # run in turn; the parts of a phase side by side (module docstring)
 PHASES = (("env",), ("tests", "conformance", "planted"), ("bench",))
@@ -242,17 +249,32 @@ def main(argv: list[str] | None = None) -> int:
             failures = args.out.resolve() / "tests_failures.log"
             failures.unlink(missing_ok=True)
             extra[FAILURES_ENV] = str(failures)
-        argvs = commands(part, args.out.resolve(), args.dion, jobs)
+
+        def record(row: dict) -> None:
+            with lock:
+                rows.append((part, row))
+                print(f"{part}: {row['status']} in {row['wall_s']} s: {row['last']}", flush=True)
+                write_summary(rows, args.out / "summary.md")
+
+        try:
+            argvs = commands(part, args.out.resolve(), args.dion, jobs)
+        except Exception as e:  # a failed row; the other parts still run
+            error = f"{type(e).__name__}: {e}"
+            record(
+                {
+                    "command": f"(the {part} part's commands)",
+                    "status": "not listed",
+                    "wall_s": 0.0,
+                    "last": error,
+                }
+            )
+            return
         logs = [log_path(args.out, part, argv) for argv in argvs]
         for log in set(logs):
             log.unlink(missing_ok=True)
 
         def one(i: int) -> None:
-            row = run(argvs[i], logs[i], args.timeout, extra)
-            with lock:
-                rows.append((part, row))
-                print(f"{part}: {row['status']} in {row['wall_s']} s: {row['last']}", flush=True)
-                write_summary(rows, args.out / "summary.md")
+            record(run(argvs[i], logs[i], args.timeout, extra))
 
         side_by_side = part in SIDE_BY_SIDE and not args.serial
         with ThreadPoolExecutor(max_workers=side_by_side_width() if side_by_side else 1) as pool:

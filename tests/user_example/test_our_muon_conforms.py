@@ -8,9 +8,11 @@ GPU (device "cuda").
 
 import pytest
 
+from muon_check.adapters.cases import SINGLE_FAMILIES
 from muon_check.api import check
 
 muon = pytest.importorskip("muon", reason="muon-optimizer is not installed (pip install -e .[dev])")
+FAMILIES_BUT_CONV = tuple(sorted(SINGLE_FAMILIES - {"conv4d"}))
 
 
 def test_our_muon_conforms_through_the_api():
@@ -31,8 +33,12 @@ def test_our_muon_conforms_through_the_fixture(muon_check):
 
 @pytest.mark.gpu
 def test_our_muon_conforms_on_the_gpu(muon_check):
-    """On a GPU node (`pytest -m gpu`): params, gradients and the reference on CUDA."""
-    muon_check.assert_conforms(muon.SingleDeviceMuon, claim="keller", world_sizes=(1,))
+    """On a GPU node (`pytest -m gpu`): params, gradients and the reference on CUDA, in every single-device family
+    but conv4d: muon-optimizer 0.1.0 views a 4-D update as a matrix and adds that matrix to the 4-D param, which
+    raises (docs/public-muons.md); a project whose Muon takes conv weights keeps conv4d in."""
+    muon_check.assert_conforms(
+        muon.SingleDeviceMuon, claim="keller", families=FAMILIES_BUT_CONV, world_sizes=(1,)
+    )
 
 
 def test_our_training_setup_routes_as_it_claims(muon_check):
