@@ -169,21 +169,22 @@ def gathers_through_c10d(t: Tensor) -> bool:
     return dist.get_backend(t.device_mesh.get_group()) == "gloo"
 
 
-def whole(t: Tensor, through: str | None = None) -> Tensor:
-    """The whole tensor of a DTensor (every rank gets it), or t itself. through: "full_tensor" (DTensor.full_tensor),
-    "c10d", or None: "c10d" where gathers_through_c10d(t), else "full_tensor". The "c10d" gather does what
-    DTensor's Shard(0) does, from the DTensor's own (logical) shape: each shard zero-padded to ceil(rows / W) rows
-    when W does not divide rows, one all_gather_into_tensor on the mesh's group, then its first `rows` rows. Contract: the same bits as full_tensor (a gather copies; tests/dist/test_whole.py). Where
-    ranks disagree on the shape (a DTensor made with a global shape inferred from one rank's shard), the gather's
-    sizes are those full_tensor's would be, by construction (not run in the tests: such a gather hangs on gloo).
+def whole(t: Tensor, through: str = "c10d") -> Tensor:
+    """The whole tensor of a DTensor (every rank gets it), or t itself. through: "c10d", or "full_tensor"
+    (DTensor.full_tensor, to compare with). The "c10d" gather does what DTensor's Shard(0) does, from the DTensor's
+    own (logical) shape: each shard zero-padded to ceil(rows / W) rows when W does not divide rows, one
+    all_gather_into_tensor on the mesh's group, then its first `rows` rows. Callers use it where
+    gathers_through_c10d(t) and call full_tensor themselves elsewhere (so that a hang's report names their line).
+    Contract: the same bits as full_tensor (a gather copies; tests/dist/test_whole.py). Where ranks disagree on the
+    shape (a DTensor made with a global shape inferred from one rank's shard), the gather's sizes are those
+    full_tensor's would be, by construction (not run in the tests: such a gather hangs on gloo).
     Layouts: a 1-D mesh with Shard(0) or Replicate; others raise ValueError on every rank (before any collective)."""
     if not hasattr(t, "device_mesh"):
         return t
-    through = through or ("c10d" if gathers_through_c10d(t) else "full_tensor")
     if through == "full_tensor":
         return t.full_tensor()
     if through != "c10d":
-        raise ValueError(f"whole(): through={through!r}; valid: 'full_tensor', 'c10d', None")
+        raise ValueError(f"whole(): through={through!r}; valid: 'c10d', 'full_tensor'")
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
 

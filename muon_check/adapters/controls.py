@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..fixtures import whole
+from ..fixtures import gathers_through_c10d, whole
 from . import Adapter
 from .cases import DIST_FAMILIES, SINGLE_FAMILIES
 
@@ -150,9 +150,8 @@ class GatherEngine(ShardEngine):
             if W == 1:
                 out.append(newton_schulz(d))
                 continue
-            full = whole(
-                DTensor.from_local(d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            )
+            D = DTensor.from_local(d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            full = whole(D, "c10d") if gathers_through_c10d(D) else D.full_tensor()
             a, b = _rows(p.shape[0], W)[rank]
             out.append(newton_schulz(full)[a:b])
         return out

@@ -34,7 +34,7 @@ from muon_ref.functional import apply_update, decay
 from muon_ref.optim import group_config
 from muon_ref.presets import preset_defaults
 
-from ..fixtures import chunk, local, whole
+from ..fixtures import chunk, gathers_through_c10d, local, whole
 from . import Adapter
 from .cases import (
     CHECKPOINT_FAMILIES,
@@ -252,7 +252,9 @@ class GatherMuon(torch.optim.Optimizer):
     def gathered(self, t: Tensor) -> Tensor:
         """The whole tensor of a DTensor (DTensor.full_tensor: an all-gather, exact for any boxes; through c10d on
         gloo over CUDA tensors, muon_check.fixtures.whole), or t."""
-        return whole(t)
+        if gathers_through_c10d(t):
+            return whole(t, "c10d")
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def scale_layout(self, p: Tensor, layout: MatrixLayout) -> MatrixLayout:
         """The layout whose (fan_out, fan_in) gives the lr scale: the param's own."""
@@ -460,7 +462,8 @@ class GlobalShapeFromLocal(GatherMuon):
             return t
         from torch.distributed.tensor import DTensor
 
-        return whole(DTensor.from_local(local(t), t.device_mesh, t.placements))
+        inferred = DTensor.from_local(local(t), t.device_mesh, t.placements)
+        return whole(inferred, "c10d") if gathers_through_c10d(t) else inferred.full_tensor()
 
 
 # ---------------------------------------------------------------- replicated, DDP style
