@@ -317,6 +317,17 @@ def _failed(case: Case, failure: RankFailure) -> Outcome:
     if own:
         rank, line = min(own.items())
         return Outcome(case, "crash", error=f"rank {rank}: {line[:300]}")
+    # a rank killed by a fatal signal other than gloo's abort (the peers of a dead rank abort): the signal and the
+    # torch.distributed call it hit (RankPool: faulthandler's dump)
+    killed = {
+        r: m.splitlines()[0].partition("; killed: ")[2].partition("; its stderr: ")[0]
+        for r, m in failure.messages.items()
+        if r not in failure.hung and "; killed: " in m.splitlines()[0]
+    }
+    signalled = {r: k for r, k in killed.items() if not k.startswith("Aborted")}
+    if signalled:
+        rank = min(signalled)
+        return Outcome(case, "crash", error=f"rank {rank}: killed by {signalled[rank][:300]}")
     if died:
         note = "died in a collective (gloo aborted it; peers: connection reset)"
         return Outcome(case, "crash", error=f"rank {died[0]}: {note}")

@@ -51,9 +51,9 @@ def _serve(
     # sys.stderr may be an object without a file descriptor in the parent (pytest's capsys): the rank's own
     # stderr is fd 2, which faulthandler needs
     sys.stderr = os.fdopen(2, "w", closefd=False)
-    # faulthandler inherited enabled (pytest enables it on its own copy of stderr): to the file too
-    if faulthandler.is_enabled():
-        faulthandler.enable(file=sys.stderr)
+    # a fatal signal (SIGSEGV, SIGABRT, ...) dumps every thread's Python stack to the file: the parent names the
+    # signal and the torch.distributed call it hit (fatal_error)
+    faulthandler.enable(file=sys.stderr)
     import torch
 
     torch.set_num_threads(1)
@@ -89,12 +89,29 @@ def stderr_path(init_file: str, rank: int) -> str:
     return os.path.join(os.path.dirname(init_file), f"rank{rank}.stderr")
 
 
-def _tail(path: str, limit: int = 600) -> str:
+def _tail(path: str, limit: int | None = 600) -> str:
+    """The last `limit` characters of a file (all of it for None), stripped; "" where it cannot be read."""
     try:
         with open(path, errors="replace") as f:
-            return f.read()[-limit:].strip()
+            return f.read()[-limit if limit else 0 :].strip()
     except OSError:
         return ""
+
+
+_FATAL = re.compile(r"^Fatal Python error: (?P<what>[^\n]+)$", re.M)
+
+
+def fatal_error(text: str) -> tuple[str | None, str]:
+    """A rank's stderr split at faulthandler's dump of a fatal signal (enabled in every rank): (what killed it: the
+    signal and, where the dump has a torch.distributed frame, the call it hit, e.g. "Segmentation fault in
+    torch.distributed full_tensor (_api.py) at ..., called from FILE:LINE in FUNC"; None without a dump), and the
+    text before the dump (what the rank printed itself, e.g. a C++ exception before an abort)."""
+    found = list(_FATAL.finditer(text))
+    if not found:
+        return None, text
+    what, where = found[-1]["what"].strip(), blocked_frame(text[found[-1].end() :])
+    killed = what + (" in" + where.removeprefix("blocked in") if where else "")
+    return killed, text[: found[0].start()]
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -446,7 +463,9 @@ class RankPool:
                 except (EOFError, OSError):
                     status, value = "error", "the rank died (its pipe closed)"
                     value += "" if rank in self.started else " before it started"
-                    printed = _tail(stderr_path(self.init_file, rank))
+                    fatal, printed = fatal_error(_tail(stderr_path(self.init_file, rank), None))
+                    printed = printed[-600:].strip()
+                    value += f"; killed: {fatal}" if fatal else ""
                     value += f"; its stderr: {printed}" if printed else ""
                 if (status, value) == READY:  # its answer comes next on the same pipe
                     self.started.add(rank)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from muon_check.launch import RankFailure, RankPool
-from .workers import fail_on
+from .workers import fail_on, killed_in_a_collective
 
 
 def _alive(pid: int) -> bool:
@@ -82,3 +82,33 @@ def test_a_pool_on_an_unknown_device_is_refused() -> None:
     with pytest.raises(ValueError, match="device must be one of"):
         RankPool(2, device="tpu")
     assert RankPool(2, device="cuda").start_method == "spawn" and RankPool(2).start_method == "fork"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT", "exit"])
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal_and_the_collective_it_hit(how: str) -> None:
+    """A rank that a fatal signal kills: its failure names the signal and the torch.distributed call from
+    faulthandler's dump, and the conformance check's crash says "killed by Segmentation fault in torch.distributed
+    all_gather_tensor (...), called from ..." (a segfault inside torch's functional collectives on gloo over CUDA
+    tensors reads so). Controls: SIGABRT (what gloo does to the peers of a dead rank) and a plain exit keep the
+    "died in a collective" note, and no "killed" is named for the exit."""
+    from muon_check import conformance
+    from muon_check.adapters.cases import Case
+
+    pool = RankPool(2)
+    try:
+        with pytest.raises(RankFailure) as failed:
+            pool.run(killed_in_a_collective, how, timeout=30)
+    finally:
+        pool.close()
+    first = failed.value.messages[0].splitlines()[0]
+    outcome = conformance._failed(Case("even", "dtensor", 2, ((4, 5),)), failed.value)
+    if how == "SIGSEGV":
+        where = "in torch.distributed all_gather_tensor (_functional_collectives.py), called from workers.py:"
+        assert f"; killed: Segmentation fault {where}" in first, first
+        assert outcome.error.startswith(f"rank 0: killed by Segmentation fault {where}"), outcome.error
+    else:
+        assert ("; killed: Aborted in torch.distributed" in first) == (how == "SIGABRT"), first
+        assert "; killed: " not in first or how == "SIGABRT", first
+        assert outcome.error == "rank 0: died in a collective (gloo aborted it; peers: connection reset)"
+    assert outcome.status == "crash"

@@ -467,3 +467,22 @@ def _gathered_rows_from_the_end(t: DTensor) -> torch.Tensor:
     out = piece.new_empty((parts * full_rows, *piece.shape[1:]))
     dist.all_gather_into_tensor(out, piece, group=t.device_mesh.get_group())
     return out[out.shape[0] - rows :].contiguous()
+
+
+def killed_in_a_collective(how: str) -> int:
+    """Rank 0 is killed by a signal (how: "SIGSEGV", "SIGABRT") inside a function whose code is filed under
+    torch/distributed (as a crash inside torch's functional collectives would be), or exits without one ("exit");
+    the other ranks then wait in a barrier, which its death breaks."""
+    import os
+    import signal
+
+    import torch.distributed._functional_collectives as funcol
+
+    if dist.get_rank() == 0:
+        if how == "exit":
+            os._exit(1)
+        namespace: dict = {}
+        exec(compile("def all_gather_tensor(kill):\n    kill()\n", funcol.__file__, "exec"), namespace)
+        namespace["all_gather_tensor"](lambda: os.kill(os.getpid(), getattr(signal, how)))
+    dist.barrier()
+    return dist.get_rank()
