@@ -1,7 +1,7 @@
 """Benchmarks: DistributedMuon against the field's baselines on gloo ranks, the planner's load balance, memory.
 
     python -m benchmarks [--quick] [--world-sizes 1 2 4] [--sets dense tiny_moe scaled_moe] [--dion PATH]
-                         [--rounds N] [--ns-backend torch|triton|gram]
+                         [--rounds N] [--pipeline-depth N] [--ns-backend torch|triton|gram]
                          [--warmup 2] [--steps 10]
     python -m benchmarks stages [--dion PATH]   the step's time stage by stage (benchmarks/stages.py)
     python -m benchmarks stacking [options]     a set's Newton-Schulz per matrix or stacked (benchmarks/stacking.py)
@@ -120,6 +120,7 @@ class Bench:
     seed: int = 0
     dion: str | None = None  # a microsoft/dion checkout: time dion.Muon beside the others
     rounds: int | None = None  # DistributedMuon's rounds= (None: its default)
+    pipeline_depth: int | None = None  # DistributedMuon's pipeline_depth= (None: its default)
     ns_backend: str = "torch"  # DistributedMuon's ns_backend= (muon_dist.kernels.BACKENDS)
 
     @property
@@ -185,13 +186,13 @@ def make(method: str, params: list[torch.Tensor], names: list[str], b: Bench) ->
             "padded_all_to_all": {"remainder": "padded_all_to_all"},
             "batched": {"dispatch": "batched"},
         }
-        rounds = {} if b.rounds is None else {"rounds": b.rounds}
         return DistributedMuon(
             [{"params": params, "param_names": names}],
             preset=preset,
             ns_backend=b.ns_backend,
+            rounds=b.rounds,
+            pipeline_depth=b.pipeline_depth,
             **options.get(method, {}),
-            **rounds,
         )
     cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
     return cls(params, names, preset, CountingCollectives())
@@ -547,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         help="DistributedMuon's rounds= for its methods (default: DistributedMuon's own)",
     )
     parser.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=None,
+        help="DistributedMuon's pipeline_depth= for its methods: batches in flight at once (default: "
+        "DistributedMuon's own, 3)",
+    )
+    parser.add_argument(
         "--ns-backend",
         choices=sorted(BACKENDS),
         default="torch",
@@ -590,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.steps,
                     dion=args.dion,
                     rounds=args.rounds,
+                    pipeline_depth=args.pipeline_depth,
                     ns_backend=args.ns_backend,
                 )
                 results = pool.run(rank_bench, b, timeout=args.timeout)

@@ -81,7 +81,7 @@ from muon_dist.balance import lpt, ns_flops
 from muon_dist.batch import Batch
 from muon_dist.geometry import chunk_bounds
 from muon_dist.paths import PATHS
-from muon_dist.runtime import PIPELINE_DEPTH
+from muon_dist.plan import PIPELINE_DEPTH
 
 MODELS = {"qwen3_30b_a3b": moe_30b_a3b, "qwen3_235b_a22b": moe_235b_a22b, "llama3_70b": dense_70b}
 WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)

@@ -34,7 +34,7 @@ from .comm import Comm, Group, ThreadComm, ThreadWorld, TorchComm
 from .geometry import Geometry
 from .kernels import backend, send_dtype
 from .layout import ParamLayout, read_layout
-from .plan import Entry, Options, Plan
+from .plan import PIPELINE_DEPTH, Entry, Options, Plan
 from .step import ParamInput, execute, prepare
 
 
@@ -76,14 +76,19 @@ def _local(t: Tensor) -> Tensor:
 
 
 def resolve_options(
-    remainder: str | None, force_path: str | None, dispatch: str | None, rounds: int | None
+    remainder: str | None,
+    force_path: str | None,
+    dispatch: str | None,
+    rounds: int | None,
+    pipeline_depth: int | None = None,
 ) -> Options:
     """The plan's Options from DistributedMuon's arguments: dispatch None is "global" (the fastest in
     docs/benchmarks.md), or "batched" when a remainder path or a forced path is asked for (options of batched
-    dispatch); remainder None is "agrs"."""
+    dispatch); remainder None is "agrs"; pipeline_depth None is muon_dist.plan.PIPELINE_DEPTH."""
     if dispatch is None:
         dispatch = "batched" if remainder is not None or force_path is not None else "global"
-    return Options(remainder or "agrs", force_path, dispatch, rounds)
+    depth = PIPELINE_DEPTH if pipeline_depth is None else pipeline_depth
+    return Options(remainder or "agrs", force_path, dispatch, rounds, depth)
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -112,6 +117,10 @@ class DistributedMuon(torch.optim.Optimizer):
         force_path: one path of muon_dist.paths.PATHS for every matrix (checks and benchmarks).
         rounds: the step's all-to-all traffic in about that many pipelined rounds; None (the default): up to
             muon_dist.plan.ROUNDS, each of at least ROUND_MIN_ELEMENTS elements (muon_dist/plan.py, round_count).
+        pipeline_depth: how many batches are in flight at once; None (the default): muon_dist.plan.PIPELINE_DEPTH,
+            3 (one issuing its directions, one running its kernels, one receiving its updates). Fewer hold less
+            memory and overlap less: 1 runs each batch to its end before the next starts (docs/benchmarks.md,
+            "Pipeline depth"). The same bits at any depth.
         ns_backend: a name of muon_dist.kernels.BACKENDS ("torch", muon_ref's kernel, is bitwise).
         atomic: False (the default) writes the step in write groups, each after every rank agreed that its local
             work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
@@ -131,6 +140,7 @@ class DistributedMuon(torch.optim.Optimizer):
         force_path: str | None = None,
         dispatch: str | None = None,
         rounds: int | None = None,
+        pipeline_depth: int | None = None,
         ns_backend: str = "torch",
         atomic: bool = False,
         **kwargs: Any,
@@ -144,6 +154,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 force_path=force_path,
                 dispatch=dispatch,
                 rounds=rounds,
+                pipeline_depth=pipeline_depth,
                 ns_backend=ns_backend,
                 atomic=atomic,
             ),
@@ -165,6 +176,7 @@ class DistributedMuon(torch.optim.Optimizer):
             construction["force_path"],
             construction["dispatch"],
             construction.get("rounds"),
+            construction.get("pipeline_depth"),
         )
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]

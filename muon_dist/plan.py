@@ -51,6 +51,9 @@ REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if
 # round's latency costs (docs/benchmarks.md, "Rounds by size": the expert sets ran faster in one round than in
 # four at W = 2 and 4; the dense set keeps four, and its memory).
 ROUNDS = 4
+# DistributedMuon's default (Options.pipeline_depth): batches whose Steps are in flight at once in the step
+# (muon_dist.runtime.staggered): one issuing its directions, one running its kernels, one receiving its updates
+PIPELINE_DEPTH = 3
 ROUND_MIN_ELEMENTS = 1 << 18
 # in a shard group of one, a batch may hold this many elements even where every param is smaller (a few hundred
 # KiB at most): small params then share one stack kernel call, whose per-call cost dominates their Newton-Schulz
@@ -63,12 +66,15 @@ class Options:
     (so only the paths that take any batch size). dispatch: "batched" (batches of W same-layout params, packed)
     or "global" (one LPT-balanced batch per shard group and dtype pair, in rounds). rounds: the step's
     all-to-all traffic goes in about this many rounds, pipelined (module docstring); None (the default): as many
-    as round_count gives for its elements."""
+    as round_count gives for its elements. pipeline_depth: how many batches' Steps are in flight at once
+    (muon_dist.runtime.staggered); part of the plan's digest, since another depth issues the collectives in
+    another order."""
 
     remainder: str = "agrs"
     force_path: str | None = None
     dispatch: str = "batched"
     rounds: int | None = None
+    pipeline_depth: int = PIPELINE_DEPTH
 
     def __post_init__(self) -> None:
         if self.remainder not in REMAINDER_PATHS:
@@ -84,6 +90,14 @@ class Options:
             not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1
         ):
             raise ValueError(f"rounds must be None or an int >= 1, got {self.rounds!r}")
+        if (
+            not isinstance(self.pipeline_depth, int)
+            or isinstance(self.pipeline_depth, bool)
+            or self.pipeline_depth < 1
+        ):
+            raise ValueError(
+                f"pipeline_depth must be None or an int >= 1 (1: one batch at a time), got {self.pipeline_depth!r}"
+            )
         if self.dispatch == "global" and self.force_path is not None:
             raise ValueError(
                 f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "

@@ -16,10 +16,6 @@ from typing import Any, TypeVar
 # A path's run as a generator: None at each pause, the path's updates as its return value.
 Steps = Generator[None, None, Any]
 
-# batches whose Steps are in flight at once in the step: one issuing its directions, one running its kernels,
-# one receiving its updates
-PIPELINE_DEPTH = 3
-
 Item = TypeVar("Item")
 
 

@@ -40,7 +40,7 @@ from .geometry import Box, Geometry, blocks_in
 from .kernels import Backend, orthogonalize_many, stacks
 from .paths import PATHS
 from .plan import Entry, Options, Plan, plan
-from .runtime import PIPELINE_DEPTH, Steps, staggered
+from .runtime import Steps, staggered
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,9 @@ def execute(
     run = StepRun(comm, step_plan, inputs, configs, backend, skipped or {}, out_params)
     ends = {id(group[-1]): len(group) for group in run.write_groups(group_for, atomic)}
     done: list[Done] = []
-    for batch, batch_done in staggered(step_plan.batches, run.stages, PIPELINE_DEPTH):
+    for batch, batch_done in staggered(
+        step_plan.batches, run.stages, step_plan.options.pipeline_depth
+    ):
         done += batch_done
         del batch_done  # held by `done` only, which the write stage empties as it writes
         if id(batch) in ends:  # the end of a write group

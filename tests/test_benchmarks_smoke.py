@@ -257,6 +257,20 @@ def test_ns_backend_reaches_distributed_muons_methods_and_only_theirs() -> None:
     assert set(DISTRIBUTED_METHODS) < set(METHODS)
 
 
+def test_rounds_and_pipeline_depth_reach_distributed_muons_methods() -> None:
+    """--rounds N and --pipeline-depth N: each of DistributedMuon's methods is built with them; without them it
+    gets DistributedMuon's defaults (rounds None, depth muon_dist.plan.PIPELINE_DEPTH)."""
+    from benchmarks.run import DISTRIBUTED_METHODS, make
+    from muon_dist.plan import PIPELINE_DEPTH
+
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    given = Bench("tiny_moe", world_size=1, warmup=1, steps=1, rounds=2, pipeline_depth=1)
+    default = Bench("tiny_moe", world_size=1, warmup=1, steps=1)
+    for b, want in ((given, (2, 1)), (default, (None, PIPELINE_DEPTH))):
+        options = [make(m, params, ["w"], b).options for m in DISTRIBUTED_METHODS]
+        assert {(o.rounds, o.pipeline_depth) for o in options} == {want}
+
+
 def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_place(capsys) -> None:
     """benchmarks/stacking.py: every matrix of a set (a 3-D stack as its matrices) once per way; the stacked way's
     result for matrix i is matrix i's (within bf16 rounding of the loop's: a result put at another matrix's place

@@ -1,0 +1,82 @@
+"""pipeline_depth: how many batches' Steps are in flight at once in a step (muon_dist.runtime.staggered; the
+default muon_dist.plan.PIPELINE_DEPTH, 3). Any depth gives muon_ref's bits; the schedule never has more than that
+many batches started and unfinished, and has exactly that many where there are enough batches; a bad value is
+refused in one line at construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muon_dist import DistributedMuon
+from muon_dist.plan import PIPELINE_DEPTH
+from muon_dist.runtime import staggered
+
+from .checks import run_case, timeout_for
+from .workers import Case
+
+
+def _in_flight(n_items: int, segments: int, depth: int, schedule=staggered) -> tuple[list, int]:
+    """Items 0..n-1, each a Steps of `segments` pauses returning 10 * item; (the values in the order the schedule
+    yields them, the most items started and not yet finished at any moment)."""
+    live: set[int] = set()
+    most = 0
+
+    def start(item: int):
+        nonlocal most
+        live.add(item)
+        most = max(most, len(live))
+        for _ in range(segments):
+            yield
+        live.discard(item)
+        return 10 * item
+
+    values = [(item, value) for item, value in schedule(list(range(n_items)), start, depth)]
+    return values, most
+
+
+def _one_too_many(items, start, depth):
+    """A planted schedule: staggered with one batch more in flight than asked for."""
+    return staggered(items, start, depth + 1)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_items", [1, 2, 5])
+def test_the_schedule_holds_at_most_depth_batches_in_flight_and_exactly_that_many_where_it_can(
+    depth: int, n_items: int
+) -> None:
+    """Contract: every item's value, in item order; the most items in flight at once is min(depth, n_items)
+    (so depth 1 runs each to its end before the next starts); each item pauses 8 times, more than any depth here,
+    so none ends on its own before the schedule ends it. Control: the same count on a schedule that keeps
+    one more in flight breaks it wherever there are more items than the depth."""
+    values, most = _in_flight(n_items, 8, depth)
+    assert values == [(i, 10 * i) for i in range(n_items)]
+    assert most == min(depth, n_items)
+    _, planted = _in_flight(n_items, 8, depth, _one_too_many)
+    assert (planted == min(depth, n_items)) == (n_items <= depth)
+
+
+@pytest.mark.timeout(timeout_for(120))
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("depth", [1, 2, PIPELINE_DEPTH, 5])
+def test_every_pipeline_depth_equals_muon_ref_bitwise(world_size: int, depth: int) -> None:
+    """Contract: at any depth the step's params and momentum buffers are muon_ref's bitwise, with the planned
+    paths, bytes and collectives (run_case). Several batches: global dispatch in four rounds over S0 and S1
+    shard groups, a plain param, a 3-D expert stack. (The negative controls of run_case's comparison:
+    tests/dist/test_equivalence.py's sabotaged steps.)"""
+    shapes = ((8, 6),) * 4 + ((6, 10),) * 3 + ((5, 7),) + ((3, 4, 5),)
+    placements = ("S0",) * 4 + ("S1",) * 3 + ("plain",) + ("S0",)
+    case = Case(shapes, placements, options=(("rounds", 4), ("pipeline_depth", depth)))
+    run_case(world_size, case)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
+def test_a_bad_pipeline_depth_is_refused_in_one_line_at_construction(bad) -> None:
+    """pipeline_depth: None or an int >= 1; anything else raises ValueError naming the parameter and the value
+    when the optimizer is built (on every rank, before any collective)."""
+    with pytest.raises(ValueError) as refused:
+        DistributedMuon([torch.zeros(4, 4, requires_grad=True)], pipeline_depth=bad)
+    assert str(refused.value) == (
+        f"pipeline_depth must be None or an int >= 1 (1: one batch at a time), got {bad!r}"
+    )
+    assert DistributedMuon([torch.zeros(4, 4, requires_grad=True)]).options.pipeline_depth == 3
