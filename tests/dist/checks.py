@@ -30,7 +30,9 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
         batched = "remainder" in opts or "force_path" in opts
         opts["dispatch"] = "batched" if batched else "global"
     runs: dict[tuple, list[int]] = {}
-    for i, key in enumerate(zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))):
+    for i, key in enumerate(
+        zip(case.shapes, case.placements, case.groups or (0,) * len(case.shapes))
+    ):
         runs.setdefault(key, []).append(i)
     paths = [""] * len(case.shapes)
     overrides = dict(case.overrides)
@@ -42,13 +44,20 @@ def expected_paths(case: Case, world_size: int) -> list[str]:
                 paths[i] = "blocks"
             continue
         for start in range(0, len(members), W):
-            chunk = members[start:start + W]
+            chunk = members[start : start + W]
             if placement in ("plain", "R"):
                 path = "replicated"
             else:
-                path = (opts.get("force_path") or expert_path(case, shape, placement, world_size)
-                        or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs")))
-            if opts.get("dispatch") == "global" and path in ("all_to_all", "agrs", "padded_all_to_all") and W > 1:
+                path = (
+                    opts.get("force_path")
+                    or expert_path(case, shape, placement, world_size)
+                    or ("all_to_all" if len(chunk) == W else opts.get("remainder", "agrs"))
+                )
+            if (
+                opts.get("dispatch") == "global"
+                and path in ("all_to_all", "agrs", "padded_all_to_all")
+                and W > 1
+            ):
                 path = "global_all_to_all"
             for i in chunk:
                 paths[i] = path
@@ -60,13 +69,21 @@ def expert_path(case: Case, shape: tuple[int, ...], placement: str, world_size: 
     dim 0 is "local" when no expert has rows on two members, "subgroup_all_gather" when any two members that
     hold rows of a common expert hold nothing else, and None (the all-to-all family) otherwise."""
     overrides = dict(case.overrides)
-    if placement != "S0" or overrides.get("flatten") or (len(shape) == 2 and overrides.get("num_experts") is None):
+    if (
+        placement != "S0"
+        or overrides.get("flatten")
+        or (len(shape) == 2 and overrides.get("num_experts") is None)
+    ):
         return None
     unit = 1 if len(shape) == 3 else shape[0] // overrides["num_experts"]
     rows = torch.arange(shape[0])
-    held = [set((box_of(rows, "S0", case.mesh, j, world_size) // unit).tolist())
-            for j in range(group_size(case, world_size))]
-    sharing = [a | b for i, a in enumerate(held) for b in held[i + 1:] if a & b]  # pairs that hold a common expert
+    held = [
+        set((box_of(rows, "S0", case.mesh, j, world_size) // unit).tolist())
+        for j in range(group_size(case, world_size))
+    ]
+    sharing = [
+        a | b for i, a in enumerate(held) for b in held[i + 1 :] if a & b
+    ]  # pairs that hold a common expert
     if not sharing:
         return "local"
     return "subgroup_all_gather" if all(len(experts) == 1 for experts in sharing) else None
@@ -77,14 +94,20 @@ def run_case(world_size: int, case: Case, timeout: float = 120.0) -> list[dict]:
     results = run_unchecked(world_size, case, timeout)
     want_paths = expected_paths(case, world_size)
     for rank, r in enumerate(results):
-        assert not r["differing"], f"rank {rank}: params differ from muon_ref: {r['differing']} ({case})"
+        assert not r["differing"], (
+            f"rank {rank}: params differ from muon_ref: {r['differing']} ({case})"
+        )
         assert r["buffers_equal"], f"rank {rank}: momentum buffers differ from muon_ref ({case})"
         assert [p for _, p in r["paths"]] == want_paths, (rank, r["paths"], want_paths)
         moved = {k: v for k, v in r["bytes"].items() if k not in CHECKS}
         assert moved == r["expected"], (rank, moved, r["expected"])
-        assert r["flops"] == r["expected_flops"], f"rank {rank}: NS FLOPs {r['flops']} != plan {r['expected_flops']}"
+        assert r["flops"] == r["expected_flops"], (
+            f"rank {rank}: NS FLOPs {r['flops']} != plan {r['expected_flops']}"
+        )
         got = data_collectives(r["calls"])
-        assert got == r["expected_collectives"], f"rank {rank}: data collectives {got} != plan {r['expected_collectives']}"
+        assert got == r["expected_collectives"], (
+            f"rank {rank}: data collectives {got} != plan {r['expected_collectives']}"
+        )
     return results
 
 
@@ -111,10 +134,17 @@ def run_unchecked(world_size: int, case: Case, timeout: float = 120.0) -> list[d
     results = pool.collect(timeout)
     record_paths(results)
     for rank, r in enumerate(results):
-        boxes = [box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_params, case.placements)]
-        r["differing"] = {i: int((bits(got) != bits(want)).sum()) for i, (got, want) in enumerate(zip(r["params"], boxes))
-                          if not same_bits(got, want)}
-        bufs = [box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_bufs, case.placements)]
+        boxes = [
+            box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_params, case.placements)
+        ]
+        r["differing"] = {
+            i: int((bits(got) != bits(want)).sum())
+            for i, (got, want) in enumerate(zip(r["params"], boxes))
+            if not same_bits(got, want)
+        }
+        bufs = [
+            box_of(t, pl, case.mesh, rank, world_size) for t, pl in zip(ref_bufs, case.placements)
+        ]
         r["buffers_equal"] = all(same_bits(a, b) for a, b in zip(r["buffers"], bufs))
     return results
 

@@ -13,15 +13,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import muon_ref
-from muon_dist import DistributedMuon
-from muon_dist.optim import UPDATE_LAYOUT
-from muon_dist.checkpoint import from_reference_state_dict, to_reference_state_dict
-
 from muon_check.fixtures import box_of, distribute, local
+from muon_dist import DistributedMuon
+from muon_dist.checkpoint import from_reference_state_dict, to_reference_state_dict
+from muon_dist.optim import UPDATE_LAYOUT
 
 from .workers import Case, _groups, grads_of, initial_params
 
-Changes = tuple[tuple[int, tuple[tuple[str, Any], ...]], ...]  # (group index, ((key, value), ...)) per group
+Changes = tuple[
+    tuple[int, tuple[tuple[str, Any], ...]], ...
+]  # (group index, ((key, value), ...)) per group
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -30,11 +31,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _setup(case: Case, zeros: bool = False) -> tuple[list[torch.Tensor], DistributedMuon]:
     fulls = initial_params(case)
-    params = [distribute(torch.zeros_like(f) if zeros else f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
-    return params, DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    params = [
+        distribute(torch.zeros_like(f) if zeros else f, pl, case.mesh)
+        for f, pl in zip(fulls, case.placements)
+    ]
+    return params, DistributedMuon(
+        _groups(case, params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
 
 
-def _set_grads(case: Case, params: list[torch.Tensor], step: int, none: tuple[int, ...], none_until: int) -> None:
+def _set_grads(
+    case: Case, params: list[torch.Tensor], step: int, none: tuple[int, ...], none_until: int
+) -> None:
     for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
         p.grad = None if i in none and step < none_until else distribute(grad, pl, case.mesh)
 
@@ -49,8 +60,10 @@ def _state_keys(opt: torch.optim.Optimizer) -> list[tuple[int, tuple[str, ...]]]
 
 
 def _locals(params: list[torch.Tensor], opt: DistributedMuon) -> dict:
-    return {"params": [local(p).clone() for p in params],
-            "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params]}
+    return {
+        "params": [local(p).clone() for p in params],
+        "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params],
+    }
 
 
 def save_after(case: Case, steps: int, none: tuple[int, ...], path: str) -> list:
@@ -59,7 +72,10 @@ def save_after(case: Case, steps: int, none: tuple[int, ...], path: str) -> list
     for step in range(steps):
         _set_grads(case, params, step, none, steps)
         opt.step()
-    dcp.save({"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()}, checkpoint_id=path)
+    dcp.save(
+        {"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": opt.state_dict()},
+        checkpoint_id=path,
+    )
     return _state_keys(opt)
 
 
@@ -83,9 +99,18 @@ def resume_reference(case: Case, start: int, stop: int, path: str) -> dict:
     """muon_ref.Muon on plain full tensors, loaded from the DCP checkpoint at `path` (DCP gathers the shards into
     full tensors), then steps [start, stop). muon_ref's state is lazy: the template names a zero buffer per param."""
     params = [torch.zeros_like(f) for f in initial_params(case)]
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
-    template = {"state": {i: {"momentum_buffer": torch.zeros_like(p)} for i, p in enumerate(_state_order(ref))},
-                "param_groups": ref.state_dict()["param_groups"]}
+    ref = muon_ref.Muon(
+        _groups(case, params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
+    template = {
+        "state": {
+            i: {"momentum_buffer": torch.zeros_like(p)} for i, p in enumerate(_state_order(ref))
+        },
+        "param_groups": ref.state_dict()["param_groups"],
+    }
     state = {"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": template}
     dcp.load(state, checkpoint_id=path)
     ref.load_state_dict(state["optim"])
@@ -96,12 +121,23 @@ def resume_reference(case: Case, start: int, stop: int, path: str) -> dict:
     return {"params": params, "buffers": [ref.state[p]["momentum_buffer"] for p in params]}
 
 
-def reference_run(case: Case, stop: int, none: tuple[int, ...] = (), none_until: int = 0,
-                  changes_at: int | None = None, changes: Changes = ()) -> tuple[list, list]:
+def reference_run(
+    case: Case,
+    stop: int,
+    none: tuple[int, ...] = (),
+    none_until: int = 0,
+    changes_at: int | None = None,
+    changes: Changes = (),
+) -> tuple[list, list]:
     """muon_ref.Muon on full tensors: steps [0, stop), group `changes` applied before step `changes_at`;
     (params, momentum buffers, zeros where the param never stepped)."""
     params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     for step in range(stop):
         if step == changes_at:
             for group, updates in changes:
@@ -133,10 +169,19 @@ def convert_round_trip(case: Case, steps: int, more: int) -> dict:
         opt.step()
     as_ref = to_reference_state_dict(opt)
     ref_params, ref_bufs = reference_run(case, steps)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, ref_params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     index = {id(p): i for i, p in enumerate(_state_order(ref))}
-    ref.load_state_dict({"state": {index[id(p)]: {"momentum_buffer": b} for p, b in zip(ref_params, ref_bufs)},
-                         "param_groups": ref.state_dict()["param_groups"]})
+    ref.load_state_dict(
+        {
+            "state": {index[id(p)]: {"momentum_buffer": b} for p, b in zip(ref_params, ref_bufs)},
+            "param_groups": ref.state_dict()["param_groups"],
+        }
+    )
     order = {id(p): i for i, p in enumerate(_state_order(opt))}
     converted = [as_ref["state"][order[id(p)]]["momentum_buffer"] for p in params]
     fresh, opt2 = _setup(case)
@@ -147,10 +192,17 @@ def convert_round_trip(case: Case, steps: int, more: int) -> dict:
         _set_grads(case, fresh, step, (), 0)
         opt2.step()
     final_params, final_bufs = reference_run(case, steps + more)
-    return {"to_reference": {i: int((_bits(a) != _bits(b)).sum()) for i, (a, b) in enumerate(zip(converted, ref_bufs))
-                             if not torch.equal(_bits(a), _bits(b))},
-            "continued": differing([local(p) for p in fresh], final_params, case),
-            "buffers": differing([local(opt2.state[p]["momentum_buffer"]) for p in fresh], final_bufs, case)}
+    return {
+        "to_reference": {
+            i: int((_bits(a) != _bits(b)).sum())
+            for i, (a, b) in enumerate(zip(converted, ref_bufs))
+            if not torch.equal(_bits(a), _bits(b))
+        },
+        "continued": differing([local(p) for p in fresh], final_params, case),
+        "buffers": differing(
+            [local(opt2.state[p]["momentum_buffer"]) for p in fresh], final_bufs, case
+        ),
+    }
 
 
 # ---------------------------------------------------------------- reliability
@@ -175,7 +227,12 @@ def nonfinite_on_one_rank(case: Case, value: float, policy: str) -> dict:
     except ValueError as e:
         error = f"ValueError: {e}"
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, ref_params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     for step, gs in enumerate([grads_of(case, 0), grads]):
         for p, g in zip(ref_params, gs):
             p.grad = g
@@ -184,9 +241,18 @@ def nonfinite_on_one_rank(case: Case, value: float, policy: str) -> dict:
         except ValueError:
             pass
     after = _locals(params, opt)
-    unchanged = all(torch.equal(_bits(a), _bits(b)) for k in ("params", "buffers") for a, b in zip(before[k], after[k]))
-    return {"error": error, "sees": sees, "unchanged": unchanged,
-            "differing": differing(after["params"], ref_params, case), "keys": _state_keys(opt)}
+    unchanged = all(
+        torch.equal(_bits(a), _bits(b))
+        for k in ("params", "buffers")
+        for a, b in zip(before[k], after[k])
+    )
+    return {
+        "error": error,
+        "sees": sees,
+        "unchanged": unchanged,
+        "differing": differing(after["params"], ref_params, case),
+        "keys": _state_keys(opt),
+    }
 
 
 def zero_gradients(case: Case) -> dict:
@@ -197,14 +263,23 @@ def zero_gradients(case: Case) -> dict:
             p.grad = torch.zeros_like(p)
         opt.step()
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, ref_params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     for _ in range(2):
         for p in ref_params:
             p.grad = torch.zeros_like(p)
         ref.step()
-    return {"vs_reference": differing([local(p) for p in params], ref_params, case),
-            "vs_initial": differing([local(p) for p in params], initial_params(case), case),
-            "buffers_nonzero": sum(int(local(opt.state[p]["momentum_buffer"]).count_nonzero()) for p in params)}
+    return {
+        "vs_reference": differing([local(p) for p in params], ref_params, case),
+        "vs_initial": differing([local(p) for p in params], initial_params(case), case),
+        "buffers_nonzero": sum(
+            int(local(opt.state[p]["momentum_buffer"]).count_nonzero()) for p in params
+        ),
+    }
 
 
 def none_on_some_ranks_then_recover(case: Case, none_ranks: tuple[int, ...]) -> dict:
@@ -224,13 +299,21 @@ def none_on_some_ranks_then_recover(case: Case, none_ranks: tuple[int, ...]) -> 
     _set_grads(case, params, 2, (), 0)
     opt.step()
     ref_params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, ref_params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, ref_params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     for step in (0, 2):
         for p, g in zip(ref_params, grads_of(case, step)):
             p.grad = g
         ref.step()
-    return {"error": error, "differing": differing([local(p) for p in params], ref_params, case),
-            "keys": _state_keys(opt)}
+    return {
+        "error": error,
+        "differing": differing([local(p) for p in params], ref_params, case),
+        "keys": _state_keys(opt),
+    }
 
 
 def groups_change_between_steps(case: Case, path: str) -> dict:
@@ -239,8 +322,20 @@ def groups_change_between_steps(case: Case, path: str) -> dict:
     fulls = initial_params(case)
     params = [distribute(f, pl, case.mesh) for f, pl in zip(fulls, case.placements)]
     ref_params = initial_params(case)
-    opts = [DistributedMuon([params[0], params[1]], preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT),
-            muon_ref.Muon([ref_params[0], ref_params[1]], preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)]
+    opts = [
+        DistributedMuon(
+            [params[0], params[1]],
+            preset=case.preset,
+            **dict(case.overrides),
+            update_layout=UPDATE_LAYOUT,
+        ),
+        muon_ref.Muon(
+            [ref_params[0], ref_params[1]],
+            preset=case.preset,
+            **dict(case.overrides),
+            update_layout=UPDATE_LAYOUT,
+        ),
+    ]
     keys = []
     for step in range(3):
         if step == 1:
@@ -278,11 +373,19 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
     before = _locals(params, opt)
     real_backend, real_stage = opt.backend, elementwise.run_stage
     if where == "kernel":
-        opt.backend = Backend("torch", lambda d, layout, cfg: (_raise_on(failing_rank, where),
-                                                               real_backend.orthogonalize(d, layout, cfg))[1], True)
+        opt.backend = Backend(
+            "torch",
+            lambda d, layout, cfg: (
+                _raise_on(failing_rank, where),
+                real_backend.orthogonalize(d, layout, cfg),
+            )[1],
+            True,
+        )
     else:  # the first run_stage call of the step is param 0's momentum
         elementwise.run_stage = lambda stage, inputs, shape, box, free=False: (
-            _raise_on(failing_rank, where), real_stage(stage, inputs, shape, box, free))[1]
+            _raise_on(failing_rank, where),
+            real_stage(stage, inputs, shape, box, free),
+        )[1]
     _set_grads(case, params, 1, (), 0)
     error, start = "no error", time.monotonic()
     try:
@@ -293,14 +396,24 @@ def raise_mid_step(case: Case, failing_rank: int, where: str) -> dict:
         opt.backend, elementwise.run_stage = real_backend, real_stage
     seconds = time.monotonic() - start
     after = _locals(params, opt)
-    unchanged = all(torch.equal(_bits(a), _bits(b)) for k in ("params", "buffers") for a, b in zip(before[k], after[k]))
+    unchanged = all(
+        torch.equal(_bits(a), _bits(b))
+        for k in ("params", "buffers")
+        for a, b in zip(before[k], after[k])
+    )
     opt.step()  # the same gradients, no fault: the run goes on as if the failed step never happened
     ref_params, _ = reference_run(case, 2)
-    return {"error": error, "seconds": seconds, "unchanged": unchanged,
-            "differing": differing([local(p) for p in params], ref_params, case)}
+    return {
+        "error": error,
+        "seconds": seconds,
+        "unchanged": unchanged,
+        "differing": differing([local(p) for p in params], ref_params, case),
+    }
 
 
-def raise_in_a_later_write_group(case: Case, failing_rank: int, failing_shape: tuple[int, ...], atomic: bool) -> dict:
+def raise_in_a_later_write_group(
+    case: Case, failing_rank: int, failing_shape: tuple[int, ...], atomic: bool
+) -> dict:
     """Step 0 normal; in step 1 `failing_rank`'s kernel raises on the param(s) of `failing_shape`. The error each rank
     raised and, per param, whether its shard and momentum buffer changed in the failed step."""
     from muon_dist.kernels import Backend
@@ -315,6 +428,7 @@ def raise_in_a_later_write_group(case: Case, failing_rank: int, failing_shape: t
         if dist.get_rank() == failing_rank and tuple(direction.shape) == tuple(failing_shape):
             raise RuntimeError(f"deliberate failure on {tuple(failing_shape)}")
         return real.orthogonalize(direction, layout, cfg)
+
     opt.backend = Backend("torch", failing, bitwise=True)
     _set_grads(case, params, 1, (), 0)
     error = "no error"
@@ -323,6 +437,10 @@ def raise_in_a_later_write_group(case: Case, failing_rank: int, failing_shape: t
     except RuntimeError as e:
         error = str(e)
     after = _locals(params, opt)
-    changed = [not (torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(m), _bits(n)))
-               for a, b, m, n in zip(before["params"], after["params"], before["buffers"], after["buffers"])]
+    changed = [
+        not (torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(m), _bits(n)))
+        for a, b, m, n in zip(
+            before["params"], after["params"], before["buffers"], after["buffers"]
+        )
+    ]
     return {"error": error, "changed": changed}

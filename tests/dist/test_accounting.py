@@ -16,7 +16,9 @@ from .checks import run_case
 from .workers import Case
 
 FP32 = (("ns_dtype", None),)
-BATCHED = (("dispatch", "batched"),)  # the batched paths' own accounting (global: test_global_dispatch.py)
+BATCHED = (
+    ("dispatch", "batched"),
+)  # the batched paths' own accounting (global: test_global_dispatch.py)
 
 
 def _moved(results: list[dict], path: str) -> tuple[int, int]:
@@ -31,7 +33,9 @@ def test_even_all_to_all_moves_exactly_the_lower_bound(world_size: int) -> None:
     S = rows * cols
     for r in results:  # its box of W - 1 other matrices out, W - 1 boxes of its own matrix back
         assert r["bytes"]["all_to_all"] == (2 * (W - 1) * S // W * 4,) * 2
-    assert _moved(results, "all_to_all")[0] == W * 2 * (W - 1) * S // W * 4  # = W matrices x 2 (W-1)/W S x 4 B
+    assert (
+        _moved(results, "all_to_all")[0] == W * 2 * (W - 1) * S // W * 4
+    )  # = W matrices x 2 (W-1)/W S x 4 B
 
 
 @pytest.mark.timeout(60)
@@ -47,10 +51,19 @@ def test_agrs_overhead_is_an_all_gather_of_every_matrix(world_size: int, num_par
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size, num_params", [(4, 1), (4, 3), (6, 2)])
-def test_padded_all_to_all_moves_the_traffic_of_w_matrices(world_size: int, num_params: int) -> None:
+def test_padded_all_to_all_moves_the_traffic_of_w_matrices(
+    world_size: int, num_params: int
+) -> None:
     W, R, S = world_size, num_params, 2 * world_size * 3
-    results = run_case(W, Case(((2 * W, 3),) * R, ("S0",) * R, overrides=FP32,
-                               options=(("remainder", "padded_all_to_all"),)))
+    results = run_case(
+        W,
+        Case(
+            ((2 * W, 3),) * R,
+            ("S0",) * R,
+            overrides=FP32,
+            options=(("remainder", "padded_all_to_all"),),
+        ),
+    )
     assert _moved(results, "padded_all_to_all")[0] == W * 2 * (W - 1) * S // W * 4
 
 

@@ -13,7 +13,9 @@ DISAGREE = "disagree with rank 0 on the step's plan"
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["shape_differs", "grad_none_on_one_rank", "mesh_mixed"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_that_disagree_on_the_params_all_raise_naming_the_disagreement(kind: str, world_size: int) -> None:
+def test_ranks_that_disagree_on_the_params_all_raise_naming_the_disagreement(
+    kind: str, world_size: int
+) -> None:
     errors = get_pool(world_size).run(bad_step, kind, timeout=30)
     assert all(DISAGREE in e for e in errors), errors
 
@@ -28,7 +30,9 @@ def test_a_local_error_on_one_rank_raises_there_and_stops_every_other_rank() -> 
 @pytest.mark.timeout(60)
 def test_a_nan_in_one_rank_shard_raises_on_every_rank_naming_the_param() -> None:
     errors = get_pool(4).run(bad_step, "nonfinite_on_one_shard", timeout=30)
-    assert all("param 0 of its group of shape (6, 4) has a non-finite gradient" in e for e in errors), errors
+    assert all(
+        "param 0 of its group of shape (6, 4) has a non-finite gradient" in e for e in errors
+    ), errors
 
 
 @pytest.mark.timeout(60)

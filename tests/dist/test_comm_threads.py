@@ -19,10 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_check.fixtures import same_bits
 from muon_dist import ThreadComm, ThreadWorld
 from muon_dist.comm import Group, run_threads
-
-from muon_check.fixtures import same_bits
 from tests.conftest import examples
 
 
@@ -46,24 +45,33 @@ def groups(draw) -> tuple[int, tuple[int, ...]]:
     """A world of W ranks and a group of some of them, in any order (group order is member order)."""
     W = draw(st.integers(1, 5))
     ranks = draw(st.permutations(range(W)))
-    return W, tuple(ranks[:draw(st.integers(1, W))])
+    return W, tuple(ranks[: draw(st.integers(1, W))])
 
 
 @pytest.mark.timeout(60)
 @settings(max_examples=examples(0.5))
-@given(drawn=groups(), lengths=st.lists(st.integers(0, 4), min_size=25, max_size=25),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_all_to_all_delivers_piece_j_from_member_j_and_records_what_left_and_arrived(drawn, lengths, dtype) -> None:
+@given(
+    drawn=groups(),
+    lengths=st.lists(st.integers(0, 4), min_size=25, max_size=25),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_all_to_all_delivers_piece_j_from_member_j_and_records_what_left_and_arrived(
+    drawn, lengths, dtype
+) -> None:
     W, ranks = drawn
     n = len(ranks)
-    size = {(i, j): lengths[5 * i + j] for i in range(n) for j in range(n)}  # member i sends member j
+    size = {
+        (i, j): lengths[5 * i + j] for i in range(n) for j in range(n)
+    }  # member i sends member j
 
     def rank_main(comm: ThreadComm):
         if comm.rank not in ranks:
             return None
         me = ranks.index(comm.rank)
         x = torch.cat([payload(me, j, size[me, j], dtype) for j in range(n)])
-        out = comm.all_to_all(x, [size[j, me] for j in range(n)], [size[me, j] for j in range(n)], Group(ranks), "p")
+        out = comm.all_to_all(
+            x, [size[j, me] for j in range(n)], [size[me, j] for j in range(n)], Group(ranks), "p"
+        )
         return me, out, dict(comm.ledger), comm.calls
 
     for result in filter(None, on_threads(W, rank_main)):
@@ -77,7 +85,9 @@ def test_all_to_all_delivers_piece_j_from_member_j_and_records_what_left_and_arr
 
 @pytest.mark.timeout(60)
 @settings(max_examples=examples(0.5))
-@given(drawn=groups(), numel=st.integers(0, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    drawn=groups(), numel=st.integers(0, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16])
+)
 def test_all_gather_concatenates_every_members_tensor_in_group_order(drawn, numel, dtype) -> None:
     W, ranks = drawn
 
@@ -99,18 +109,24 @@ def test_all_gather_concatenates_every_members_tensor_in_group_order(drawn, nume
 def test_reduce_scatter_sum_gives_member_j_chunk_j_of_the_sum(drawn, per_member) -> None:
     W, ranks = drawn
     n = len(ranks)
-    inputs = [torch.arange(n * per_member, dtype=torch.float32) * (j + 1) - 0.5 * j for j in range(n)]
+    inputs = [
+        torch.arange(n * per_member, dtype=torch.float32) * (j + 1) - 0.5 * j for j in range(n)
+    ]
 
     def rank_main(comm: ThreadComm):
         if comm.rank not in ranks:
             return None
         me = ranks.index(comm.rank)
-        return me, comm.reduce_scatter_sum(inputs[me].reshape(n, per_member), Group(ranks), "r"), dict(comm.ledger)
+        return (
+            me,
+            comm.reduce_scatter_sum(inputs[me].reshape(n, per_member), Group(ranks), "r"),
+            dict(comm.ledger),
+        )
 
     total = sum(inputs)
     moved = (n - 1) * per_member * 4
     for me, out, ledger in filter(None, on_threads(W, rank_main)):
-        assert same_bits(out, total[me * per_member:(me + 1) * per_member])
+        assert same_bits(out, total[me * per_member : (me + 1) * per_member])
         assert ledger == {"r": [moved, moved]}
 
 
@@ -139,7 +155,11 @@ def test_the_ledger_sums_per_name_and_reset_clears_it() -> None:
 
     (ledger, calls), after, after_calls = on_threads(2, rank_main)[0]
     assert ledger == {"a": [20, 20], "b": [2, 2]} and after == {} and after_calls == []
-    assert calls == [("a", "all_gather", 12, 12), ("a", "all_gather", 8, 8), ("b", "all_gather", 2, 2)]
+    assert calls == [
+        ("a", "all_gather", 12, 12),
+        ("a", "all_gather", 8, 8),
+        ("b", "all_gather", 2, 2),
+    ]
 
 
 def test_groups_are_their_ranks_in_order_and_subgroups_one_group_per_part() -> None:
@@ -182,8 +202,14 @@ def test_a_group_of_one_answers_every_collective_with_its_input_and_no_backend_c
     assert same_bits(comm.all_to_all(x, [6], [6], alone, "p"), x.reshape(-1))
     assert same_bits(comm.all_gather(x, alone, "p"), x.reshape(-1))
     assert same_bits(comm.reduce_scatter_sum(x, alone, "p"), x.reshape(-1))
-    assert comm.ledger == {"p": [0, 0]} and [c[1] for c in comm.calls] == ["all_to_all", "all_gather", "reduce_scatter"]
-    with pytest.raises(AssertionError, match="backend call"):  # the control: a group of two does call it
+    assert comm.ledger == {"p": [0, 0]} and [c[1] for c in comm.calls] == [
+        "all_to_all",
+        "all_gather",
+        "reduce_scatter",
+    ]
+    with pytest.raises(
+        AssertionError, match="backend call"
+    ):  # the control: a group of two does call it
         comm.all_gather(x, Group((0, 1)), "p")
 
 
@@ -207,12 +233,15 @@ def test_the_worlds_mailboxes_are_emptied_once_every_member_has_read() -> None:
 def test_only_the_whole_world_gets_the_world_handle_and_a_given_handle_is_kept() -> None:
     """Comm.group: the world's handle for the world's ranks compared by value, none for other ranks, a given handle
     kept."""
+
     class Handled(ThreadComm):
         def _world_handle(self):
             return "WORLD"
 
     comm = Handled(ThreadWorld(4), 2)
-    assert comm.group(tuple(range(4))).handle == "WORLD"  # a tuple of its own, equal to the world's ranks
+    assert (
+        comm.group(tuple(range(4))).handle == "WORLD"
+    )  # a tuple of its own, equal to the world's ranks
     assert comm.group((2, 0)).handle is None and comm.group((0, 1, 2)).handle is None
     assert comm.group((2, 0), "axis").handle == "axis"
 
@@ -220,14 +249,18 @@ def test_only_the_whole_world_gets_the_world_handle_and_a_given_handle_is_kept()
 def test_reduce_scatter_refuses_a_tensor_that_does_not_split_into_equal_chunks() -> None:
     """reduce_scatter_sum's precondition numel % group.size == 0, asserted before any backend call."""
     comm = NoBackend(ThreadWorld(2), 0)
-    with pytest.raises(AssertionError, match=r"^\(5, 2\)$"):  # its own precondition, before any backend call
+    with pytest.raises(
+        AssertionError, match=r"^\(5, 2\)$"
+    ):  # its own precondition, before any backend call
         comm.reduce_scatter_sum(torch.zeros(5), Group((0, 1)), "p")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("members", [(0, 1, 2), (0, 2)])
 @pytest.mark.parametrize("numel, dtype", [(32, "float32"), (5, "bfloat16"), (0, "float32")])
-def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledger(members, numel, dtype) -> None:
+def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledger(
+    members, numel, dtype
+) -> None:
     """TorchComm.all_gather on gloo, on the world and on a sub-group: the route gloo takes (gathers_by_all_to_all)
     gives piece j = member j's x, bit for bit, and the same ledger as the ring all-gather. Negative control: a
     planted route that exchanges nothing (each member's own x, repeated) fails the same check."""
@@ -242,8 +275,15 @@ def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledge
             continue
         assert r["by_all_to_all"] is True, (rank, r)  # a property of the gloo backend, not of a CPU
         for route in ("chosen", "ring"):
-            assert r[route]["bits"] and r[route]["ledger"] == {"g": [moved, moved]}, (rank, route, r)
-        assert r["planted"]["bits"] is (numel == 0), (rank, r)  # the control: caught wherever there is data
+            assert r[route]["bits"] and r[route]["ledger"] == {"g": [moved, moved]}, (
+                rank,
+                route,
+                r,
+            )
+        assert r["planted"]["bits"] is (numel == 0), (
+            rank,
+            r,
+        )  # the control: caught wherever there is data
 
 
 def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:

@@ -14,16 +14,29 @@ import torch
 import torch.distributed as dist
 
 import muon_ref
-from muon_dist import DistributedMuon
 from muon_check import conformance
 from muon_check.adapters.shipped import DistributedReference
+from muon_dist import DistributedMuon
 from muon_dist.kernels import Backend
 
-DIST_FAST = ["--world-sizes", "2", "--dtypes", "float32", "--families", "even", "uneven", "empty", "remainder",
-             "--shrink-budget", "15"]
+DIST_FAST = [
+    "--world-sizes",
+    "2",
+    "--dtypes",
+    "float32",
+    "--families",
+    "even",
+    "uneven",
+    "empty",
+    "remainder",
+    "--shrink-budget",
+    "15",
+]
 
 
-def padded_newton_schulz(full: torch.Tensor, layout: muon_ref.MatrixLayout, cfg: muon_ref.MuonConfig) -> torch.Tensor:
+def padded_newton_schulz(
+    full: torch.Tensor, layout: muon_ref.MatrixLayout, cfg: muon_ref.MuonConfig
+) -> torch.Tensor:
     """Like Dion: rows padded with zeros to a multiple of W and kept inside NS, so the transpose is decided on
     the padded shape."""
     W = dist.get_world_size()
@@ -65,28 +78,37 @@ def _report(tmp_path, adapter: str, *extra: str) -> tuple[int, dict]:
 
 @pytest.mark.timeout(90)
 def test_distributed_muon_behind_the_adapter_conforms_on_gloo(tmp_path) -> None:
-    code, report = _report(tmp_path, "muon_check.adapters.shipped:DistributedReference", "--world-sizes", "1", "2")
+    code, report = _report(
+        tmp_path, "muon_check.adapters.shipped:DistributedReference", "--world-sizes", "1", "2"
+    )
     assert code == 0 and report["conforms"], report["diagnosis"]
-    assert {(o["family"], o["world_size"]) for o in report["outcomes"] if o["mode"] == "dtensor"} >= {
-        ("even", 1), ("even", 2), ("uneven", 2), ("empty", 2), ("remainder", 2)}
+    assert {
+        (o["family"], o["world_size"]) for o in report["outcomes"] if o["mode"] == "dtensor"
+    } >= {("even", 1), ("even", 2), ("uneven", 2), ("empty", 2), ("remainder", 2)}
 
 
 @pytest.mark.timeout(90)
 def test_ns_on_padded_shards_is_a_bug_of_uneven_shards_only(tmp_path) -> None:
     code, report = _report(tmp_path, f"{__name__}:PaddedAdapter")
     assert code == 1
-    assert report["diagnosis"].startswith("bug: orthogonalised direction departs on uneven (1/1: W=2)")
+    assert report["diagnosis"].startswith(
+        "bug: orthogonalised direction departs on uneven (1/1: W=2)"
+    )
     departed = {o["family"] for o in report["outcomes"] if o["status"] != "bitwise"}
     assert departed == {"uneven"}, report["outcomes"]
     (small,) = report["minimal_failing_cases"]
-    assert small["status"] == "differs" and small["to"].startswith("uneven") and "W=2" in small["to"]
+    assert (
+        small["status"] == "differs" and small["to"].startswith("uneven") and "W=2" in small["to"]
+    )
 
 
 @pytest.mark.timeout(90)
 def test_a_dropped_remainder_is_a_bug_of_remainder_batches_only(tmp_path) -> None:
     code, report = _report(tmp_path, f"{__name__}:DroppedRemainder")
     assert code == 1
-    assert report["diagnosis"].startswith("bug: application departs on remainder (1/1: W=2) (step 1, param 2: the param is left as it is")
+    assert report["diagnosis"].startswith(
+        "bug: application departs on remainder (1/1: W=2) (step 1, param 2: the param is left as it is"
+    )
     departed = {o["family"] for o in report["outcomes"] if o["status"] != "bitwise"}
     assert departed == {"remainder"}, report["outcomes"]
     first = next(o for o in report["outcomes"] if o["family"] == "remainder")

@@ -9,13 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_check.fixtures import bits
 from muon_dist import Box
 from muon_dist.elementwise import run_stage, runs_as_is
 from muon_ref.functional import apply_update, matrix_layout, momentum_direction
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
-
-from muon_check.fixtures import bits
 from tests.conftest import examples
 
 from .batches import layout_1d

@@ -18,7 +18,9 @@ from .workers import fsdp_training
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", ["torch", "dion"])
-def test_fsdp2_training_on_two_ranks_equals_single_process_reference_bitwise(preset: str, dtype: str) -> None:
+def test_fsdp2_training_on_two_ranks_equals_single_process_reference_bitwise(
+    preset: str, dtype: str
+) -> None:
     results = get_pool(2).run(fsdp_training, preset, 4, dtype, timeout=90)
     record_paths(results)
     for r in results:

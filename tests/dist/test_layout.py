@@ -9,28 +9,39 @@ from .workers import layouts_of_distributed
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("shape, placement", [((5, 3), "S0"), ((3, 5), "S1"), ((2, 9), "S0"), ((6, 6), "S1")])
+@pytest.mark.parametrize(
+    "shape, placement", [((5, 3), "S0"), ((3, 5), "S1"), ((2, 9), "S0"), ((6, 6), "S1")]
+)
 @pytest.mark.parametrize("world_size, mesh", [(4, "fsdp"), (3, "fsdp"), (4, "hsdp"), (8, "hsdp")])
-def test_layout_boxes_equal_dtensor_local_shapes_and_offsets(shape, placement, world_size, mesh) -> None:
-    for ours, torchs, local in get_pool(world_size).run(layouts_of_distributed, shape, placement, mesh, timeout=30):
+def test_layout_boxes_equal_dtensor_local_shapes_and_offsets(
+    shape, placement, world_size, mesh
+) -> None:
+    for ours, torchs, local in get_pool(world_size).run(
+        layouts_of_distributed, shape, placement, mesh, timeout=30
+    ):
         assert ours == torchs and ours[0] == local, (ours, torchs, local)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("placement, kind, world_size, shape", [
-    ("S0:2,S0", "tp2", 4, (11, 7)),  # FSDP2 over ColwiseParallel: _StridedShard, uneven
-    ("S0:2,S0", "tp2", 8, (11, 7)),  # an empty box at dp rank 3
-    ("S1:4,S1", "tp4", 4, (3, 13)),
-    ("S0,S1", "tp2", 4, (5, 9)),  # FSDP2 over RowwiseParallel
-    ("S0,S0", "tp2", 4, (11, 7)),  # left to right
-    ("R,S0:2,S0", "grid2x2x2", 8, (7, 9)),  # HSDP over ColwiseParallel
-    ("R,S0,S1", "grid2x2x2", 8, (7, 9)),
-    ("S0,S1,S0", "grid2x2x2", 8, (13, 9)),
-])
-def test_tensor_parallel_boxes_equal_dtensors_local_shards(placement: str, kind: str, world_size: int,
-                                                            shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "placement, kind, world_size, shape",
+    [
+        ("S0:2,S0", "tp2", 4, (11, 7)),  # FSDP2 over ColwiseParallel: _StridedShard, uneven
+        ("S0:2,S0", "tp2", 8, (11, 7)),  # an empty box at dp rank 3
+        ("S1:4,S1", "tp4", 4, (3, 13)),
+        ("S0,S1", "tp2", 4, (5, 9)),  # FSDP2 over RowwiseParallel
+        ("S0,S0", "tp2", 4, (11, 7)),  # left to right
+        ("R,S0:2,S0", "grid2x2x2", 8, (7, 9)),  # HSDP over ColwiseParallel
+        ("R,S0,S1", "grid2x2x2", 8, (7, 9)),
+        ("S0,S1,S0", "grid2x2x2", 8, (13, 9)),
+    ],
+)
+def test_tensor_parallel_boxes_equal_dtensors_local_shards(
+    placement: str, kind: str, world_size: int, shape: tuple[int, ...]
+) -> None:
     from .workers import tp_layout_against_dtensor
 
-    for rank, checks in enumerate(get_pool(world_size).run(tp_layout_against_dtensor, placement, kind, shape,
-                                                           timeout=30)):
+    for rank, checks in enumerate(
+        get_pool(world_size).run(tp_layout_against_dtensor, placement, kind, shape, timeout=30)
+    ):
         assert all(checks), (rank, checks)

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import example, given, settings
 
-from muon_dist import read_layout
 from muon_check.fixtures import placement_of
+from muon_dist import read_layout
 from tests.conftest import examples
 from tests.test_geometry import layouts
 
@@ -34,25 +34,37 @@ def rank_of(world_size: int, rank: int, mesh_shape: tuple[int, ...]) -> Iterator
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+        yield init_device_mesh(
+            "cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape)))
+        )
     finally:
         dist.destroy_process_group()
 
 
-def dtensor(mesh, codes: tuple[str, ...], shape: tuple[int, ...], local_shape=None, dtype=torch.float32):
+def dtensor(
+    mesh, codes: tuple[str, ...], shape: tuple[int, ...], local_shape=None, dtype=torch.float32
+):
     """A DTensor of `shape` placed by `codes`, holding a local shard of torch's local shape (or `local_shape`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = [placement_of(c) for c in codes]
     local_shape = local_shape or compute_local_shape_and_global_offset(shape, mesh, placements)[0]
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(torch.zeros(local_shape, dtype=dtype), mesh, placements, shape=torch.Size(shape),
-                              stride=stride, run_check=False)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    return DTensor.from_local(
+        torch.zeros(local_shape, dtype=dtype),
+        mesh,
+        placements,
+        shape=torch.Size(shape),
+        stride=stride,
+        run_check=False,
+    )
 
 
 @settings(max_examples=examples(0.5))
-@example(drawn=((11, 7), (4, 2), ("S0:2", "S0")))  # FSDP2 over ColwiseParallel: rank 6 holds an empty box
+@example(
+    drawn=((11, 7), (4, 2), ("S0:2", "S0"))
+)  # FSDP2 over ColwiseParallel: rank 6 holds an empty box
 @example(drawn=((13, 9), (2, 2, 2), ("S0", "S1", "S0")))
 @given(drawn=layouts())
 def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
@@ -66,14 +78,26 @@ def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
         with rank_of(W, rank, mesh_shape) as mesh:
             p = dtensor(mesh, codes, shape, dtype=torch.bfloat16)
             layout = read_layout(p, "w", {}, W, rank)
-            want_shape, want_offset = compute_local_shape_and_global_offset(shape, mesh, p.placements)
+            want_shape, want_offset = compute_local_shape_and_global_offset(
+                shape, mesh, p.placements
+            )
         geometry = layout.geometry
         box = geometry.boxes[geometry.member(rank)]
-        assert box.shape == tuple(want_shape) and (box.offsets == tuple(want_offset) or box.numel == 0), (rank, box)
-        codes_read = tuple(c.split(":")[0] if c.endswith(":1") else c for c in codes)  # split factor 1: a Shard
-        assert (layout.name, layout.global_shape, layout.dtype, layout.placements) == ("w", shape, "torch.bfloat16",
-                                                                                        codes_read)
-        assert torch.tensor(layout.mesh_ranks).tolist() == torch.arange(W).reshape(mesh_shape).tolist()
+        assert box.shape == tuple(want_shape) and (
+            box.offsets == tuple(want_offset) or box.numel == 0
+        ), (rank, box)
+        codes_read = tuple(
+            c.split(":")[0] if c.endswith(":1") else c for c in codes
+        )  # split factor 1: a Shard
+        assert (layout.name, layout.global_shape, layout.dtype, layout.placements) == (
+            "w",
+            shape,
+            "torch.bfloat16",
+            codes_read,
+        )
+        assert (
+            torch.tensor(layout.mesh_ranks).tolist() == torch.arange(W).reshape(mesh_shape).tolist()
+        )
         assert layout.mesh_dim_names == tuple(f"a{i}" for i in range(len(mesh_shape)))
 
 
@@ -81,28 +105,45 @@ def test_the_layout_keys_are_read_into_the_layout() -> None:
     with rank_of(2, 1, (2,)) as mesh:
         keys = dict(split_sizes=[2, 3], split_dim=0, flatten=0, num_experts=None, num_heads=None)
         layout = read_layout(dtensor(mesh, ("S1",), (5, 4)), "qkv", keys, 2, 1)
-        heads = read_layout(dtensor(mesh, ("S0",), (4, 6)), "o", {"num_heads": 3, "split_dim": 1}, 2, 1)
-    assert (layout.split_sizes, layout.flatten, layout.num_heads, layout.split_dim) == ((2, 3), False, None, 0)
+        heads = read_layout(
+            dtensor(mesh, ("S0",), (4, 6)), "o", {"num_heads": 3, "split_dim": 1}, 2, 1
+        )
+    assert (layout.split_sizes, layout.flatten, layout.num_heads, layout.split_dim) == (
+        (2, 3),
+        False,
+        None,
+        0,
+    )
     assert [b.shape for b in layout.matrices.blocks] == [(2, 4), (3, 4)]
     assert (heads.num_heads, heads.split_dim, heads.split_sizes) == (3, 1, None)
     assert [b.shape for b in heads.matrices.blocks] == [(4, 2)] * 3
 
 
-@pytest.mark.parametrize("shape, dim", [((3, 5), -1), ((3, 5), -2), ((2, 3, 4), -1), ((2, 3, 4), -2), ((2, 3, 4), 2)])
+@pytest.mark.parametrize(
+    "shape, dim", [((3, 5), -1), ((3, 5), -2), ((2, 3, 4), -1), ((2, 3, 4), -2), ((2, 3, 4), 2)]
+)
 def test_a_shard_dim_is_read_as_its_dim_in_zero_to_ndim(shape: tuple[int, ...], dim: int) -> None:
     from torch.distributed.tensor import Shard
 
     positive = dim % len(shape)
     with rank_of(2, 0, (2,)) as mesh:
         p = dtensor(mesh, (f"S{positive}",), shape)
-        p = type(p).from_local(p.to_local(), mesh, [Shard(dim)], shape=p.shape, stride=p.stride(), run_check=False)
+        p = type(p).from_local(
+            p.to_local(), mesh, [Shard(dim)], shape=p.shape, stride=p.stride(), run_check=False
+        )
         assert read_layout(p, "w", {}, 2, 0).placements == (f"S{positive}",)
 
 
 def test_a_plain_tensor_is_replicated_over_the_default_group() -> None:
     layout = read_layout(torch.zeros(3, 4, dtype=torch.float64), "w", {"num_experts": 3}, 4, 2)
-    assert (layout.global_shape, layout.dtype, layout.mesh_ranks, layout.placements, layout.mesh_dim_names,
-            layout.num_experts) == ((3, 4), "torch.float64", (0, 1, 2, 3), ("R",), None, 3)
+    assert (
+        layout.global_shape,
+        layout.dtype,
+        layout.mesh_ranks,
+        layout.placements,
+        layout.mesh_dim_names,
+        layout.num_experts,
+    ) == ((3, 4), "torch.float64", (0, 1, 2, 3), ("R",), None, 3)
 
 
 def test_a_partial_placement_is_refused_naming_the_param() -> None:
@@ -116,13 +157,22 @@ def test_a_partial_placement_is_refused_naming_the_param() -> None:
 
 def test_a_replicated_dtensor_on_a_mesh_of_two_axes_is_refused() -> None:
     with rank_of(4, 0, (2, 2)) as mesh:
-        with pytest.raises(ValueError, match=r"w of shape \(3, 4\): a replicated DTensor must live on a 1-D mesh"):
+        with pytest.raises(
+            ValueError, match=r"w of shape \(3, 4\): a replicated DTensor must live on a 1-D mesh"
+        ):
             read_layout(dtensor(mesh, ("R", "R"), (3, 4)), "w", {}, 4, 0)
-        assert read_layout(dtensor(mesh, ("R", "S0"), (3, 4)), "w", {}, 4, 0).placements == ("R", "S0")
+        assert read_layout(dtensor(mesh, ("R", "S0"), (3, 4)), "w", {}, 4, 0).placements == (
+            "R",
+            "S0",
+        )
 
 
-def test_a_local_shard_that_is_not_the_box_of_its_placements_is_refused_naming_both_shapes() -> None:
+def test_a_local_shard_that_is_not_the_box_of_its_placements_is_refused_naming_both_shapes() -> (
+    None
+):
     with rank_of(2, 1, (2,)) as mesh:
         p = dtensor(mesh, ("S0",), (5, 4), local_shape=(3, 4))  # torch.chunk gives rank 1 rows 3-4
-        with pytest.raises(ValueError, match=r"w of shape \(5, 4\): local shard \(3, 4\) is not the box \(2, 4\)"):
+        with pytest.raises(
+            ValueError, match=r"w of shape \(5, 4\): local shard \(3, 4\) is not the box \(2, 4\)"
+        ):
             read_layout(p, "w", {}, 2, 1)

@@ -11,13 +11,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import muon_ref
-from muon_dist.comm import run_threads as run_on_threads
+from muon_check.fixtures import bits
 from muon_dist import Group, ThreadComm, ThreadWorld
+from muon_dist.comm import run_threads as run_on_threads
 from muon_dist.geometry import Box, whole
 from muon_dist.paths import PATHS, agrs
 from muon_dist.paths.shards import join
-
-from muon_check.fixtures import bits
 from tests.conftest import examples
 
 from .batches import batch_of, box, layout_1d
@@ -32,7 +31,9 @@ def NS(x: torch.Tensor, frame=None) -> torch.Tensor:
     return _NS(x)
 
 
-def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, kernel, out_dtype) -> list[dict]:
+def run_threads(
+    W: int, path: str, fulls: list[torch.Tensor], placement: str, kernel, out_dtype
+) -> list[dict]:
     """Every rank's run of `path` on its boxes of `fulls`: {"updates", "ledger", "expected"}, or raises."""
     world, results = ThreadWorld(W, timeout_s=20), [None] * W
     layout = layout_1d(tuple(fulls[0].shape), placement, W, fulls[0].dtype)
@@ -40,12 +41,24 @@ def run_threads(W: int, path: str, fulls: list[torch.Tensor], placement: str, ke
 
     def rank_main(rank: int) -> None:
         comm = ThreadComm(world, rank)
-        ups = PATHS[path].run(comm, Group(tuple(range(W))), batch, [box(f, layout, rank) for f in fulls],
-                              [kernel] * len(fulls))
-        want = PATHS[path].expected_bytes(batch, rank, ITEMSIZES)  # None: no collective, so no ledger entry
-        results[rank] = {"updates": ups, "ledger": dict(comm.ledger), "expected": {} if want is None else {path: want},
-                         "layout": layout,
-                         "rank": rank, "calls": [c[1] for c in comm.calls]}
+        ups = PATHS[path].run(
+            comm,
+            Group(tuple(range(W))),
+            batch,
+            [box(f, layout, rank) for f in fulls],
+            [kernel] * len(fulls),
+        )
+        want = PATHS[path].expected_bytes(
+            batch, rank, ITEMSIZES
+        )  # None: no collective, so no ledger entry
+        results[rank] = {
+            "updates": ups,
+            "ledger": dict(comm.ledger),
+            "expected": {} if want is None else {path: want},
+            "layout": layout,
+            "rank": rank,
+            "calls": [c[1] for c in comm.calls],
+        }
 
     run_on_threads(W, rank_main)
     return results
@@ -61,12 +74,18 @@ def assert_equation(results: list[dict], fulls: list[torch.Tensor], kernel, out_
             mine = box(want, lay, r["rank"])
             assert torch.equal(bits(got), bits(mine)), (lay, got, mine)
         assert {k: tuple(v) for k, v in r["ledger"].items()} == r["expected"]
-        for path in r["ledger"]:  # none: the all-to-all family in a group of one calls no collective
+        for path in r[
+            "ledger"
+        ]:  # none: the all-to-all family in a group of one calls no collective
             assert r["calls"] == COLLECTIVES[path], (path, r["calls"])
 
 
-COLLECTIVES = {"all_to_all": ["all_to_all"] * 2, "padded_all_to_all": ["all_to_all"] * 2,
-               "agrs": ["all_gather", "reduce_scatter"], "replicated": ["all_gather"]}
+COLLECTIVES = {
+    "all_to_all": ["all_to_all"] * 2,
+    "padded_all_to_all": ["all_to_all"] * 2,
+    "agrs": ["all_gather", "reduce_scatter"],
+    "replicated": ["all_gather"],
+}
 
 
 # tested elsewhere: expert stacks (tests/dist/test_experts.py), LPT owners over mixed shapes
@@ -81,7 +100,15 @@ def batches(draw) -> tuple:
     count = W if path == "all_to_all" else draw(st.integers(1, W))
     shape = (draw(st.integers(1, 2 * W + 2)), draw(st.integers(1, 2 * W + 2)))
     placement = "R" if path == "replicated" else draw(st.sampled_from(["S0", "S1"]))
-    return W, path, count, shape, placement, draw(st.sampled_from([torch.float32, torch.bfloat16])), draw(st.integers(0, 999))
+    return (
+        W,
+        path,
+        count,
+        shape,
+        placement,
+        draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        draw(st.integers(0, 999)),
+    )
 
 
 @pytest.mark.timeout(timeout_for(120))
@@ -106,7 +133,12 @@ def _negative_zeros(x: torch.Tensor, frame=None) -> torch.Tensor:
 @pytest.mark.parametrize("W, count", [(2, 1), (4, 3), (5, 5)])
 def test_agrs_keeps_the_sign_of_zero_bitwise(W: int, count: int) -> None:
     fulls = [torch.randn(7, 3, generator=torch.Generator().manual_seed(i)) for i in range(count)]
-    assert_equation(run_threads(W, "agrs", fulls, "S0", _negative_zeros, torch.float32), fulls, _negative_zeros, torch.float32)
+    assert_equation(
+        run_threads(W, "agrs", fulls, "S0", _negative_zeros, torch.float32),
+        fulls,
+        _negative_zeros,
+        torch.float32,
+    )
 
 
 @pytest.mark.timeout(60)
@@ -114,7 +146,12 @@ def test_agrs_with_plus_zero_padding_loses_negative_zeros(monkeypatch: pytest.Mo
     monkeypatch.setattr(agrs, "ADDITIVE_IDENTITY", 0.0)
     fulls = [torch.randn(7, 3, generator=torch.Generator().manual_seed(0))]
     with pytest.raises(AssertionError):
-        assert_equation(run_threads(2, "agrs", fulls, "S0", _negative_zeros, torch.float32), fulls, _negative_zeros, torch.float32)
+        assert_equation(
+            run_threads(2, "agrs", fulls, "S0", _negative_zeros, torch.float32),
+            fulls,
+            _negative_zeros,
+            torch.float32,
+        )
 
 
 @pytest.mark.timeout(60)
@@ -132,6 +169,8 @@ def test_join_refuses_pieces_whose_boxes_do_not_tile_the_frame() -> None:
     frame = whole((4, 3))
     top, bottom = Box((0, 0), (2, 3)), Box((2, 0), (2, 3))
     pieces = [torch.arange(6.0), torch.arange(6.0, 12.0)]
-    assert torch.equal(bits(join(pieces, [top, bottom], frame)), bits(torch.arange(12.0).reshape(4, 3)))
+    assert torch.equal(
+        bits(join(pieces, [top, bottom], frame)), bits(torch.arange(12.0).reshape(4, 3))
+    )
     with pytest.raises(AssertionError):
         join(pieces[:1], [top], frame)  # the bottom half never written

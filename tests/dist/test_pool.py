@@ -8,6 +8,7 @@ import time
 import pytest
 
 from muon_check.launch import RankFailure, RankPool
+
 from .workers import fail_on, killed_in_a_collective
 
 
@@ -21,13 +22,17 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["raise", "hang"])
-def test_a_failing_or_hung_rank_fails_the_call_and_the_next_call_gets_a_fresh_pool(how: str) -> None:
+def test_a_failing_or_hung_rank_fails_the_call_and_the_next_call_gets_a_fresh_pool(
+    how: str,
+) -> None:
     pool = RankPool(3)
     try:
         pool.start()
         failed = [p.pid for p in pool.procs]
         start = time.monotonic()
-        with pytest.raises(RankFailure, match="deliberate failure" if how == "raise" else "no answer"):
+        with pytest.raises(
+            RankFailure, match="deliberate failure" if how == "raise" else "no answer"
+        ):
             pool.run(fail_on, 1, how, timeout=3)
         assert time.monotonic() - start < 10
         # the failed ranks are gone and the next ones already started (kill(restart=True))
@@ -71,7 +76,9 @@ def test_a_calls_timeout_counts_from_the_ranks_start_not_from_their_spawn() -> N
     every case of `--planted --device cuda` timed out the same way, each on a respawned pool."""
     pool = RankPool(2, start_method="spawn")
     try:
-        pids = pool.run(os.getpid, timeout=0.2)  # a call that imports nothing: its time is the ranks' answer
+        pids = pool.run(
+            os.getpid, timeout=0.2
+        )  # a call that imports nothing: its time is the ranks' answer
         assert pids == [p.pid for p in pool.procs] and pool.started == {0, 1}
         assert pool.run(os.getpid, timeout=0.2) == pids
     finally:
@@ -86,7 +93,9 @@ def test_a_pool_on_an_unknown_device_is_refused() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT", "exit"])
-def test_a_rank_killed_by_a_signal_is_named_with_the_signal_and_the_collective_it_hit(how: str) -> None:
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal_and_the_collective_it_hit(
+    how: str,
+) -> None:
     """A rank that a fatal signal kills: its failure names the signal and the torch.distributed call from
     faulthandler's dump, and the conformance check's crash says "killed by Segmentation fault in torch.distributed
     all_gather_tensor (...), called from ..." (a segfault inside torch's functional collectives on gloo over CUDA
@@ -106,9 +115,14 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal_and_the_collective_i
     if how == "SIGSEGV":
         where = "in torch.distributed all_gather_tensor (_functional_collectives.py), called from workers.py:"
         assert f"; killed: Segmentation fault {where}" in first, first
-        assert outcome.error.startswith(f"rank 0: killed by Segmentation fault {where}"), outcome.error
+        assert outcome.error.startswith(f"rank 0: killed by Segmentation fault {where}"), (
+            outcome.error
+        )
     else:
         assert ("; killed: Aborted in torch.distributed" in first) == (how == "SIGABRT"), first
         assert "; killed: " not in first or how == "SIGABRT", first
-        assert outcome.error == "rank 0: died in a collective (gloo aborted it; peers: connection reset)"
+        assert (
+            outcome.error
+            == "rank 0: died in a collective (gloo aborted it; peers: connection reset)"
+        )
     assert outcome.status == "crash"

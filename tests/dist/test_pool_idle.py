@@ -63,7 +63,9 @@ def _simulated(monkeypatch: pytest.MonkeyPatch, waiting: bool) -> bool:
     return False
 
 
-def test_a_rank_waiting_for_the_cpu_or_the_disk_is_not_reported_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_waiting_for_the_cpu_or_the_disk_is_not_reported_hung(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # an fsync of a checkpoint on a busy disk uses no CPU for seconds: state D is work, not a hang
     assert not _simulated(monkeypatch, waiting=True)
     # negative control: the same samples without the disk wait are a hang

@@ -16,8 +16,15 @@ from dataclasses import replace
 import pytest
 
 from muon_check.fixtures import same_bits
-from .ckpt_workers import (groups_change_between_steps, none_on_some_ranks_then_recover, nonfinite_on_one_rank,
-                           raise_in_a_later_write_group, raise_mid_step, zero_gradients)
+
+from .ckpt_workers import (
+    groups_change_between_steps,
+    none_on_some_ranks_then_recover,
+    nonfinite_on_one_rank,
+    raise_in_a_later_write_group,
+    raise_mid_step,
+    zero_gradients,
+)
 from .conftest import get_pool
 from .workers import Case, distributed_steps
 
@@ -28,12 +35,21 @@ PROMPT_S = 5.0  # a failed step ends this fast on every rank; the pool's own tim
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_a_nonfinite_gradient_on_one_rank_follows_the_policy_on_every_rank(value: float, policy: str) -> None:
+def test_a_nonfinite_gradient_on_one_rank_follows_the_policy_on_every_rank(
+    value: float, policy: str
+) -> None:
     results = get_pool(4).run(nonfinite_on_one_rank, CASE, value, policy, timeout=30)
-    assert [r["sees"] for r in results] == [False, False, True, False]  # rows 4-5 of param 0 live on rank 2
+    assert [r["sees"] for r in results] == [
+        False,
+        False,
+        True,
+        False,
+    ]  # rows 4-5 of param 0 live on rank 2
     for rank, r in enumerate(results):
         if policy == "raise":
-            assert "p0 of shape (6, 4) has a non-finite gradient" in r["error"] and r["unchanged"], (rank, r)
+            assert (
+                "p0 of shape (6, 4) has a non-finite gradient" in r["error"] and r["unchanged"]
+            ), (rank, r)
         else:
             assert r["error"] == "no error" and not r["unchanged"], (rank, r)
         assert r["differing"] == {} and r["keys"] == results[0]["keys"], (rank, r)
@@ -50,7 +66,9 @@ def test_zero_gradients_give_a_zero_update(weight_decay: float) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("none_ranks", [(1,), (0, 2)])
-def test_a_grad_none_on_some_ranks_raises_on_every_rank_and_the_next_step_recovers(none_ranks) -> None:
+def test_a_grad_none_on_some_ranks_raises_on_every_rank_and_the_next_step_recovers(
+    none_ranks,
+) -> None:
     results = get_pool(3).run(none_on_some_ranks_then_recover, CASE, none_ranks, timeout=30)
     for rank, r in enumerate(results):
         assert "disagree with rank 0 on the step's plan" in r["error"], (rank, r["error"])
@@ -66,7 +84,9 @@ def test_a_grad_none_on_every_rank_skips_the_param_and_keeps_its_state() -> None
 
 
 @pytest.mark.timeout(60)
-def test_params_added_to_and_removed_from_groups_between_steps_match_the_reference(tmp_path) -> None:
+def test_params_added_to_and_removed_from_groups_between_steps_match_the_reference(
+    tmp_path,
+) -> None:
     case = replace(CASE, shapes=CASE.shapes[:3], placements=CASE.placements[:3])
     results = get_pool(3).run(groups_change_between_steps, case, str(tmp_path), timeout=30)
     for rank, r in enumerate(results):
@@ -78,15 +98,21 @@ def test_params_added_to_and_removed_from_groups_between_steps_match_the_referen
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["kernel", "momentum"])
 @pytest.mark.parametrize("world_size,failing_rank", [(2, 1), (4, 0)])
-def test_a_rank_that_raises_mid_step_makes_every_rank_raise_promptly(where: str, world_size: int,
-                                                                      failing_rank: int) -> None:
-    case = Case(shapes=((5, 3),) * world_size, placements=("S0",) * world_size)  # all_to_all: every rank owns one
+def test_a_rank_that_raises_mid_step_makes_every_rank_raise_promptly(
+    where: str, world_size: int, failing_rank: int
+) -> None:
+    case = Case(
+        shapes=((5, 3),) * world_size, placements=("S0",) * world_size
+    )  # all_to_all: every rank owns one
     start = time.monotonic()
     results = get_pool(world_size).run(raise_mid_step, case, failing_rank, where, timeout=30)
     assert time.monotonic() - start < 2 * PROMPT_S
     for rank, r in enumerate(results):
-        want = (f"rank {failing_rank} failed mid-step in the {where}" if rank == failing_rank
-                else f"ranks [{failing_rank}] failed mid-step")
+        want = (
+            f"rank {failing_rank} failed mid-step in the {where}"
+            if rank == failing_rank
+            else f"ranks [{failing_rank}] failed mid-step"
+        )
         assert want in r["error"] and r["seconds"] < PROMPT_S, (rank, r)
         assert r["unchanged"] and r["differing"] == {}, (rank, r)
 
@@ -96,21 +122,34 @@ def test_repeated_runs_are_bitwise_identical() -> None:
     case = replace(CASE, steps=3, placements=("S0", "S0", "S1", "R"))
     first, second = (get_pool(4).run(distributed_steps, case, timeout=30) for _ in range(2))
     for rank, (a, b) in enumerate(zip(first, second)):
-        assert all(same_bits(x, y) for x, y in zip(a["params"] + a["buffers"], b["params"] + b["buffers"])), rank
+        assert all(
+            same_bits(x, y) for x, y in zip(a["params"] + a["buffers"], b["params"] + b["buffers"])
+        ), rank
 
 
 # three batches of equal size (W params each, no empty box): three write groups of a streaming step, one of an
 # atomic step; four rounds asked for (by size, a step this small goes in one round: one write group)
-GROUPED = Case(shapes=((8, 4),) * 4 + ((4, 8),) * 4 + ((16, 2),) * 4, placements=("S0",) * 12,
-               overrides=(("rounds", 4),))
+GROUPED = Case(
+    shapes=((8, 4),) * 4 + ((4, 8),) * 4 + ((16, 2),) * 4,
+    placements=("S0",) * 12,
+    overrides=(("rounds", 4),),
+)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("atomic", [False, True])
-def test_a_failure_in_a_later_write_group_writes_exactly_the_earlier_groups_on_every_rank(atomic: bool) -> None:
+def test_a_failure_in_a_later_write_group_writes_exactly_the_earlier_groups_on_every_rank(
+    atomic: bool,
+) -> None:
     results = get_pool(4).run(raise_in_a_later_write_group, GROUPED, 2, (4, 8), atomic, timeout=30)
-    written = [False] * 12 if atomic else [True] * 4 + [False] * 8  # the (8, 4) batch is the first group
+    written = (
+        [False] * 12 if atomic else [True] * 4 + [False] * 8
+    )  # the (8, 4) batch is the first group
     for rank, r in enumerate(results):
         assert r["changed"] == written, (rank, r)
-        state = "no param or momentum buffer was written" if atomic else "the first 1 batches of the step's plan"
+        state = (
+            "no param or momentum buffer was written"
+            if atomic
+            else "the first 1 batches of the step's plan"
+        )
         assert "failed mid-step" in r["error"] and state in r["error"], (rank, r["error"])

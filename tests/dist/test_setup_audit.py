@@ -296,5 +296,8 @@ def test_a_configuration_that_raises_is_a_could_not_run_row_not_a_traceback() ->
     failed = [r for r in rep["rows"] if r["status"] == "could not run"]
     assert failed and all("planted refusal at W = 2" in r["error"] for r in failed), rep
     assert by_config["W = 1 (fsdp2, 2 micro-batches)"]["status"] == "bitwise", rep
-    assert rep["broken"] == [] and rep["verdict"] == f"could not run {len(failed)} of {len(rep['rows'])}"
+    assert (
+        rep["broken"] == []
+        and rep["verdict"] == f"could not run {len(failed)} of {len(rep['rows'])}"
+    )
     assert not SetupReport("invariance", rep).clean

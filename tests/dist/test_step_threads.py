@@ -20,16 +20,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import muon_ref
+from muon_check.fixtures import same_bits, seeded
 from muon_dist import Entry, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes
+from muon_dist.agreement import CHECKS
 from muon_dist.comm import run_threads
 from muon_dist.kernels import Backend, backend
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_dist.agreement import CHECKS
 from muon_dist.step import ParamInput, execute, prepare
 from muon_ref.optim import group_config
 from muon_ref.presets import PRESETS, preset_defaults
-
-from muon_check.fixtures import same_bits, seeded
 from tests.conftest import examples
 
 from .checks import timeout_for
@@ -66,9 +65,22 @@ class Case:
         for gi, group in enumerate(self.groups):
             keys = dict(group.keys)
             for shape, codes in zip(group.shapes, group.placements):
-                out.append((gi, ParamLayout(f"p{len(out)}", shape, f"torch.{self.dtype}", self.mesh, codes,
-                                            num_experts=keys.get("num_experts"), split_sizes=keys.get("split_sizes"),
-                                            num_heads=keys.get("num_heads"), split_dim=keys.get("split_dim", 0))))
+                out.append(
+                    (
+                        gi,
+                        ParamLayout(
+                            f"p{len(out)}",
+                            shape,
+                            f"torch.{self.dtype}",
+                            self.mesh,
+                            codes,
+                            num_experts=keys.get("num_experts"),
+                            split_sizes=keys.get("split_sizes"),
+                            num_heads=keys.get("num_heads"),
+                            split_dim=keys.get("split_dim", 0),
+                        ),
+                    )
+                )
         return out
 
 
@@ -117,18 +129,30 @@ def cases(draw) -> Case:
         mesh = tuple(tuple(range(i * W // 2, (i + 1) * W // 2)) for i in range(2))
     drawn = tuple(draw(groups(W, axes)) for _ in range(draw(st.integers(1, 3))))
     dispatch = draw(st.sampled_from(["batched", "global"]))
-    force = draw(st.sampled_from([None, "agrs", "padded_all_to_all"])) if dispatch == "batched" else None
+    force = (
+        draw(st.sampled_from([None, "agrs", "padded_all_to_all"]))
+        if dispatch == "batched"
+        else None
+    )
     options = Options(draw(st.sampled_from(["agrs", "padded_all_to_all"])), force, dispatch)
     num_params = sum(len(g.shapes) for g in drawn)
     no_grad = tuple(draw(st.sets(st.integers(0, num_params - 1), max_size=2)))
-    return Case(W, mesh, drawn, draw(st.sampled_from(["float32", "bfloat16"])), draw(st.sampled_from(sorted(PRESETS))),
-                options, draw(st.booleans()), no_grad)
+    return Case(
+        W,
+        mesh,
+        drawn,
+        draw(st.sampled_from(["float32", "bfloat16"])),
+        draw(st.sampled_from(sorted(PRESETS))),
+        options,
+        draw(st.booleans()),
+        no_grad,
+    )
 
 
 def param_groups(case: Case, params: list[torch.Tensor]) -> list[dict]:
     out, start = [], 0
     for group in case.groups:
-        out.append({"params": params[start:start + len(group.shapes)], **dict(group.keys)})
+        out.append({"params": params[start : start + len(group.shapes)], **dict(group.keys)})
         start += len(group.shapes)
     return out
 
@@ -144,20 +168,28 @@ def gradients(case: Case, step: int) -> list[torch.Tensor | None]:
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    return [seeded(layout.global_shape, 7919 + i, case.dtype) for i, (_, layout) in enumerate(case.layouts())]
+    return [
+        seeded(layout.global_shape, 7919 + i, case.dtype)
+        for i, (_, layout) in enumerate(case.layouts())
+    ]
 
 
 def reference(case: Case, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """muon_ref.Muon on the full tensors: (params, momentum buffers) after `steps` steps."""
     params = initial_params(case)
     opt = muon_ref.Muon(
-        param_groups(case, params), preset=case.preset, nonfinite=case.policy, update_layout=UPDATE_LAYOUT
+        param_groups(case, params),
+        preset=case.preset,
+        nonfinite=case.policy,
+        update_layout=UPDATE_LAYOUT,
     )
     for step in range(steps):
         for p, g in zip(params, gradients(case, step)):
             p.grad = g
         opt.step()
-    return params, [opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params]
+    return params, [
+        opt.state[p]["momentum_buffer"] if p in opt.state else torch.zeros_like(p) for p in params
+    ]
 
 
 def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
@@ -167,10 +199,14 @@ def box(t: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
 
 def configs_of(case: Case) -> list:
     """Each param group's MuonConfig: the case's preset with its non-finite policy."""
-    return [group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups]
+    return [
+        group_config(preset_defaults(case.preset, {"nonfinite": case.policy})) for _ in case.groups
+    ]
 
 
-def on_threads(case: Case, steps: int, kernels: Backend | None = None, in_place: bool = False) -> list[object]:
+def on_threads(
+    case: Case, steps: int, kernels: Backend | None = None, in_place: bool = False
+) -> list[object]:
     """Every rank's (params, buffers) after `steps` steps of prepare + execute on its boxes, or the exception it
     raised. in_place: execute writes each new param into the rank's param tensor (out_params), as DistributedMuon
     has it do, and yields that tensor; the tensors are the ones the rank started with."""
@@ -185,20 +221,36 @@ def on_threads(case: Case, steps: int, kernels: Backend | None = None, in_place:
         bufs = [torch.zeros_like(p) for p in params]
         try:
             for step in range(steps):
-                grads = [None if g is None else box(g, lay, rank) for g, (_, lay) in zip(gradients(case, step), layouts)]
-                entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
-                                for (gi, lay), g in zip(layouts, grads))
+                grads = [
+                    None if g is None else box(g, lay, rank)
+                    for g, (_, lay) in zip(gradients(case, step), layouts)
+                ]
+                entries = tuple(
+                    Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), g is not None)
+                    for (gi, lay), g in zip(layouts, grads)
+                )
                 inputs = [ParamInput(p, g, b) for p, g, b in zip(params, grads, bufs)]
                 per_param = [configs[gi] for gi, _ in layouts]
                 comm.reset()
                 step_plan, skipped = prepare(comm, entries, inputs, per_param, case.options)
-                for i, new, buf in execute(comm, step_plan, inputs, per_param, kernels or backend("torch"),
-                                           lambda batch: comm.group(batch.geometries[0].group_of(rank)),
-                                           case.atomic, skipped, out_params=own if in_place else None):
+                for i, new, buf in execute(
+                    comm,
+                    step_plan,
+                    inputs,
+                    per_param,
+                    kernels or backend("torch"),
+                    lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+                    case.atomic,
+                    skipped,
+                    out_params=own if in_place else None,
+                ):
                     assert not in_place or new is own[i], (rank, i)
                     params[i], bufs[i] = new, buf
                 moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
-                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)  # bytes as planned
+                assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (
+                    rank,
+                    moved,
+                )  # bytes as planned
             results[rank] = (params, bufs)
         except Exception as e:  # noqa: BLE001 - every rank's error is compared by the test
             results[rank] = e
@@ -221,18 +273,58 @@ MATRIX = Group((), ((5, 3),) * 3 + ((3, 9),), (("S0",),) * 3 + (("S1",),))
 
 
 @pytest.mark.timeout(timeout_for(120))
-@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,)))  # an empty box
-@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
-                   "bfloat16", "xtuner", Options(), False))  # local experts on (ep, fsdp)
-@example(case=Case(4, (0, 1, 2, 3), (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),), "float32", "torch",
-                   Options(), False))  # subgroup all-gather: each expert on two ranks
-@example(case=Case(3, (0, 1, 2), (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
-                   "bfloat16", "dion", Options(), True))  # blocks straddling shards
-@example(case=Case(4, ((0, 1), (2, 3)), (MATRIX, Group((), ((4, 4),), (("R", "S1"),))), "float32", "keller",
-                   Options(dispatch="global"), False))  # HSDP, global dispatch
+@example(
+    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False, (1,))
+)  # an empty box
+@example(
+    case=Case(
+        4,
+        ((0, 1), (2, 3)),
+        (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+        "bfloat16",
+        "xtuner",
+        Options(),
+        False,
+    )
+)  # local experts on (ep, fsdp)
+@example(
+    case=Case(
+        4,
+        (0, 1, 2, 3),
+        (Group((("num_experts", 2),), ((4, 3),), (("S0",),)),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    )
+)  # subgroup all-gather: each expert on two ranks
+@example(
+    case=Case(
+        3,
+        (0, 1, 2),
+        (Group((("split_sizes", (3, 1, 1)),), ((5, 4),) * 2, (("S0",), ("S1",))),),
+        "bfloat16",
+        "dion",
+        Options(),
+        True,
+    )
+)  # blocks straddling shards
+@example(
+    case=Case(
+        4,
+        ((0, 1), (2, 3)),
+        (MATRIX, Group((), ((4, 4),), (("R", "S1"),))),
+        "float32",
+        "keller",
+        Options(dispatch="global"),
+        False,
+    )
+)  # HSDP, global dispatch
 @settings(max_examples=examples(1.0))
 @given(case=cases())
-def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(case: Case) -> None:
+def test_the_step_on_every_ranks_boxes_equals_muon_ref_on_the_full_tensors_bitwise(
+    case: Case,
+) -> None:
     assert_boxes_of_reference(case, on_threads(case, steps=2), steps=2)
 
 
@@ -259,18 +351,37 @@ def plans_a_stacking_path(case: Case) -> bool:
     from muon_dist.plan import plan
 
     configs = configs_of(case)
-    entries = tuple(Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), True) for gi, lay in case.layouts())
+    entries = tuple(
+        Entry(lay, gi, str(configs[gi].ns_dtype or lay.dtype), True) for gi, lay in case.layouts()
+    )
     return any(b.path in STACKING_PATHS for b in plan(entries, case.options).batches)
 
 
-PACKED = Group((), ((4, 6),) * 3 + ((8, 8),), (("S0",),) * 4)  # in a group of one: batches of two (4, 6) params
+PACKED = Group(
+    (), ((4, 6),) * 3 + ((8, 8),), (("S0",),) * 4
+)  # in a group of one: batches of two (4, 6) params
 
 
 @pytest.mark.timeout(timeout_for(120))
-@example(case=Case(1, (0,), (PACKED,), "float32", "torch", Options(), False))  # a group of one: the run packed
-@example(case=Case(2, (0, 1), (PACKED,), "bfloat16", "torch", Options(dispatch="global", rounds=1), False))
-@example(case=Case(4, ((0, 1), (2, 3)), (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
-                   "bfloat16", "xtuner", Options(), False))  # local experts, two params' experts in one stack
+@example(
+    case=Case(1, (0,), (PACKED,), "float32", "torch", Options(), False)
+)  # a group of one: the run packed
+@example(
+    case=Case(
+        2, (0, 1), (PACKED,), "bfloat16", "torch", Options(dispatch="global", rounds=1), False
+    )
+)
+@example(
+    case=Case(
+        4,
+        ((0, 1), (2, 3)),
+        (Group((("num_experts", 4),), ((8, 3),) * 2, (("S0", "S0"),) * 2),),
+        "bfloat16",
+        "xtuner",
+        Options(),
+        False,
+    )
+)  # local experts, two params' experts in one stack
 @settings(max_examples=examples(0.5))
 @given(case=cases())
 def test_with_kernel_calls_stacked_across_params_the_step_keeps_muon_refs_bits(case: Case) -> None:
@@ -283,7 +394,8 @@ def test_with_kernel_calls_stacked_across_params_the_step_keeps_muon_refs_bits(c
 
 @pytest.mark.timeout(timeout_for(60))
 def test_where_onednn_leaves_bf16_to_aten_the_torch_backend_stacks_params_and_the_batch_only_where_bitwise(
-        monkeypatch) -> None:
+    monkeypatch,
+) -> None:
     """The real torch backend, with oneDNN off (ATen's own bf16 kernel: its rule's static parts hold on every CPU):
     three (16, 32) bf16 params in a group of one share a batch and one stack of three matrices; the stack runs
     batched exactly where the probe found the batch bitwise for that stack (else the loop), and the step's bits
@@ -304,23 +416,45 @@ def test_where_onednn_leaves_bf16_to_aten_the_torch_backend_stacks_params_and_th
 
     monkeypatch.setattr(reference, "newton_schulz_batched", spy)
     reference.forget_probes()
-    case = Case(1, (0,), (Group((), ((16, 32),) * 3, (("S0",),) * 3),), "bfloat16", "torch", Options(), False)
+    case = Case(
+        1,
+        (0,),
+        (Group((), ((16, 32),) * 3, (("S0",),) * 3),),
+        "bfloat16",
+        "torch",
+        Options(),
+        False,
+    )
     with onednn(False):
-        results = on_threads(case, steps=2, kernels=dataclasses.replace(backend("torch"), stack=stack))
+        results = on_threads(
+            case, steps=2, kernels=dataclasses.replace(backend("torch"), stack=stack)
+        )
     verdicts = {key[0]: verdict for key, verdict in reference.probed().items()}
     reference.forget_probes()
     assert_boxes_of_reference(case, results, steps=2)
     assert seen == [(3, 16, 32)] * 2, seen
     # each probe runs the batch once on its own stack; the step's calls are the rest
-    assert [s for s in batched if s in seen] == ([(3, 16, 32)] * 3 if verdicts[(3, 16, 32)] else [(3, 16, 32)])
+    assert [s for s in batched if s in seen] == (
+        [(3, 16, 32)] * 3 if verdicts[(3, 16, 32)] else [(3, 16, 32)]
+    )
 
 
 @pytest.mark.timeout(timeout_for(60))
 @pytest.mark.parametrize("W", [1, 2])
-def test_negative_control_a_stack_kernel_that_returns_its_matrices_out_of_order_is_caught(W: int) -> None:
+def test_negative_control_a_stack_kernel_that_returns_its_matrices_out_of_order_is_caught(
+    W: int,
+) -> None:
     """Planted: the stack kernel hands the matrices back in reverse order (a wrong split of a stack): the step's
     params then differ from muon_ref's, though each matrix is orthogonalised right."""
-    case = Case(W, tuple(range(W)), (PACKED,), "float32", "torch", Options(dispatch="global", rounds=1), False)
+    case = Case(
+        W,
+        tuple(range(W)),
+        (PACKED,),
+        "float32",
+        "torch",
+        Options(dispatch="global", rounds=1),
+        False,
+    )
     seen: list = []
     results = on_threads(case, steps=1, kernels=stacking(seen, reverse=True))
     assert any(shape[0] > 1 for shape in seen), seen
@@ -329,16 +463,33 @@ def test_negative_control_a_stack_kernel_that_returns_its_matrices_out_of_order_
 
 
 @pytest.mark.timeout(timeout_for(60))
-@example(case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False), where=4 * 12,
-         policy="skip")  # param 0's element 12: in rank 2's box only
-@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),), "float32", "torch", Options(),
-                   False), where=0, policy="skip")  # head 0 skipped, head 1 steps
+@example(
+    case=Case(4, (0, 1, 2, 3), (MATRIX,), "float32", "torch", Options(), False),
+    where=4 * 12,
+    policy="skip",
+)  # param 0's element 12: in rank 2's box only
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((("num_heads", 2),), ((4, 6),), (("S1",),)),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    ),
+    where=0,
+    policy="skip",
+)  # head 0 skipped, head 1 steps
 @settings(max_examples=examples(0.5))
 @given(case=cases(), where=st.integers(0, 10**6), policy=st.sampled_from(["raise", "skip"]))
 def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_muon_ref_does(
-        case: Case, where: int, policy: str) -> None:
+    case: Case, where: int, policy: str
+) -> None:
     num_params = len(case.layouts())
-    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    case = dataclasses.replace(
+        case, nonfinite=(where % num_params, where // num_params), policy=policy
+    )
     results = on_threads(case, steps=1)
     if policy == "skip":
         assert_boxes_of_reference(case, results, steps=1)
@@ -350,39 +501,96 @@ def test_a_non_finite_gradient_in_one_box_is_raised_or_skipped_on_every_rank_as_
         assert isinstance(result, ValueError) and f"{name} of shape" in str(result), result
 
 
-
 @pytest.mark.timeout(timeout_for(120))
 # contiguous shards of multiples of 64 elements outside the tail: the update's ops write in place; (7, 32): rank 0's
 # 4 rows in place, rank 1's 3 rows hold the tail (elements 192-223), computed and copied
-@example(case=Case(2, (0, 1), (Group((), ((128, 64), (64, 64), (7, 32)), (("S0",), ("S1",), ("S0",))),), "bfloat16",
-                   "torch", Options(), False))
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((), ((128, 64), (64, 64), (7, 32)), (("S0",), ("S1",), ("S0",))),),
+        "bfloat16",
+        "torch",
+        Options(),
+        False,
+    )
+)
 # (65, 64): shards of 33 and 32 rows in place; (64, 65): shards of 2,080 elements, padded, computed and copied
-@example(case=Case(2, (0, 1), (Group((), ((128, 64), (65, 64), (64, 65)), (("S0",), ("S0",), ("S0",))),), "bfloat16",
-                   "emerging", Options(), True))
-@example(case=Case(2, (0, 1), (Group((), ((64, 65),) * 2, (("R",), ("S1",))),), "float32", "xtuner", Options(),
-                   False))  # a replicated param (the whole box) in place
-@example(case=Case(2, (0, 1), (Group((("split_sizes", (64, 64)),), ((128, 64),), (("S0",),)),), "bfloat16", "dion",
-                   Options(), False))  # a separate layout: computed per block, then copied
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((), ((128, 64), (65, 64), (64, 65)), (("S0",), ("S0",), ("S0",))),),
+        "bfloat16",
+        "emerging",
+        Options(),
+        True,
+    )
+)
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((), ((64, 65),) * 2, (("R",), ("S1",))),),
+        "float32",
+        "xtuner",
+        Options(),
+        False,
+    )
+)  # a replicated param (the whole box) in place
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((("split_sizes", (64, 64)),), ((128, 64),), (("S0",),)),),
+        "bfloat16",
+        "dion",
+        Options(),
+        False,
+    )
+)  # a separate layout: computed per block, then copied
 @settings(max_examples=examples(0.5))
 @given(case=cases())
-def test_with_out_params_the_step_writes_each_new_param_into_its_own_tensor_with_muon_refs_bits(case: Case) -> None:
+def test_with_out_params_the_step_writes_each_new_param_into_its_own_tensor_with_muon_refs_bits(
+    case: Case,
+) -> None:
     """execute(out_params=...): the same equation, with each rank's new params written into its param tensors
     (in place where run_stage runs the update as it is, else computed and copied), which it then yields."""
     assert_boxes_of_reference(case, on_threads(case, steps=2, in_place=True), steps=2)
 
 
 @pytest.mark.timeout(timeout_for(60))
-@example(case=Case(2, (0, 1), (Group((("num_heads", 2),), ((128, 64),), (("S0",),)),), "float32", "torch",
-                   Options(), False), where=0, policy="skip")  # head 0 skipped: its shard keeps its bits
-@example(case=Case(2, (0, 1), (Group((), ((128, 64),), (("S0",),)),), "bfloat16", "torch", Options(), False),
-         where=64 * 64, policy="skip")  # the whole param skipped, on rank 1's shard
+@example(
+    case=Case(
+        2,
+        (0, 1),
+        (Group((("num_heads", 2),), ((128, 64),), (("S0",),)),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    ),
+    where=0,
+    policy="skip",
+)  # head 0 skipped: its shard keeps its bits
+@example(
+    case=Case(
+        2, (0, 1), (Group((), ((128, 64),), (("S0",),)),), "bfloat16", "torch", Options(), False
+    ),
+    where=64 * 64,
+    policy="skip",
+)  # the whole param skipped, on rank 1's shard
 @settings(max_examples=examples(0.25))
 @given(case=cases(), where=st.integers(0, 10**6), policy=st.just("skip"))
-def test_with_out_params_skipped_blocks_and_params_keep_their_bits(case: Case, where: int, policy: str) -> None:
+def test_with_out_params_skipped_blocks_and_params_keep_their_bits(
+    case: Case, where: int, policy: str
+) -> None:
     """execute(out_params=...) under nonfinite="skip": the same equation, a skipped param or block keeping its
     param's and buffer's bits in the rank's own tensors."""
     num_params = len(case.layouts())
-    case = dataclasses.replace(case, nonfinite=(where % num_params, where // num_params), policy=policy)
+    case = dataclasses.replace(
+        case, nonfinite=(where % num_params, where // num_params), policy=policy
+    )
     assert_boxes_of_reference(case, on_threads(case, steps=1, in_place=True), steps=1)
 
 
@@ -434,7 +642,9 @@ def _fail_on_rank_1(flag_reads: bool, expert: bool = False, stacked: bool = Fals
         configs = [cfg] * len(layouts)
         try:
             step_plan, skipped = prepare(comm, entries, inputs, configs, options)
-            assert not expert or step_plan.path_of()[:2] == ("local", "global_all_to_all"), step_plan
+            assert not expert or step_plan.path_of()[:2] == ("local", "global_all_to_all"), (
+                step_plan
+            )
             list(
                 execute(
                     comm,
@@ -460,8 +670,11 @@ def _fail_on_rank_1(flag_reads: bool, expert: bool = False, stacked: bool = Fals
 
 
 @pytest.mark.timeout(timeout_for(30))
-@pytest.mark.parametrize("expert, stacked", [(False, False), (True, False), (False, True)],
-                         ids=["all_to_all", "local_then_global", "stacked"])
+@pytest.mark.parametrize(
+    "expert, stacked",
+    [(False, False), (True, False), (False, True)],
+    ids=["all_to_all", "local_then_global", "stacked"],
+)
 def test_a_failure_rides_on_the_update_all_to_all_and_every_rank_raises_without_a_check_of_its_own(
     expert: bool, stacked: bool
 ) -> None:
@@ -492,7 +705,15 @@ def test_directions_sent_in_the_kernels_input_cast_give_the_same_bits_and_half_t
     """Entry.direction_dtype: the step casts each direction before its path moves it. On W = 4 (uneven
     boxes, an empty one), the boxes equal muon_ref's and each rank's bytes are the plan's (expected_bytes with
     the batch's direction dtype): bf16 directions halve the forward all-to-all's bytes."""
-    case = Case(4, (0, 1, 2, 3), (Group((), ((5, 3),) * 4, (("S0",),) * 4),), "float32", "torch", Options(), False)
+    case = Case(
+        4,
+        (0, 1, 2, 3),
+        (Group((), ((5, 3),) * 4, (("S0",),) * 4),),
+        "float32",
+        "torch",
+        Options(),
+        False,
+    )
     layouts = case.layouts()
     cfg = group_config(preset_defaults("torch", {}))
     world, results = ThreadWorld(4, timeout_s=10), [None] * 4
@@ -502,10 +723,20 @@ def test_directions_sent_in_the_kernels_input_cast_give_the_same_bits_and_half_t
         params = [box(p, lay, rank) for p, (_, lay) in zip(initial_params(case), layouts)]
         grads = [box(g, lay, rank) for g, (_, lay) in zip(gradients(case, 0), layouts)]
         inputs = [ParamInput(p, g, torch.zeros_like(p)) for p, g in zip(params, grads)]
-        entries = tuple(Entry(lay, 0, "torch.bfloat16", True, direction_dtype) for _, lay in layouts)
+        entries = tuple(
+            Entry(lay, 0, "torch.bfloat16", True, direction_dtype) for _, lay in layouts
+        )
         step_plan, skipped = prepare(comm, entries, inputs, [cfg] * 4, Options())
-        for i, new, buf in execute(comm, step_plan, inputs, [cfg] * 4, backend("torch"),
-                                   lambda batch: comm.group(batch.geometries[0].group_of(rank)), False, skipped):
+        for i, new, buf in execute(
+            comm,
+            step_plan,
+            inputs,
+            [cfg] * 4,
+            backend("torch"),
+            lambda batch: comm.group(batch.geometries[0].group_of(rank)),
+            False,
+            skipped,
+        ):
             params[i] = new
         moved = {k: tuple(v) for k, v in comm.ledger.items() if k not in CHECKS}
         assert moved == expected_bytes(step_plan, rank, ITEMSIZES), (rank, moved)
@@ -517,14 +748,21 @@ def test_directions_sent_in_the_kernels_input_cast_give_the_same_bits_and_half_t
         for p, w, (_, lay) in zip(params, want, layouts):
             assert same_bits(p, box(w, lay, rank)), rank
     # rank 0 owns p0 and sends its boxes of p1..p3 (fp32 or bf16) and the update boxes of p0 (bf16) back
-    own, others = 2 * 3, 3 * 2 * 3  # its box of each param: 2 rows of 3 (torch.chunk of 5 rows over 4 ranks)
+    own, others = (
+        2 * 3,
+        3 * 2 * 3,
+    )  # its box of each param: 2 rows of 3 (torch.chunk of 5 rows over 4 ranks)
     sent = results[0][1]
     assert sent == others * (2 if direction_dtype else 4) + (5 * 3 - own) * 2, sent
 
 
 @settings(max_examples=examples(1.0))
-@given(W=st.integers(2, 5), rows=st.lists(st.integers(1, 9), min_size=1, max_size=6), data=st.data())
-def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(W: int, rows: list[int], data) -> None:
+@given(
+    W=st.integers(2, 5), rows=st.lists(st.integers(1, 9), min_size=1, max_size=6), data=st.data()
+)
+def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(
+    W: int, rows: list[int], data
+) -> None:
     """Batch.send_offsets(member), where the momentum stage writes each param's box of its direction (a Packed),
     is the layout exchange.pack builds from the boxes: owner 0's params in param order, then owner 1's, and so on;
     any owners, uneven and empty boxes (torch.chunk of `rows` over W members). Control: the boxes written in param
@@ -535,17 +773,29 @@ def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(W:
     from .batches import layout_1d
 
     geometries = tuple(layout_1d((r, 3), "S0", W, "torch.float32").geometry for r in rows)
-    owners = tuple(data.draw(st.lists(st.integers(0, W - 1), min_size=len(rows), max_size=len(rows))))
-    batch = Batch("global_all_to_all", tuple(range(len(rows))), geometries, owners, "torch.float32", "torch.float32")
+    owners = tuple(
+        data.draw(st.lists(st.integers(0, W - 1), min_size=len(rows), max_size=len(rows)))
+    )
+    batch = Batch(
+        "global_all_to_all",
+        tuple(range(len(rows))),
+        geometries,
+        owners,
+        "torch.float32",
+        "torch.float32",
+    )
     for member in range(W):
-        boxes = [torch.full((g.sizes[member],), float(k)) + torch.arange(g.sizes[member]) / 100
-                 for k, g in enumerate(geometries)]
+        boxes = [
+            torch.full((g.sizes[member],), float(k)) + torch.arange(g.sizes[member]) / 100
+            for k, g in enumerate(geometries)
+        ]
         offsets, length = batch.send_offsets(member)
         written = torch.full((length,), float("nan"))
         for k, b in enumerate(boxes):
-            written[offsets[k]:offsets[k] + b.numel()] = b
-        packed = exchange.pack([[boxes[k] for k, o in enumerate(owners) if o == j] for j in range(W)],
-                               torch.empty(0))
+            written[offsets[k] : offsets[k] + b.numel()] = b
+        packed = exchange.pack(
+            [[boxes[k] for k, o in enumerate(owners) if o == j] for j in range(W)], torch.empty(0)
+        )
         assert same_bits(written, packed), (member, owners, offsets)
         in_param_order = torch.cat(boxes)
         if owners != tuple(sorted(owners)) and all(b.numel() for b in boxes):
@@ -555,21 +805,33 @@ def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(W:
 @pytest.mark.timeout(timeout_for(30))
 @pytest.mark.parametrize("dispatch", ["global", "batched"])
 def test_the_momentum_stage_packs_the_forward_send_and_the_exchange_sends_it_as_it_is(
-        monkeypatch: pytest.MonkeyPatch, dispatch: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, dispatch: str
+) -> None:
     """On the paths that take their directions packed (Path.packed_directions), the momentum stage writes every
     direction into the forward send buffer (its cast to bf16 included: the torch preset's directions travel in the
     kernel's input dtype), so exchange.pack runs once per exchange, for the updates' way back; the boxes stay
     muon_ref's bit for bit. Control: a path that is not marked packed still packs both ways (two calls per batch)."""
     from muon_dist.paths import PATHS, exchange
 
-    case = Case(2, (0, 1), (Group((), ((5, 3),) * 3 + ((6, 4),), (("S0",),) * 4),), "float32", "torch",
-                Options(dispatch=dispatch), False)
+    case = Case(
+        2,
+        (0, 1),
+        (Group((), ((5, 3),) * 3 + ((6, 4),), (("S0",),) * 4),),
+        "float32",
+        "torch",
+        Options(dispatch=dispatch),
+        False,
+    )
     real_pack, calls = exchange.pack, []
-    monkeypatch.setattr(exchange, "pack", lambda pieces, empty: calls.append(1) or real_pack(pieces, empty))
+    monkeypatch.setattr(
+        exchange, "pack", lambda pieces, empty: calls.append(1) or real_pack(pieces, empty)
+    )
     results = on_threads(case, steps=1)
     assert_boxes_of_reference(case, results, steps=1)
     packed_calls = len(calls)
-    assert packed_calls > 0 and packed_calls % 2 == 0, packed_calls  # one per exchange on each of the 2 ranks
+    assert packed_calls > 0 and packed_calls % 2 == 0, (
+        packed_calls
+    )  # one per exchange on each of the 2 ranks
     calls.clear()
     for name in ("all_to_all", "global_all_to_all"):
         monkeypatch.setitem(PATHS, name, dataclasses.replace(PATHS[name], packed_directions=False))
@@ -579,7 +841,9 @@ def test_the_momentum_stage_packs_the_forward_send_and_the_exchange_sends_it_as_
 
 @pytest.mark.timeout(timeout_for(30))
 @pytest.mark.parametrize("dispatch", ["global", "batched"])
-def test_the_forward_send_buffer_is_let_go_once_sent(monkeypatch: pytest.MonkeyPatch, dispatch: str) -> None:
+def test_the_forward_send_buffer_is_let_go_once_sent(
+    monkeypatch: pytest.MonkeyPatch, dispatch: str
+) -> None:
     """A batch's forward send buffer (the Packed the momentum stage writes) is held by nothing once its all-to-all
     is done: when a batch's kernels run, at most one send buffer of that rank is alive, the next batch's, whose
     all-to-all the pipeline has issued (ThreadComm's peer may still hold its pieces); so the batches in flight do
@@ -591,8 +855,15 @@ def test_the_forward_send_buffer_is_let_go_once_sent(monkeypatch: pytest.MonkeyP
     from muon_dist.batch import Packed
     from muon_dist.step import StepRun
 
-    case = Case(2, (0, 1), (Group((), ((6, 4),) * 6, (("S0",),) * 6),), "float32", "torch",
-                Options(dispatch=dispatch, rounds=3), False)
+    case = Case(
+        2,
+        (0, 1),
+        (Group((), ((6, 4),) * 6, (("S0",),) * 6),),
+        "float32",
+        "torch",
+        Options(dispatch=dispatch, rounds=3),
+        False,
+    )
     sends: dict[int, list] = {}
     real_momentum = StepRun.momentum
 

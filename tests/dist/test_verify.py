@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import pytest
@@ -18,12 +17,25 @@ def test_verify_passes_on_two_world_sizes_and_exercises_every_remainder_path(tmp
     assert verify.main(["--world-sizes", "1", "2", "--steps", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["violations"] == []
-    assert {"all_to_all", "agrs", "padded_all_to_all", "replicated", "local", "global_all_to_all"} <= {
-        r["path"] for r in report["rows"]}
+    assert {
+        "all_to_all",
+        "agrs",
+        "padded_all_to_all",
+        "replicated",
+        "local",
+        "global_all_to_all",
+    } <= {r["path"] for r in report["rows"]}
     assert all(r["bitwise"] for r in report["rows"])
-    assert {r["world_size"] for r in report["rows"] if r["mode"] == "resume"} == {1, 2}  # across a checkpoint
+    assert {r["world_size"] for r in report["rows"] if r["mode"] == "resume"} == {
+        1,
+        2,
+    }  # across a checkpoint
     # the even all-to-all moves exactly the lower bound
-    a2a = [r for r in report["rows"] if r["path"] == "all_to_all" and r["world_size"] == 2 and r["mesh"] == "fsdp"]
+    a2a = [
+        r
+        for r in report["rows"]
+        if r["path"] == "all_to_all" and r["world_size"] == 2 and r["mesh"] == "fsdp"
+    ]
     assert a2a and all(r["bytes_per_rank"] == pytest.approx(r["bound_per_rank"]) for r in a2a)
 
 
@@ -52,7 +64,9 @@ def _reload_without_momentum(run, params, opt, device, checkpoint_dir):
 
 @pytest.mark.timeout(240)
 def test_verify_exits_non_zero_when_a_resume_loses_the_momentum(monkeypatch, capsys):
-    monkeypatch.setattr(verify, "_save_and_reload", _reload_without_momentum)  # inherited by the forked ranks
+    monkeypatch.setattr(
+        verify, "_save_and_reload", _reload_without_momentum
+    )  # inherited by the forked ranks
     assert verify.main(["--world-sizes", "2", "--steps", "2", "--presets", "torch"]) == 1
     out = capsys.readouterr().out
     assert "contract violations: 0" not in out and "mode='resume'" in out

@@ -10,15 +10,19 @@ import torch.distributed as dist
 from torch import nn
 
 import muon_ref
+from muon_check.fixtures import seeded
 from muon_dist import DistributedMuon
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_check.fixtures import seeded
 
 # tensor parallelism needs the features it splits divisible by tp (2 or 4 here); FSDP2 then cuts the rows of each
 # tp piece unevenly (5 rows of qkv's tp piece on 2 dp ranks: 3 and 2), and o's 5 heads of 4 columns straddle the tp
 # pieces of 5 columns
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8, 3, 1, 4, 12
-QKV = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)  # fused q, k, v rows (GQA: unequal blocks)
+QKV = (
+    HEADS * HEAD_DIM,
+    KV_HEADS * HEAD_DIM,
+    KV_HEADS * HEAD_DIM,
+)  # fused q, k, v rows (GQA: unequal blocks)
 
 
 class Block(nn.Module):
@@ -40,9 +44,19 @@ class Block(nn.Module):
 
 def groups(model: Block) -> list[dict]:
     """qkv per block (split_sizes), o per head along its input dim (num_heads, split_dim=1), the MLP plain."""
-    return [{"params": [model.qkv.weight], "param_names": ["qkv"], "split_sizes": QKV},
-            {"params": [model.o.weight], "param_names": ["o"], "num_heads": HEADS + 2 * KV_HEADS, "split_dim": 1},
-            {"params": [model.gate.weight, model.up.weight, model.down.weight], "param_names": ["gate", "up", "down"]}]
+    return [
+        {"params": [model.qkv.weight], "param_names": ["qkv"], "split_sizes": QKV},
+        {
+            "params": [model.o.weight],
+            "param_names": ["o"],
+            "num_heads": HEADS + 2 * KV_HEADS,
+            "split_dim": 1,
+        },
+        {
+            "params": [model.gate.weight, model.up.weight, model.down.weight],
+            "param_names": ["gate", "up", "down"],
+        },
+    ]
 
 
 def labelled(model: nn.Module) -> nn.Module:
@@ -60,11 +74,15 @@ def assemble(local: torch.Tensor, labels: torch.Tensor, shape: torch.Size) -> to
     full_tensor (wrong for uneven _StridedShard in torch 2.9.1) and without muon_dist's or the fixtures' boxes.
     Collective. Every element must come from some rank, and replicas must agree bitwise."""
     pieces: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, (local.detach().reshape(-1).clone(), labels.detach().reshape(-1).long()))
+    dist.all_gather_object(
+        pieces, (local.detach().reshape(-1).clone(), labels.detach().reshape(-1).long())
+    )
     full = torch.empty(shape.numel(), dtype=local.dtype)
     seen = torch.zeros(shape.numel(), dtype=torch.bool)
     for values, where in pieces:
-        assert not (seen[where] & (full[where].view(torch.int32) != values.view(torch.int32))).any(), "replicas differ"
+        assert not (
+            seen[where] & (full[where].view(torch.int32) != values.view(torch.int32))
+        ).any(), "replicas differ"
         full[where], seen[where] = values, True
     assert seen.all(), f"{int((~seen).sum())} elements held by no rank"
     return full.reshape(shape)
@@ -77,22 +95,34 @@ def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
     (assemble). Per step: the elements of each param that differ, and the placements."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = Block()
     reference, twin = copy.deepcopy(model), labelled(model)
-    plan = {"qkv": ColwiseParallel(), "o": RowwiseParallel(), "gate": ColwiseParallel(), "up": ColwiseParallel(),
-            "down": RowwiseParallel()}
+    plan = {
+        "qkv": ColwiseParallel(),
+        "o": RowwiseParallel(),
+        "gate": ColwiseParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+    }
     for m in (model, twin):
         parallelize_module(m, mesh["tp"], plan)
         fully_shard(m, mesh=mesh["dp"])
     labels = {name: p.to_local() for name, p in twin.named_parameters()}
     opt = DistributedMuon(groups(model), preset=preset)
     ref_opt = muon_ref.Muon(groups(reference), preset=preset, update_layout=UPDATE_LAYOUT)
-    out = {"differs": [], "placements": {n: [str(p) for p in w.placements] for n, w in model.named_parameters()},
-           "paths": None}
+    out = {
+        "differs": [],
+        "placements": {n: [str(p) for p in w.placements] for n, w in model.named_parameters()},
+        "paths": None,
+    }
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(steps):
         model(seeded((4, HIDDEN), 1000 * step + dp_rank)).square().mean().backward()
@@ -103,8 +133,12 @@ def tp_fsdp_training(dp: int, tp: int, preset: str, steps: int) -> dict:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        out["differs"].append({name: int((assemble(p.to_local(), labels[name], p.shape) != r.detach()).sum())
-                               for (name, p), r in zip(model.named_parameters(), reference.parameters())})
+        out["differs"].append(
+            {
+                name: int((assemble(p.to_local(), labels[name], p.shape) != r.detach()).sum())
+                for (name, p), r in zip(model.named_parameters(), reference.parameters())
+            }
+        )
     out["paths"] = opt.last_report.paths
     out["rank"] = dist.get_rank()
     return out

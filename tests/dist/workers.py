@@ -12,9 +12,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import muon_ref
+from muon_check.fixtures import (
+    box_of,
+    chunk,
+    count_kernel_flops,
+    device_mesh,
+    distribute,
+    local,
+    same_bits,
+    seeded,
+)
 from muon_dist import DistributedMuon, expected_bytes, expected_collectives, expected_flops
 from muon_dist.optim import UPDATE_LAYOUT
-from muon_check.fixtures import box_of, chunk, count_kernel_flops, device_mesh, distribute, local, same_bits, seeded
 
 ITEMSIZES = {"torch.float32": 4, "torch.bfloat16": 2}
 
@@ -33,7 +42,9 @@ class Case:
     options: tuple[tuple[str, object], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
     sabotage: str | None = None
-    groups: tuple[int, ...] = field(default=())  # param group of each param (default: all in group 0)
+    groups: tuple[int, ...] = field(
+        default=()
+    )  # param group of each param (default: all in group 0)
     no_grad: tuple[int, ...] = ()  # params whose grad is None on every rank in step 1
 
 
@@ -41,7 +52,12 @@ def _groups(case: Case, params: list) -> list[dict]:
     indices = case.groups or (0,) * len(params)
     out: list[dict] = []
     for g in sorted(set(indices)):
-        out.append({"params": [p for p, i in zip(params, indices) if i == g], "param_names": [f"p{k}" for k, i in enumerate(indices) if i == g]})
+        out.append(
+            {
+                "params": [p for p, i in zip(params, indices) if i == g],
+                "param_names": [f"p{k}" for k, i in enumerate(indices) if i == g],
+            }
+        )
     return out
 
 
@@ -49,13 +65,18 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
     """Negative controls: break the distributed step the way the field has (the equality check must notice)."""
     from muon_dist.kernels import Backend
 
-    if how == "ns_on_padded":  # Dion's bug: rows padded to a multiple of W inside NS (flips the transpose choice)
+    if (
+        how == "ns_on_padded"
+    ):  # Dion's bug: rows padded to a multiple of W inside NS (flips the transpose choice)
         W = dist.get_world_size()
 
         def padded(direction, layout, cfg):
             rows = math.ceil(direction.shape[0] / W) * W
             pad = direction.new_zeros(rows - direction.shape[0], *direction.shape[1:])
-            return muon_ref.newton_schulz(torch.cat([direction, pad]), **cfg.ns_kwargs())[: direction.shape[0]]
+            return muon_ref.newton_schulz(torch.cat([direction, pad]), **cfg.ns_kwargs())[
+                : direction.shape[0]
+            ]
+
         opt.backend = Backend("torch", padded, bitwise=False)
     elif how == "drop_remainder":  # a remainder batch that is never orthogonalised
         from muon_dist.paths import PATHS
@@ -64,9 +85,12 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
 
         def dropped(comm, group, batch, directions, kernels):
             return [torch.zeros_like(d, dtype=batch.update_torch_dtype) for d in directions]
+
         PATHS["agrs"] = dataclasses.replace(real_path, run=dropped)
         opt._restore = lambda: PATHS.__setitem__("agrs", real_path)
-    elif how == "wrong_slice":  # the subgroup path keeps the mirror member's rows of the gathered expert
+    elif (
+        how == "wrong_slice"
+    ):  # the subgroup path keeps the mirror member's rows of the gathered expert
         from muon_dist.paths import subgroup_all_gather as sub
 
         real_piece = sub.own_piece
@@ -74,19 +98,29 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
         def mirrored(update, mine, frame):
             start = mine.offsets[0] - frame.offsets[0]
             return update.narrow(0, update.shape[0] - start - mine.shape[0], mine.shape[0])
+
         sub.own_piece = mirrored
         opt._restore = lambda: setattr(sub, "own_piece", real_piece)
     elif how == "bundle_ns":  # NS on a rank's experts as one stacked matrix, not per expert
+
         def bundled(direction, layout, cfg):
-            return muon_ref.newton_schulz(direction.reshape(-1, direction.shape[-1]),
-                                          **cfg.ns_kwargs()).reshape(direction.shape)
+            return muon_ref.newton_schulz(
+                direction.reshape(-1, direction.shape[-1]), **cfg.ns_kwargs()
+            ).reshape(direction.shape)
+
         opt.backend = Backend("torch", bundled, bitwise=False)
-    elif how == "global_send_order":  # global_all_to_all's forward send buffer holds each owner's boxes in reverse
-        from muon_dist.batch import Batch  # param order (the momentum stage writes them there: Batch.send_offsets)
+    elif (
+        how == "global_send_order"
+    ):  # global_all_to_all's forward send buffer holds each owner's boxes in reverse
+        from muon_dist.batch import (
+            Batch,  # param order (the momentum stage writes them there: Batch.send_offsets)
+        )
 
         real_offsets = Batch.send_offsets
 
-        def reversed_forward(batch, member):  # the update's way back keeps its order (both reversed only relabels)
+        def reversed_forward(
+            batch, member
+        ):  # the update's way back keeps its order (both reversed only relabels)
             offsets, length = real_offsets(batch, member)
             for owner in range(batch.group_size):
                 owned = [k for k, o in enumerate(batch.owners) if o == owner]
@@ -94,27 +128,41 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
                 for k in reversed(owned):
                     offsets[k], at = at, at + batch.geometries[k].sizes[member]
             return offsets, length
+
         Batch.send_offsets = reversed_forward
         opt._restore = lambda: setattr(Batch, "send_offsets", real_offsets)
-    elif how == "extra_collective":  # global_all_to_all calls one all-to-all more than its record states (0 bytes)
+    elif (
+        how == "extra_collective"
+    ):  # global_all_to_all calls one all-to-all more than its record states (0 bytes)
         from muon_dist.paths import PATHS
 
         real_path = PATHS["global_all_to_all"]
 
         def steps(comm, group, batch, directions, kernels, **flag):
-            comm.all_to_all(directions[0].new_empty(0), [0] * group.size, [0] * group.size, group,
-                            "global_all_to_all")
+            comm.all_to_all(
+                directions[0].new_empty(0),
+                [0] * group.size,
+                [0] * group.size,
+                group,
+                "global_all_to_all",
+            )
             return (yield from real_path.steps(comm, group, batch, directions, kernels, **flag))
+
         PATHS["global_all_to_all"] = dataclasses.replace(real_path, steps=steps)
         opt._restore = lambda: PATHS.__setitem__("global_all_to_all", real_path)
-    elif how == "ns_twice":  # every kernel call made twice, the second result kept: the same bits, twice the work
+    elif (
+        how == "ns_twice"
+    ):  # every kernel call made twice, the second result kept: the same bits, twice the work
         real_backend = opt.backend
 
         def twice(direction, layout, cfg):
             real_backend.orthogonalize(direction, layout, cfg)
             return real_backend.orthogonalize(direction, layout, cfg)
+
         opt.backend = dataclasses.replace(real_backend, orthogonalize=twice)
-    elif how == "naive_elementwise":  # momentum and update on the shard as a whole-tensor call (no run_stage)
+    elif (
+        how == "naive_elementwise"
+    ):  # momentum and update on the shard as a whole-tensor call (no run_stage)
         import muon_dist.elementwise as elementwise
 
         real_stage = elementwise.run_stage
@@ -125,23 +173,33 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
 def grads_of(case: Case, step: int) -> list[torch.Tensor]:
     """The full gradients of a step: the same on every rank and in the parent (seeded per step and param)."""
     dtype = getattr(torch, case.dtype)
-    return [seeded(shape, case.seed * 104729 + 1000 * step + i + 1, dtype) for i, shape in enumerate(case.shapes)]
+    return [
+        seeded(shape, case.seed * 104729 + 1000 * step + i + 1, dtype)
+        for i, shape in enumerate(case.shapes)
+    ]
 
 
 def initial_params(case: Case) -> list[torch.Tensor]:
-    return [seeded(s, case.seed * 7919 + i, getattr(torch, case.dtype)) for i, s in enumerate(case.shapes)]
+    return [
+        seeded(s, case.seed * 7919 + i, getattr(torch, case.dtype))
+        for i, s in enumerate(case.shapes)
+    ]
 
 
 def distributed_steps(case: Case) -> dict:
     """case.steps steps of DistributedMuon; this rank's params, buffers, last report and planned bytes."""
     params = [distribute(f, pl, case.mesh) for f, pl in zip(initial_params(case), case.placements)]
-    opt = DistributedMuon(_groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides))
+    opt = DistributedMuon(
+        _groups(case, params), preset=case.preset, **dict(case.options), **dict(case.overrides)
+    )
     flops = count_kernel_flops(opt)
     _sabotaged(opt, case.sabotage)
     try:
         for step in range(case.steps):
             for i, (p, grad, pl) in enumerate(zip(params, grads_of(case, step), case.placements)):
-                p.grad = None if step == 1 and i in case.no_grad else distribute(grad, pl, case.mesh)
+                p.grad = (
+                    None if step == 1 and i in case.no_grad else distribute(grad, pl, case.mesh)
+                )
             flops[0] = 0
             opt.step()
     finally:
@@ -149,10 +207,14 @@ def distributed_steps(case: Case) -> dict:
     return {
         "params": [local(p).clone() for p in params],
         "buffers": [local(opt.state[p]["momentum_buffer"]).clone() for p in params],
-        "paths": opt.last_report.paths, "bytes": opt.last_report.bytes_by_path,
+        "paths": opt.last_report.paths,
+        "bytes": opt.last_report.bytes_by_path,
         "expected": expected_bytes(opt.last_plan, dist.get_rank(), ITEMSIZES),
-        "flops": flops[0], "expected_flops": expected_flops(opt.last_plan, dist.get_rank()),
-        "calls": [(path, op) for path, op, _, _ in opt.comm.calls],  # the last step's collectives, in order
+        "flops": flops[0],
+        "expected_flops": expected_flops(opt.last_plan, dist.get_rank()),
+        "calls": [
+            (path, op) for path, op, _, _ in opt.comm.calls
+        ],  # the last step's collectives, in order
         "expected_collectives": expected_collectives(opt.last_plan, dist.get_rank()),
     }
 
@@ -160,7 +222,12 @@ def distributed_steps(case: Case) -> dict:
 def reference_steps(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The same steps with muon_ref.Muon on the full tensors: (params, momentum buffers)."""
     params = initial_params(case)
-    ref = muon_ref.Muon(_groups(case, params), preset=case.preset, **dict(case.overrides), update_layout=UPDATE_LAYOUT)
+    ref = muon_ref.Muon(
+        _groups(case, params),
+        preset=case.preset,
+        **dict(case.overrides),
+        update_layout=UPDATE_LAYOUT,
+    )
     for step in range(case.steps):
         for i, (p, grad) in enumerate(zip(params, grads_of(case, step))):
             p.grad = None if step == 1 and i in case.no_grad else grad
@@ -173,13 +240,19 @@ def bad_step(kind: str) -> str:
     rank, W = dist.get_rank(), dist.get_world_size()
     try:
         params, grads = _bad_setup(kind, rank, W)
-        opt = DistributedMuon(params, preset="torch", nonfinite="skip" if kind == "nonfinite_skip" else "raise")
+        opt = DistributedMuon(
+            params, preset="torch", nonfinite="skip" if kind == "nonfinite_skip" else "raise"
+        )
         before = [local(p).clone() for p in params]
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
         if kind == "nonfinite_skip":
-            return "unchanged" if all(torch.equal(local(p), b) for p, b in zip(params, before)) else "changed"
+            return (
+                "unchanged"
+                if all(torch.equal(local(p), b) for p, b in zip(params, before))
+                else "changed"
+            )
         return "no error"
     except ValueError as e:
         return f"ValueError: {e}"
@@ -192,7 +265,10 @@ def _bad_setup(kind: str, rank: int, W: int) -> tuple[list, list]:
         return [p], [torch.ones_like(p)]
     if kind == "grad_none_on_one_rank":
         ps = [distribute(full, "S0", "fsdp"), distribute(full, "S0", "fsdp")]
-        return ps, [distribute(full, "S0", "fsdp"), None if rank == W - 1 else distribute(full, "S0", "fsdp")]
+        return ps, [
+            distribute(full, "S0", "fsdp"),
+            None if rank == W - 1 else distribute(full, "S0", "fsdp"),
+        ]
     if kind == "mesh_mixed":  # a DTensor on rank 0, a plain tensor elsewhere
         p = distribute(full, "S0" if rank == 0 else "plain", "fsdp")
         return [p], [distribute(full, "S0" if rank == 0 else "plain", "fsdp")]
@@ -210,15 +286,22 @@ def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
     """fully_shard a small MLP on a 1-D CPU mesh and train it with DistributedMuon; beside it, on every rank,
     muon_ref.Muon (a) on FSDP2's own averaged gradients, (b) single-process training whose gradient is the
     mean of the ranks' gradients summed in rank order. Returns, per step, the elements that differ."""
+    import copy
+
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    import copy
-
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(),
-                          nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False)).to(getattr(torch, dtype))
+    model = nn.Sequential(
+        nn.Linear(12, 8, bias=False),
+        nn.Tanh(),
+        nn.Linear(8, 8, bias=False),
+        nn.Tanh(),
+        nn.Linear(8, 8, bias=False),
+        nn.Tanh(),
+        nn.Linear(8, 3, bias=False),
+    ).to(getattr(torch, dtype))
     given, single = copy.deepcopy(model), copy.deepcopy(model)
     mesh = device_mesh("fsdp")
     for layer in model:
@@ -226,7 +309,10 @@ def fsdp_training(preset: str, steps: int, dtype: str) -> dict:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = DistributedMuon(model.parameters(), preset=preset)
-    opt_given, opt_single = muon_ref.Muon(given.parameters(), preset=preset, update_layout=UPDATE_LAYOUT), muon_ref.Muon(single.parameters(), preset=preset, update_layout=UPDATE_LAYOUT)
+    opt_given, opt_single = (
+        muon_ref.Muon(given.parameters(), preset=preset, update_layout=UPDATE_LAYOUT),
+        muon_ref.Muon(single.parameters(), preset=preset, update_layout=UPDATE_LAYOUT),
+    )
     out = {"given_differs": [], "single_differs": [], "grad_differs": [], "paths": None}
     for step in range(steps):
         xs = [seeded((5, 12), 1000 * step + r, getattr(torch, dtype)) for r in range(W)]
@@ -261,8 +347,10 @@ def _mean_grads(model, xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _shard_differs(model, ref_model, rank: int, W: int) -> int:
-    return sum(int((local(p) != chunk(r.detach(), 0, rank, W)).sum())
-               for p, r in zip(model.parameters(), ref_model.parameters()))
+    return sum(
+        int((local(p) != chunk(r.detach(), 0, rank, W)).sum())
+        for p, r in zip(model.parameters(), ref_model.parameters())
+    )
 
 
 def layouts_of_distributed(shape: tuple[int, int], placement: str, mesh_kind: str) -> tuple:
@@ -304,9 +392,15 @@ def agrs_on_gloo(dtype: str) -> bool:
 
     def kernel(x: torch.Tensor, frame) -> torch.Tensor:
         return torch.where(x > 0, torch.full_like(x, -0.0), torch.zeros_like(x))
+
     comm = TorchComm()
-    (got,) = agrs.run(comm, Group(tuple(range(W)), dist.group.WORLD), batch_of("agrs", layout, 1, full.dtype),
-                      [box(full, layout, rank)], [kernel])
+    (got,) = agrs.run(
+        comm,
+        Group(tuple(range(W)), dist.group.WORLD),
+        batch_of("agrs", layout, 1, full.dtype),
+        [box(full, layout, rank)],
+        [kernel],
+    )
     want = box(kernel(full, None), layout, rank)
     view = torch.int32 if full.element_size() == 4 else torch.int16
     return torch.equal(got.view(view), want.view(view))
@@ -325,7 +419,9 @@ def bad_expert_step(kind: str) -> str:
         local = box_of(full, "S0", "ep2", rank, W)
         p = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
         opt = DistributedMuon([{"params": [p], "num_experts": num_experts}], preset="torch")
-        p.grad = DTensor.from_local(local.clone(), mesh, placements, shape=full.shape, stride=full.stride())
+        p.grad = DTensor.from_local(
+            local.clone(), mesh, placements, shape=full.shape, stride=full.stride()
+        )
         opt.step()
         return "no error"
     except ValueError as e:
@@ -344,21 +440,31 @@ def subgroup_cache_probe() -> dict:
     def spy(self, x, group):
         handles.append(group.handle)
         return real_all_gather(self, x, group)
+
     comm_module.TorchComm._all_gather = spy
     try:
         for _ in range(2):
             mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("ep", "fsdp"))
             local = box_of(full, "S0", "ep2", rank, W)
-            p = DTensor.from_local(local, mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())
+            p = DTensor.from_local(
+                local, mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride()
+            )
             opt = DistributedMuon([{"params": [p], "num_experts": 2}], preset="torch")
-            p.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride())
+            p.grad = DTensor.from_local(
+                local.clone(), mesh, [Shard(0)] * 2, shape=full.shape, stride=full.stride()
+            )
             opt.step()
             paths.append(opt.last_report.paths[0][1])
             counts.append(len(comm_module._SUBGROUPS) - before)
     finally:
         comm_module.TorchComm._all_gather = real_all_gather
     sub = [h for h in handles if h is not dist.group.WORLD]
-    return {"counts": counts, "paths": paths, "subgroup_calls": len(sub), "distinct_groups": len(set(map(id, sub)))}
+    return {
+        "counts": counts,
+        "paths": paths,
+        "subgroup_calls": len(sub),
+        "distinct_groups": len(set(map(id, sub))),
+    }
 
 
 def _made_by_fsdp2_over_tp(full: torch.Tensor, codes: tuple[str, ...], mesh) -> torch.Tensor:
@@ -368,7 +474,11 @@ def _made_by_fsdp2_over_tp(full: torch.Tensor, codes: tuple[str, ...], mesh) -> 
     from torch import nn
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     dim = int(codes[-1][1])
     assert codes[-1] == f"S{dim}" and codes[-2].startswith(f"S{dim}:"), codes
@@ -376,13 +486,17 @@ def _made_by_fsdp2_over_tp(full: torch.Tensor, codes: tuple[str, ...], mesh) -> 
     with torch.no_grad():
         linear.weight.copy_(full)
     names = mesh.mesh_dim_names
-    parallelize_module(linear, mesh[names[-1]], ColwiseParallel() if dim == 0 else RowwiseParallel())
+    parallelize_module(
+        linear, mesh[names[-1]], ColwiseParallel() if dim == 0 else RowwiseParallel()
+    )
     fsdp_mesh = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
     fully_shard(linear, mesh=fsdp_mesh, shard_placement_fn=lambda p: Shard(dim))
     return linear.weight
 
 
-def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...]) -> tuple[bool, bool, bool]:
+def tp_layout_against_dtensor(
+    placement: str, kind: str, shape: tuple[int, ...]
+) -> tuple[bool, bool, bool]:
     """A tensor placed by torch with per-axis placements that may include _StridedShard: by FSDP2 over tensor
     parallelism when they do (torch 2.9.1's distribute_tensor splits an uneven _StridedShard otherwise than FSDP2
     places it: measured), else by distribute_tensor (src_data_rank=None). (Its local shard is the fixtures' box of
@@ -390,8 +504,8 @@ def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...])
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from muon_dist import read_layout
     from muon_check.fixtures import axis_codes, placement_of
+    from muon_dist import read_layout
 
     W, r = dist.get_world_size(), dist.get_rank()
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
@@ -406,8 +520,12 @@ def tp_layout_against_dtensor(placement: str, kind: str, shape: tuple[int, ...])
     geometry = read_layout(t, "w", {}, W, r).geometry
     box = geometry.boxes[geometry.member(r)]
     local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
-    return (torch.equal(t.to_local(), box_of(full, placement, kind, r, W)), box.shape == tuple(local_shape),
-            box.offsets == tuple(offset) or box.numel == 0)
+    return (
+        torch.equal(t.to_local(), box_of(full, placement, kind, r, W)),
+        box.shape == tuple(local_shape),
+        box.offsets == tuple(offset) or box.numel == 0,
+    )
+
 
 def all_gather_routes_on_gloo(numel: int, dtype: str, members: tuple[int, ...]) -> dict | None:
     """TorchComm.all_gather on gloo over `members` (the world, or a sub-group) by each route: the one gloo takes
@@ -430,7 +548,7 @@ def all_gather_routes_on_gloo(numel: int, dtype: str, members: tuple[int, ...]) 
         if route == "ring":
             comm._gloo[handle] = False
         if route == "planted":
-            comm._all_to_all_start = lambda x, o, i, g: (lambda: x.clone())  # noqa: E731 - no exchange at all
+            comm._all_to_all_start = lambda x, o, i, g: lambda: x.clone()  # noqa: E731 - no exchange at all
         got = comm.all_gather(mine.clone(), group, "g")
         out[route] = {"bits": same_bits(got, want), "ledger": dict(comm.ledger)}
     return out
