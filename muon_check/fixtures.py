@@ -185,7 +185,6 @@ def whole(t: Tensor, through: str = "c10d") -> Tensor:
         return t.full_tensor()
     if through != "c10d":
         raise ValueError(f"whole(): through={through!r}; valid: 'c10d', 'full_tensor'")
-    import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = t.device_mesh, tuple(t.placements)
@@ -196,20 +195,27 @@ def whole(t: Tensor, through: str = "c10d") -> Tensor:
             f"whole(): placements={placements} on a {mesh.ndim}-D mesh; the c10d gather takes "
             "(Shard(0),) or (Replicate(),) on a 1-D mesh"
         )
-    parts, rows, piece = mesh.size(), t.shape[0], t.to_local()
+    out, rows = padded_gather(t), t.shape[0]
+    if out.shape[0] < rows:
+        raise RuntimeError(f"whole(): gathered {out.shape[0]} rows of a DTensor of {rows}")
+    return out[:rows].contiguous()
+
+
+def padded_gather(t: Tensor) -> Tensor:
+    """whole()'s c10d gather of a Shard(0) DTensor on a 1-D mesh before its rows are cut: every rank's shard,
+    zero-padded to ceil(rows / W) rows where W does not divide rows (DTensor's pad_tensor: F.pad of dim 0), in rank
+    order, from one all_gather_into_tensor on the mesh's group."""
+    import torch.distributed as dist
+
+    mesh, piece = t.device_mesh, t.to_local()
+    parts, rows = mesh.size(), t.shape[0]
     if rows % parts:
-        full_rows = -(-rows // parts)
-        pad = [0, 0] * (piece.ndim - 1) + [
-            0,
-            full_rows - piece.shape[0],
-        ]  # DTensor's pad_tensor: F.pad of dim 0
+        pad = [0, 0] * (piece.ndim - 1) + [0, -(-rows // parts) - piece.shape[0]]
         piece = torch.nn.functional.pad(piece, pad)
     piece = piece.contiguous()
     out = piece.new_empty((parts * piece.shape[0], *piece.shape[1:]))
     dist.all_gather_into_tensor(out, piece, group=mesh.get_group())
-    if out.shape[0] < rows:
-        raise RuntimeError(f"whole(): gathered {out.shape[0]} rows of a DTensor of {rows}")
-    return out[:rows].contiguous()
+    return out
 
 
 def count_kernel_flops(opt: Any) -> list[int]:

@@ -578,13 +578,10 @@ def whole_against_full_tensor(shapes: tuple, dtype: str) -> list[tuple[bool, boo
 
 def _gathered_rows_from_the_end(t: DTensor) -> torch.Tensor:
     """The control of whole_against_full_tensor: whole()'s c10d gather, its rows taken from the end."""
-    parts, rows, piece = t.device_mesh.size(), t.shape[0], t.to_local()
-    full_rows = -(-rows // parts)
-    pad = [0, 0] * (piece.ndim - 1) + [0, full_rows - piece.shape[0]]
-    piece = torch.nn.functional.pad(piece, pad).contiguous()
-    out = piece.new_empty((parts * full_rows, *piece.shape[1:]))
-    dist.all_gather_into_tensor(out, piece, group=t.device_mesh.get_group())
-    return out[out.shape[0] - rows :].contiguous()
+    from muon_check.fixtures import padded_gather
+
+    out = padded_gather(t)
+    return out[out.shape[0] - t.shape[0] :].contiguous()
 
 
 def killed_in_a_collective(how: str) -> int:
