@@ -174,3 +174,41 @@ def test_join_refuses_pieces_whose_boxes_do_not_tile_the_frame() -> None:
     )
     with pytest.raises(AssertionError):
         join(pieces[:1], [top], frame)  # the bottom half never written
+
+
+@pytest.mark.parametrize(
+    "W, count, placement, joined_in_place",
+    [
+        (
+            2,
+            2,
+            "S0",
+            True,
+        ),  # each member owns one param: its rows arrive in member order, nothing between
+        (3, 3, "S0", True),
+        (
+            2,
+            4,
+            "S0",
+            False,
+        ),  # two owned params: each member's rows of both sit together, so a param's are apart
+        (3, 3, "S1", False),  # columns: the pieces are not the param's row-major order
+    ],
+)
+def test_an_owner_joins_a_param_in_its_receive_buffer_without_a_copy_where_the_rows_lie_in_order(
+    W: int, count: int, placement: str, joined_in_place: bool
+) -> None:
+    """The all-to-all exchange hands the owner's kernel a view of the receive buffer (shards.in_place: no joined
+    copy, the same elements) exactly where its rows arrived in member order with nothing between them, and a new
+    tensor otherwise (the last two cases are the control: the check tells a copy from a view). The updates stay
+    the kernel's on the whole matrix, bitwise."""
+    inputs: list[bool] = []
+
+    def recording(x: torch.Tensor, frame=None) -> torch.Tensor:
+        inputs.append(x._base is not None)  # a view of the receive buffer; join's copy has no base
+        return NS(x)
+
+    fulls = [torch.randn(6, 4, generator=torch.Generator().manual_seed(k)) for k in range(count)]
+    results = run_threads(W, "all_to_all", fulls, placement, recording, torch.float32)
+    assert_equation(results, fulls, NS, torch.float32)
+    assert len(inputs) == count and set(inputs) == {joined_in_place}, inputs
