@@ -103,16 +103,32 @@ def _flag_units(entry: Entry, rank: int) -> list[Box | None]:
 
 
 def _nonfinite_flags(pieces: Sequence[Tensor | None], device: torch.device) -> Tensor:
-    """uint8 per piece: 1 where it holds a NaN or an infinity (0 for None or an empty piece). One aminmax per
-    piece: its min and max are both finite iff every element is (it propagates NaN; an infinity is its min or
-    max), in one pass without isfinite's boolean copy; then one isfinite over all the extremes."""
+    """uint8 per piece: 1 where it holds a NaN or an infinity (0 for None or an empty piece), exactly. First one
+    sum per piece (in float32 at least): a NaN or an infinity anywhere makes the sum a NaN or an infinity, so a
+    finite sum clears its piece, in one pass that reads the gradient once and writes nothing. Only a piece whose
+    sum is not finite (a non-finite element, or finite elements whose sum overflows) is read again by aminmax:
+    its min and max are both finite iff every element is (aminmax propagates NaN; an infinity is its min or
+    max)."""
     present = [i for i, x in enumerate(pieces) if x is not None and x.numel()]
     local = torch.zeros(len(pieces), dtype=torch.uint8, device=device)
-    if present:
-        extremes = torch.stack([torch.stack(torch.aminmax(pieces[i])) for i in present])
-        bad = extremes.isfinite().all(dim=1).logical_not()
-        local[present] = bad.to(device, torch.uint8)
+    if not present:
+        return local
+    sums = torch.stack([_sum(pieces[i]) for i in present])
+    suspect = sums.isfinite().logical_not()
+    if not bool(
+        suspect.any()
+    ):  # one device-to-host copy; prepare's check of the flags follows it anyway
+        return local
+    again = [present[k] for k in suspect.nonzero().flatten().tolist()]
+    extremes = torch.stack([torch.stack(torch.aminmax(pieces[i])) for i in again])
+    local[again] = extremes.isfinite().all(dim=1).logical_not().to(device, torch.uint8)
     return local
+
+
+def _sum(piece: Tensor) -> Tensor:
+    """The sum of a piece's elements in float32, or in its own dtype where that is wider (float64)."""
+    wide = piece.dtype == torch.float64
+    return piece.sum() if wide else piece.sum(dtype=torch.float32)
 
 
 def local_flags(comm: Comm, entries: Sequence[Entry], grads: Sequence[Tensor | None]) -> Tensor:
