@@ -104,6 +104,12 @@ class Comm:
             finish = self._all_to_all_start(x, list(out_splits), list(in_splits), group)
         return Pending("all_to_all", path, finish) if async_op else finish()
 
+    def release_done(self) -> None:
+        """Let go now of what every asynchronous collective that has already completed holds for its run (its
+        send buffer), rather than at its Pending's wait(). A local check, no collective: any rank may call it at
+        any time, any number of times, without changing which collectives run or in what order. Nothing to do
+        here: a base Comm's collectives complete when issued."""
+
     def all_gather(self, x: Tensor, group: Group, path: str) -> Tensor:
         """Equal-size all-gather: result[j * n:(j + 1) * n] is member j's x (n = x.numel())."""
         moved = (group.size - 1) * x.numel() * x.element_size()
@@ -166,6 +172,9 @@ class TorchComm(Comm):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._gloo: dict[Any, bool] = {}  # group handle -> whether its backend is gloo
+        # the works of asynchronous all-to-alls not yet waited for, each in a list of its own (emptied once
+        # waited for, by its Pending or by release_done)
+        self._in_flight: list[list[Any]] = []
         if dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
@@ -198,6 +207,7 @@ class TorchComm(Comm):
             )
         ]
         del x
+        self._in_flight = [w for w in self._in_flight if w] + [works]
 
         def finish() -> Tensor:
             if works:
@@ -205,6 +215,16 @@ class TorchComm(Comm):
             return out
 
         return finish
+
+    def release_done(self) -> None:
+        """Comm.release_done: each work in flight that reports itself completed (Work.is_completed, which does not
+        block) is waited for now, which returns at once, and dropped with its send buffer; its Pending's wait()
+        then returns the result alone. On CUDA the wait orders the current stream after the collective, as the
+        Pending's own wait would."""
+        for works in self._in_flight:
+            if works and works[0].is_completed():
+                works.pop().wait()
+        self._in_flight = [w for w in self._in_flight if w]
 
     def _all_gather(self, x: Tensor, group: Group) -> Tensor:
         if self.gathers_by_all_to_all(group):

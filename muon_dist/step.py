@@ -211,6 +211,8 @@ class StepRun:
             results: list[Tensor | None] = []
             pending = []  # (position in results, call, orthogonalize_many's call)
             for k, x, box in calls:
+                # between kernels, the send buffers of the all-to-alls in flight that have completed go
+                self.comm.release_done()
                 i = batch.params[k]
                 try:
                     layout = blocks_in(self.plan.entries[i].layout.matrices, box)

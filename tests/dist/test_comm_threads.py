@@ -286,6 +286,38 @@ def test_gloo_all_gather_by_all_to_all_gives_the_ring_all_gathers_bits_and_ledge
         )  # the control: caught wherever there is data
 
 
+class _Work:
+    """A stand-in for torch's Work of an asynchronous all_to_all_single: it holds the send buffer until waited for,
+    and reports itself completed as _Work.done says."""
+
+    done = False
+
+    def __init__(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        self.out, self.x = out, x
+
+    def is_completed(self) -> bool:
+        return _Work.done
+
+    def wait(self) -> None:
+        self.out.copy_(self.x)
+
+
+class _Dist:
+    @staticmethod
+    def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
+        return _Work(out, x)
+
+
+def _fake_torch_comm():
+    """A TorchComm of rank 0 in a world of 2 whose backend is _Dist (no process group)."""
+    from muon_dist.comm import Comm, TorchComm
+
+    comm = TorchComm.__new__(TorchComm)
+    Comm.__init__(comm)
+    comm.dist, comm.rank, comm.world_size, comm._in_flight = _Dist(), 0, 2, []
+    return comm
+
+
 def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
     """TorchComm's asynchronous all_to_all: the backend's work holds the send buffer while the collective runs (as
     torch's Work does); once wait() returned, a Pending its caller keeps holds the result only, and the send buffer
@@ -293,23 +325,7 @@ def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
     keeps the send buffer alive after wait()."""
     import weakref
 
-    from muon_dist.comm import Comm, TorchComm
-
-    class Work:
-        def __init__(self, out: torch.Tensor, x: torch.Tensor) -> None:
-            self.out, self.x = out, x
-
-        def wait(self) -> None:
-            self.out.copy_(self.x)
-
-    class Dist:
-        @staticmethod
-        def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
-            return Work(out, x)
-
-    comm = TorchComm.__new__(TorchComm)
-    Comm.__init__(comm)
-    comm.dist, comm.rank, comm.world_size = Dist(), 0, 2
+    comm = _fake_torch_comm()
     group = Group((0, 1), None)
     send = torch.arange(4.0)
     sent = weakref.ref(send)
@@ -321,7 +337,7 @@ def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
 
     def keeping(x, out_splits, in_splits, group):
         out = x.new_empty(sum(out_splits))
-        work = Dist.all_to_all_single(out, x, out_splits, in_splits)
+        work = _Dist.all_to_all_single(out, x, out_splits, in_splits)
         return lambda: (work.wait(), out)[1]
 
     comm._all_to_all_start = keeping
@@ -331,3 +347,46 @@ def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
     del send
     pending.wait()
     assert sent() is not None
+
+
+def test_release_done_lets_the_send_buffer_of_a_completed_all_to_all_go_before_its_wait() -> None:
+    """TorchComm.release_done: a work that reports itself completed is waited for and dropped, with its send buffer,
+    and its Pending's wait() then returns the result; a work still running is left as it is. Negative control: the
+    base Comm's release_done (nothing to do) keeps the completed work's send buffer."""
+    import weakref
+
+    from muon_dist.comm import Comm
+
+    def issued() -> tuple:
+        comm = _fake_torch_comm()
+        _Work.done = False
+        send = torch.arange(4.0)
+        sent = weakref.ref(send)
+        pending = comm.all_to_all(send, [2, 2], [2, 2], Group((0, 1), None), "p", async_op=True)
+        return comm, pending, sent
+
+    comm, pending, sent = issued()
+    comm.release_done()
+    assert sent() is not None  # still running: left as it is
+    _Work.done = True
+    comm.release_done()
+    assert sent() is None and comm._in_flight == []
+    assert pending.wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    comm, pending, sent = issued()
+    _Work.done = True
+    Comm.release_done(comm)
+    assert sent() is not None
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_release_done_lets_a_send_buffer_go_once_its_all_to_all_completes() -> None:
+    """On gloo (2 ranks), an asynchronous all-to-all's send buffer goes by release_done alone once the collective has
+    completed, before its Pending is waited for, and the result is the exchange's (a property of torch's gloo Work:
+    is_completed turns true without a wait). Control: the same exchange without release_done keeps the send buffer
+    until the wait."""
+    from .conftest import get_pool
+    from .workers import release_done_on_gloo
+
+    for r in get_pool(2).run(release_done_on_gloo, timeout=30):
+        assert r == {"released": True, "result": True, "kept_without": True}, r

@@ -554,6 +554,42 @@ def all_gather_routes_on_gloo(numel: int, dtype: str, members: tuple[int, ...]) 
     return out
 
 
+def release_done_on_gloo() -> dict:
+    """An asynchronous TorchComm.all_to_all of a seeded buffer on gloo: released (the send buffer went by
+    release_done alone, polled for up to 10 s, before the Pending's wait), result (the wait's result is every
+    member's piece for this rank), kept_without (the same exchange without release_done still holds its send
+    buffer after the peers' results are in, until its wait)."""
+    import time
+    import weakref
+
+    from muon_dist import Group, TorchComm
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    group = Group(tuple(range(W)), dist.group.WORLD)
+    piece = lambda j, to: seeded((3,), 100 * j + to)  # noqa: E731 - member j's piece for member `to`
+    want = torch.cat([piece(j, rank) for j in range(W)])
+
+    def issue(comm):
+        send = torch.cat([piece(rank, to) for to in range(W)])
+        sent = weakref.ref(send)
+        return comm.all_to_all(send, [3] * W, [3] * W, group, "p", async_op=True), sent
+
+    comm = TorchComm()
+    pending, sent = issue(comm)
+    deadline = time.monotonic() + 10
+    while sent() is not None and time.monotonic() < deadline:
+        comm.release_done()
+        time.sleep(0.001)
+    out = {"released": sent() is None, "result": same_bits(pending.wait(), want)}
+    dist.barrier()
+    pending, sent = issue(TorchComm())
+    dist.barrier()  # every member has sent and received by now: the exchange is done
+    time.sleep(0.05)
+    out["kept_without"] = sent() is not None
+    pending.wait()
+    return out
+
+
 def whole_against_full_tensor(shapes: tuple, dtype: str) -> list[tuple[bool, bool]]:
     """For each shape: a seeded whole tensor distributed Shard(0) on a 1-D mesh of every rank, gathered by
     muon_check.fixtures.whole through "c10d" and through "full_tensor". Per shape: (c10d equal to full_tensor and to
