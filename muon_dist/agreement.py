@@ -115,9 +115,8 @@ def _nonfinite_flags(pieces: Sequence[Tensor | None], device: torch.device) -> T
         return local
     sums = torch.stack([_sum(pieces[i]) for i in present])
     suspect = sums.isfinite().logical_not()
-    if not bool(
-        suspect.any()
-    ):  # one device-to-host copy; prepare's check of the flags follows it anyway
+    # one device-to-host copy (prepare's own check of the flags follows it anyway)
+    if not bool(suspect.any()):
         return local
     again = [present[k] for k in suspect.nonzero().flatten().tolist()]
     extremes = torch.stack([torch.stack(torch.aminmax(pieces[i])) for i in again])
