@@ -204,14 +204,15 @@ class StepRun:
         (made contiguous alike): the calls that kernels.stacks admits go through the backend's orthogonalize_many
         on their whole blocks, so that same-shape matrices of different params share one stack kernel call; the
         others run as they come (the paths pass calls lazily: a large param's input is freed after its call).
-        Nothing here raises past the guard: should the admission or the stacked call raise, those calls run one by
-        one through their guarded kernels, which record the failing param's failure (agreement.guarded)."""
+        Before each call, the send buffers of the all-to-alls in flight that have completed go (Comm.release_done,
+        a local check). No kernel's error raises past the guard: should the admission or the stacked call raise,
+        those calls run one by one through their guarded kernels, which record the failing param's failure
+        (agreement.guarded); a collective that failed raises from release_done as its own wait would."""
 
         def many(calls: Iterable[KernelCall]) -> list[Tensor]:
             results: list[Tensor | None] = []
             pending = []  # (position in results, call, orthogonalize_many's call)
             for k, x, box in calls:
-                # between kernels, the send buffers of the all-to-alls in flight that have completed go
                 self.comm.release_done()
                 i = batch.params[k]
                 try:

@@ -390,3 +390,27 @@ def test_on_gloo_release_done_lets_a_send_buffer_go_once_its_all_to_all_complete
 
     for r in get_pool(2).run(release_done_on_gloo, timeout=30):
         assert r == {"released": True, "result": True, "kept_without": True}, r
+
+
+def test_release_done_raises_the_error_of_a_failed_collective_as_its_wait_would() -> None:
+    """A completed work whose wait raises (a collective that failed: a peer gone) raises from release_done with the
+    backend's error, as the Pending's own wait would have; it is not swallowed. Control: the same work left running
+    raises nothing until it completes."""
+
+    class Failed(_Work):
+        def wait(self) -> None:
+            raise RuntimeError("Connection reset by peer")
+
+    class FailingDist:
+        @staticmethod
+        def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
+            return Failed(out, x)
+
+    comm = _fake_torch_comm()
+    comm.dist = FailingDist()
+    _Work.done = False
+    comm.all_to_all(torch.arange(4.0), [2, 2], [2, 2], Group((0, 1), None), "p", async_op=True)
+    comm.release_done()  # still running: nothing raised
+    _Work.done = True
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        comm.release_done()
