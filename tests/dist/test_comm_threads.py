@@ -303,18 +303,22 @@ class _Work:
 
 
 class _Dist:
-    @staticmethod
-    def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
-        return _Work(out, x)
+    """A stand-in for torch.distributed whose all_to_all_single returns a `work` (a _Work class) at once."""
+
+    def __init__(self, work: type = _Work) -> None:
+        self.work = work
+
+    def all_to_all_single(self, out, x, out_splits, in_splits, group=None, async_op=False):
+        return self.work(out, x)
 
 
-def _fake_torch_comm():
-    """A TorchComm of rank 0 in a world of 2 whose backend is _Dist (no process group)."""
+def _fake_torch_comm(work: type = _Work):
+    """A TorchComm of rank 0 in a world of 2 whose backend is _Dist(work) (no process group)."""
     from muon_dist.comm import Comm, TorchComm
 
     comm = TorchComm.__new__(TorchComm)
     Comm.__init__(comm)
-    comm.dist, comm.rank, comm.world_size, comm._in_flight = _Dist(), 0, 2, []
+    comm.dist, comm.rank, comm.world_size, comm._in_flight = _Dist(work), 0, 2, []
     return comm
 
 
@@ -337,7 +341,7 @@ def test_a_waited_all_to_all_lets_its_send_buffer_go() -> None:
 
     def keeping(x, out_splits, in_splits, group):
         out = x.new_empty(sum(out_splits))
-        work = _Dist.all_to_all_single(out, x, out_splits, in_splits)
+        work = _Dist().all_to_all_single(out, x, out_splits, in_splits)
         return lambda: (work.wait(), out)[1]
 
     comm._all_to_all_start = keeping
@@ -401,13 +405,7 @@ def test_release_done_raises_the_error_of_a_failed_collective_as_its_wait_would(
         def wait(self) -> None:
             raise RuntimeError("Connection reset by peer")
 
-    class FailingDist:
-        @staticmethod
-        def all_to_all_single(out, x, out_splits, in_splits, group=None, async_op=False):
-            return Failed(out, x)
-
-    comm = _fake_torch_comm()
-    comm.dist = FailingDist()
+    comm = _fake_torch_comm(Failed)
     _Work.done = False
     comm.all_to_all(torch.arange(4.0), [2, 2], [2, 2], Group((0, 1), None), "p", async_op=True)
     comm.release_done()  # still running: nothing raised

@@ -179,20 +179,13 @@ def test_join_refuses_pieces_whose_boxes_do_not_tile_the_frame() -> None:
 @pytest.mark.parametrize(
     "W, count, placement, joined_in_place",
     [
-        (
-            2,
-            2,
-            "S0",
-            True,
-        ),  # each member owns one param: its rows arrive in member order, nothing between
+        # each member owns one param: its rows arrive in member order, nothing between
+        (2, 2, "S0", True),
         (3, 3, "S0", True),
-        (
-            2,
-            4,
-            "S0",
-            False,
-        ),  # two owned params: each member's rows of both sit together, so a param's are apart
-        (3, 3, "S1", False),  # columns: the pieces are not the param's row-major order
+        # two owned params: each member's rows of both sit together, so a param's are apart
+        (2, 4, "S0", False),
+        # columns: the pieces are not the param's row-major order
+        (3, 3, "S1", False),
     ],
 )
 def test_an_owner_joins_a_param_in_its_receive_buffer_without_a_copy_where_the_rows_lie_in_order(
