@@ -38,6 +38,13 @@ if sys.argv[1:2] == [
 
     sys.exit(elementwise_main(sys.argv[2:]))
 
+if sys.argv[1:2] == [
+    "sites"
+]:  # python -m benchmarks sites [options]: the memory peak by allocation site
+    from .sites import main as sites_main
+
+    sys.exit(sites_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

@@ -144,6 +144,138 @@ def validate(settle_garbage: bool = True) -> int:
     return peaks[0]
 
 
+# ------------------------------------------------------------------------------- what is alive at the peak
+#
+# peak_sites reads the same profiler run with Python stacks on (with_stack) and walks its event tree
+# (experimental_event_tree: each allocation and free under the op and Python frames that made it). Replaying a
+# measured run's allocations and frees in time order gives the peak (the same reading as peak_extra_bytes) and the
+# blocks alive at that moment; each is named by the site that allocated it (site_label). Blocks allocated before
+# the run that it frees by then count as one negative line (EARLIER), so the lines sum to the peak exactly.
+
+EARLIER = "(blocks from before the run, freed by its peak)"
+UNSEEN = "(blocks freed unseen, on another thread)"
+# Python frames in these parts of torch are the machinery under a call (DTensor's dispatch, the ops' and the
+# profiler's wrappers), not its site; torch.optim's own optimizers are sites
+_TORCH, _TORCH_SITES = "torch/", ("torch/optim/",)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _short(path: str) -> str:
+    """A frame's file as the profiler names it (relative to its entry of sys.path), or an absolute one relative to
+    the checkout or to site-packages where it lies under them."""
+    if not os.path.isabs(path):
+        return path
+    if path.startswith(_ROOT + os.sep):
+        return path[len(_ROOT) + 1 :]
+    marker = "site-packages" + os.sep
+    return path.split(marker, 1)[1] if marker in path else path
+
+
+def site_label(op: str | None, frames: list[str], depth: int = 3) -> str:
+    """The site of an allocation: the innermost op that made it and up to `depth` of the innermost Python frames
+    around it that are not torch's machinery (_TORCH_SITES aside), each as "file:line (function)", the line of
+    the function's def (the profiler records a Python call by its code object)."""
+    kept = []
+    for frame in frames:  # innermost first, each "path(line): function"
+        path, _, rest = frame.partition("(")
+        line, _, function = rest.partition("): ")
+        path = _short(path)
+        if path.startswith(_TORCH) and not path.startswith(_TORCH_SITES):
+            continue
+        kept.append(f"{path}:{line} ({function})")
+        if len(kept) == depth:
+            break
+    return f"{op or '?'} @ {' < '.join(kept) or '?'}"
+
+
+def peak_sites(
+    call: Callable[[], object],
+    prepare: Callable[[int], object],
+    label: Callable[[str | None, list[str]], str] = site_label,
+) -> tuple[int, dict[str, int]]:
+    """(peak, sites) of run 1 of `call` (run 0 unmeasured, prepare(k) before run k, garbage settled: as
+    peak_extra_bytes): the run's peak extra bytes and the bytes alive at that peak by the site that allocated
+    them (label(op, Python frames innermost first)), with EARLIER for the blocks from before the run that it had
+    freed by then (negative) and UNSEEN for blocks whose address was allocated again before their free was seen
+    (freed on another thread: the running sum, so the peak, still holds them). The values sum to the peak; peak
+    0 (no block ever above the run's start) gives no sites. The profiler's view: the thread that runs `call`
+    only."""
+    from torch._C._profiler import _EventType
+
+    with (
+        _quiet_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof,
+    ):
+        for k in range(2):
+            prepare(k)
+            with _settled(), record_function(f"{MARK}{k}"):
+                call()
+    tree, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        tree.append(node)
+    (run,) = [n for n in tree if n.typed[0] == _EventType.TorchOp and n.name == f"{MARK}1"]
+    allocations = [
+        (node.start_time_ns, i, node.typed[1].ptr, node.typed[1].alloc_size, node)
+        for i, node in enumerate(tree)
+        if node.typed[0] == _EventType.Allocation
+        and run.start_time_ns <= node.start_time_ns <= run.end_time_ns
+    ]
+    allocations.sort(key=lambda a: a[:2])
+    return replay([(ptr, size, node) for _, _, ptr, size, node in allocations], _site_of(label))
+
+
+def _site_of(label: Callable[[str | None, list[str]], str]) -> Callable[[object], str]:
+    """An allocation node's label: its innermost op and its Python frames (innermost first), given to `label`."""
+    from torch._C._profiler import _EventType
+
+    def site(node: object) -> str:
+        op, frames, parent = None, [], node.parent  # type: ignore[attr-defined]
+        while parent is not None:
+            kind = parent.typed[0]
+            if kind == _EventType.TorchOp and op is None:
+                op = parent.name
+            elif kind == _EventType.PyCall:
+                frames.append(parent.name)
+            parent = parent.parent
+        return label(op, frames)
+
+    return site
+
+
+def replay(
+    events: list[tuple[int, int, object]], site: Callable[[object], str] = str
+) -> tuple[int, dict[str, int]]:
+    """A run's allocator events in time order, each (address, bytes: + allocated, - freed, what made it), replayed:
+    (peak, sites) as peak_sites returns them. The peak is the first maximum of the running sum over the run's
+    start (0 if it never rises above it). At that event, each block allocated in the run and not yet freed counts
+    for site(its allocation); a free of an address the run did not allocate counts for EARLIER (a block from before
+    the run); an address allocated again before its free was seen counts its first block for UNSEEN (freed on a
+    thread the profiler does not see: the running sum still holds it). So the sites sum to the peak."""
+    running = peak = 0
+    at_peak = -1
+    for i, (_, size, _) in enumerate(events):
+        running += size
+        if running > peak:
+            peak, at_peak = running, i
+    alive: dict[int, tuple[int, object]] = {}
+    sites: dict[str, int] = {}
+    for ptr, size, what in events[: at_peak + 1]:
+        if size > 0:
+            if ptr in alive:
+                sites[UNSEEN] = sites.get(UNSEEN, 0) + alive[ptr][0]
+            alive[ptr] = (size, what)
+        elif ptr in alive:
+            del alive[ptr]
+        else:
+            sites[EARLIER] = sites.get(EARLIER, 0) + size
+    for size, what in alive.values():
+        name = site(what)
+        sites[name] = sites.get(name, 0) + size
+    return peak, sites
+
+
 # ------------------------------------------------------------------------------- resident memory, every thread
 #
 # The profiler above reports the allocations and frees of the thread that runs it only: a tensor freed (or

@@ -8,6 +8,7 @@
     python -m benchmarks collectives [options]  gloo's all-gather as a ring and as an all-to-all (benchmarks/collectives.py)
     python -m benchmarks elementwise [--cases N]  which elementwise stages run on a shard as it is (benchmarks/elementwise.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
+    python -m benchmarks sites [options]  what is alive at each rank's memory peak, by site (benchmarks/sites.py)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
@@ -531,6 +532,14 @@ def header(title: str) -> str:
     )
 
 
+def validated() -> str:
+    """The line that says the memory method read its known allocation patterns right (memory.validate)."""
+    return (
+        f"memory method validated on known allocation patterns (one after garbage): peak {memory.validate()} B "
+        "of 6,000 B"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from muon_check.launch import RankPool
 
@@ -582,10 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     print(header("muon_dist benchmarks"))
-    print(
-        f"memory method validated on known allocation patterns (one after garbage): peak {memory.validate()} B "
-        "of 6,000 B"
-    )
+    print(validated())
     step_rows, failures = [], []
     for W in args.world_sizes:
         pool = RankPool(W)

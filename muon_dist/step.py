@@ -166,7 +166,7 @@ class StepRun:
                 ),
                 lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
-            _, direction = stage(x.grad, x.buf)
+            direction = stage(x.grad, x.buf)[1]  # the new buffer goes now, not held past this line
             if send is not None:
                 view = send[offsets[k] : offsets[k] + box.numel].view(box.shape)
                 directions.append(view.copy_(direction))  # with the kernel's input cast
