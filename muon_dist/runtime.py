@@ -55,18 +55,32 @@ class _Running:
         return self.item, self.value
 
 
+def kernels_first(window: Sequence[_Running]) -> list[_Running]:
+    """staggered's order of the items in flight (`window`, oldest first): the one before the newest, then the newest,
+    then the older ones, newest first."""
+    newest_first = list(reversed(window))
+    return newest_first[1:2] + newest_first[:1] + newest_first[2:]
+
+
 def staggered(
-    items: Sequence[Item], start: Callable[[Item], Steps], depth: int
+    items: Sequence[Item],
+    start: Callable[[Item], Steps],
+    depth: int,
+    order: Callable[[Sequence[_Running]], Sequence[_Running]] = kernels_first,
 ) -> Iterator[tuple[Item, Any]]:
     """(item, start(item)'s value) for every item, in order, with the Steps of up to `depth` items interleaved:
-    when item n starts, its first segment runs (up to its first yield: it issues its first collective), then the
-    next segment of each older unfinished item, newest first (n - 1 waits for its directions and runs its
-    kernels, n - 2 waits for its updates); the oldest item runs to its end once `depth` items are in flight.
-    A pure function of the items' segment counts: every rank issues the same collectives in the same order."""
+    when item n starts, first the next segment of item n - 1 runs (it waits for its directions, runs its kernels
+    and issues its updates), then item n's first segment (up to its first yield: its momentum stage, and it
+    issues its directions), then the next segment of each older unfinished item, newest first (n - 2 waits for
+    its updates); the oldest item runs to its end once `depth` items are in flight. So no buffer of item n
+    exists while n - 1's kernels run, which hold the step's largest working set (docs/benchmarks.md, "Kernels
+    before the next directions"); n's directions travel while n - 2's updates are waited for and written.
+    A pure function of the items' segment counts: every rank issues the same collectives in the same order.
+    `order`: the order in which the items in flight advance (kernels_first; tests plant others)."""
     window: deque[_Running] = deque()  # oldest first
     for item in items:
         window.append(_Running(item, start(item)))
-        for running in reversed(window):
+        for running in order(window):
             if not running.finished:
                 running.advance()
         while window and (window[0].finished or len(window) >= depth):

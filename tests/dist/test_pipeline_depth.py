@@ -56,6 +56,50 @@ def test_the_schedule_holds_at_most_depth_batches_in_flight_and_exactly_that_man
     assert (planted == min(depth, n_items)) == (n_items <= depth)
 
 
+def _trace(n_items: int, depth: int, schedule=staggered) -> list[tuple[int, int]]:
+    """(item, segment) in the order a schedule runs them: items of three segments, as an exchange's Steps are
+    (momentum and directions issued | directions waited for, kernels, updates issued | updates waited for)."""
+    ran: list[tuple[int, int]] = []
+
+    def start(item: int):
+        for segment in range(3):
+            ran.append((item, segment))
+            if segment < 2:
+                yield
+        return item
+
+    assert [item for item, _ in schedule(list(range(n_items)), start, depth)] == list(
+        range(n_items)
+    )
+    return ran
+
+
+def _newest_first(items, start, depth):
+    """A planted schedule: the order before the kernels of n - 1 went first (n's directions issued before them)."""
+    return staggered(items, start, depth, order=lambda window: list(reversed(window)))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_items", [1, 2, 5])
+def test_the_kernels_of_a_batch_run_before_the_next_batch_issues_its_directions(
+    depth: int, n_items: int
+) -> None:
+    """Contract (muon_dist.runtime.staggered): batch n's first segment (its momentum stage and its directions'
+    all-to-all) runs only after batch n - 1's second (its kernels), so no buffer of n is alive while n - 1's
+    kernels run; every segment of every batch runs once, each batch's in order; at depth >= 3 batch n - 2 waits
+    for its updates after n has issued its directions. Control: the newest-first order this replaced issues n's
+    directions first and breaks the contract wherever two batches are in flight."""
+    ran = _trace(n_items, depth)
+    assert sorted(ran) == [(i, s) for i in range(n_items) for s in range(3)]
+    assert all(ran.index((i, 0)) < ran.index((i, 1)) < ran.index((i, 2)) for i in range(n_items))
+    assert all(ran.index((n - 1, 1)) < ran.index((n, 0)) for n in range(1, n_items))
+    if depth >= 3:
+        assert all(ran.index((n, 0)) < ran.index((n - 2, 2)) for n in range(2, n_items))
+    old = _trace(n_items, depth, _newest_first)
+    broken = any(old.index((n - 1, 1)) > old.index((n, 0)) for n in range(1, n_items))
+    assert broken == (n_items > 1 and depth > 1)
+
+
 @pytest.mark.timeout(timeout_for(120))
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("depth", [1, 2, PIPELINE_DEPTH, 5])
