@@ -150,7 +150,8 @@ def validate(settle_garbage: bool = True) -> int:
 # (experimental_event_tree: each allocation and free under the op and Python frames that made it). Replaying a
 # measured run's allocations and frees in time order gives the peak (the same reading as peak_extra_bytes) and the
 # blocks alive at that moment; each is named by the site that allocated it (site_label). Blocks allocated before
-# the run that it frees by then count as one negative line (EARLIER), so the lines sum to the peak exactly.
+# the run that it frees by then count as one negative line (EARLIER), blocks freed on a thread the profiler does
+# not see as one more (UNSEEN, where their address is allocated again), so the lines sum to the peak exactly.
 
 EARLIER = "(blocks from before the run, freed by its peak)"
 UNSEEN = "(blocks freed unseen, on another thread)"

@@ -55,10 +55,16 @@ class _Running:
         return self.item, self.value
 
 
-def kernels_first(window: Sequence[_Running]) -> list[_Running]:
+def kernels_first(
+    window: Sequence[_Running], pauses: Callable[[Any], bool] = lambda item: True
+) -> list[_Running]:
     """staggered's order of the items in flight (`window`, oldest first): the one before the newest, then the newest,
-    then the older ones, newest first."""
+    then the older ones, newest first; but newest first all through where the newest item does not pause
+    (pauses(item) False: its Steps run to their end at once, issuing no collective that stays in flight), so that
+    its work overlaps what the item before it has in flight, and it holds nothing past its segment."""
     newest_first = list(reversed(window))
+    if not pauses(newest_first[0].item):
+        return newest_first
     return newest_first[1:2] + newest_first[:1] + newest_first[2:]
 
 
@@ -74,9 +80,11 @@ def staggered(
     issues its directions), then the next segment of each older unfinished item, newest first (n - 2 waits for
     its updates); the oldest item runs to its end once `depth` items are in flight. So no buffer of item n
     exists while n - 1's kernels run, which hold the step's largest working set (docs/benchmarks.md, "Kernels
-    before the next directions"); n's directions travel while n - 2's updates are waited for and written.
-    A pure function of the items' segment counts: every rank issues the same collectives in the same order.
-    `order`: the order in which the items in flight advance (kernels_first; tests plant others)."""
+    before the next directions"); n's directions travel while n - 2's updates are waited for and written. An item
+    n that does not pause (a batch with no all-to-all in flight: its work is done in one segment) runs first
+    instead, while n - 1's directions are still in flight (kernels_first's `pauses`).
+    A pure function of the items and their segment counts: every rank issues the same collectives in the same
+    order. `order`: the order in which the items in flight advance (kernels_first; tests plant others)."""
     window: deque[_Running] = deque()  # oldest first
     for item in items:
         window.append(_Running(item, start(item)))

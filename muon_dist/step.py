@@ -25,6 +25,7 @@ bitwise with the torch backend (another backend: its tolerance, muon_dist/kernel
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from .geometry import Box, Geometry, blocks_in
 from .kernels import Backend, orthogonalize_many, stacks
 from .paths import PATHS
 from .plan import Entry, Options, Plan, plan
-from .runtime import Steps, staggered
+from .runtime import Steps, kernels_first, staggered
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,11 @@ class StepRun:
                 if free[id(g[-1])]
             }
         return groups
+
+    def pauses(self, batch: Batch) -> bool:
+        """Whether the batch's Steps pause (yield with an all-to-all in flight): a pipelined path over a group of
+        more than one; the others run to their end in one segment (muon_dist.runtime.kernels_first)."""
+        return PATHS[batch.path].steps is not None and self.groups[id(batch)].size > 1
 
     def stages(self, batch: Batch) -> Steps:
         """The momentum and exchange stages of one batch, as Steps for the pipeline."""
@@ -300,8 +306,9 @@ def execute(
     run = StepRun(comm, step_plan, inputs, configs, backend, skipped or {}, out_params)
     ends = {id(group[-1]): len(group) for group in run.write_groups(group_for, atomic)}
     done: list[Done] = []
+    order = functools.partial(kernels_first, pauses=run.pauses)
     for batch, batch_done in staggered(
-        step_plan.batches, run.stages, step_plan.options.pipeline_depth
+        step_plan.batches, run.stages, step_plan.options.pipeline_depth, order
     ):
         done += batch_done
         del batch_done  # held by `done` only, which the write stage empties as it writes

@@ -5,12 +5,14 @@ refused in one line at construction."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from muon_dist import DistributedMuon
 from muon_dist.plan import PIPELINE_DEPTH
-from muon_dist.runtime import staggered
+from muon_dist.runtime import kernels_first, staggered
 
 from .checks import run_case, timeout_for
 from .workers import Case
@@ -56,18 +58,24 @@ def test_the_schedule_holds_at_most_depth_batches_in_flight_and_exactly_that_man
     assert (planted == min(depth, n_items)) == (n_items <= depth)
 
 
-def _trace(n_items: int, depth: int, schedule=staggered) -> list[tuple[int, int]]:
+def _trace(
+    n_items: int, depth: int, schedule=staggered, quiet: frozenset[int] = frozenset()
+) -> list[tuple[int, int]]:
     """(item, segment) in the order a schedule runs them: items of three segments, as an exchange's Steps are
-    (momentum and directions issued | directions waited for, kernels, updates issued | updates waited for)."""
+    (momentum and directions issued | directions waited for, kernels, updates issued | updates waited for), the
+    items in `quiet` of one (a batch with no all-to-all: all its work at once), the schedule told which pause."""
     ran: list[tuple[int, int]] = []
 
     def start(item: int):
-        for segment in range(3):
+        for segment in range(1 if item in quiet else 3):
             ran.append((item, segment))
-            if segment < 2:
+            if segment < 2 and item not in quiet:
                 yield
         return item
 
+    if schedule is staggered:
+        order = functools.partial(kernels_first, pauses=lambda item: item not in quiet)
+        schedule = functools.partial(staggered, order=order)
     assert [item for item, _ in schedule(list(range(n_items)), start, depth)] == list(
         range(n_items)
     )
@@ -98,6 +106,28 @@ def test_the_kernels_of_a_batch_run_before_the_next_batch_issues_its_directions(
     old = _trace(n_items, depth, _newest_first)
     broken = any(old.index((n - 1, 1)) > old.index((n, 0)) for n in range(1, n_items))
     assert broken == (n_items > 1 and depth > 1)
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_a_batch_that_does_not_pause_runs_while_the_batch_before_it_has_directions_in_flight(
+    depth: int,
+) -> None:
+    """Contract: a batch whose Steps do not pause (no all-to-all in flight: a local path, a group of one) runs
+    at once, before the batch before it waits for its directions, so its work overlaps them; a pausing batch after
+    it still comes after the kernels of the batch before it. Control: told that every batch pauses, the schedule
+    runs the quiet batch after those kernels."""
+    quiet = frozenset({2, 4})
+    ran = _trace(6, depth, quiet=quiet)
+    assert sorted(ran) == sorted(
+        [(i, 0) for i in quiet] + [(i, s) for i in range(6) if i not in quiet for s in range(3)]
+    )
+    for n in quiet:  # n - 1 pauses: its kernels (segment 1) come after the quiet batch
+        assert ran.index((n, 0)) < ran.index((n - 1, 1))
+    for n in (1, 3, 5):  # pausing after a pause, or after a quiet batch that has nothing left
+        before = (n - 1, 1) if n - 1 not in quiet else (n - 1, 0)
+        assert ran.index(before) < ran.index((n, 0))
+    told_all_pause = _trace(6, depth, functools.partial(staggered, order=kernels_first), quiet)
+    assert all(told_all_pause.index((n - 1, 1)) < told_all_pause.index((n, 0)) for n in quiet)
 
 
 @pytest.mark.timeout(timeout_for(120))
