@@ -45,6 +45,13 @@ if sys.argv[1:2] == [
 
     sys.exit(sites_main(sys.argv[2:]))
 
+if sys.argv[1:2] == [
+    "one-rank"
+]:  # python -m benchmarks one-rank [options]: one rank's step, contract by contract
+    from .one_rank import main as one_rank_main
+
+    sys.exit(one_rank_main(sys.argv[2:]))
+
 from .run import main
 
 sys.exit(main())

@@ -9,6 +9,8 @@
     python -m benchmarks elementwise [--cases N]  which elementwise stages run on a shard as it is (benchmarks/elementwise.py)
     python -m benchmarks gpu [options]    one GPU: optimizer steps and NS kernels (benchmarks/gpu.py, its --help)
     python -m benchmarks sites [options]  what is alive at each rank's memory peak, by site (benchmarks/sites.py)
+    python -m benchmarks one-rank [options]  one rank's step beside torch.optim.Muon's, contract by contract
+                                             (benchmarks/one_rank.py)
 
 1. Step time and bytes per rank, W ranks on gloo (muon_check.launch.RankPool), fp32 params sharded Shard(0)
    (torch.chunk boxes), preset "torch", for each parameter set's Muon matrices. Methods, all in one run on the
