@@ -274,6 +274,10 @@ def _zygote(conn: Any) -> None:
     import torch  # noqa: F401 - imported once here, inherited by every fork
     import torch.distributed  # noqa: F401
 
+    # every rank of the check builds DTensors: imported here, a rank's start (and its restart after a crash or a
+    # hang) costs a fork, not this import (docs/conformance.md, "Ranks")
+    import torch.distributed.tensor  # noqa: F401
+
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     while True:
         try:

@@ -68,6 +68,29 @@ def test_a_spawned_pool_serves_calls_as_a_forked_one_does() -> None:
         pool.close()
 
 
+IMPORTED = '"torch.distributed.tensor" in __import__("sys").modules'
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_forked_by_a_zygote_starts_and_restarts_with_dtensor_imported() -> None:
+    """The check's pools (a hash seed, on the CPU) fork each rank from a zygote that imported
+    torch.distributed.tensor, so a rank's start and its restart after a failure cost a fork, not that import
+    (docs/conformance.md, "Ranks"): the module is there before the rank's first call, and again after a restart.
+    Control: a rank spawned directly (no zygote) has imported only torch and torch.distributed by then."""
+    pool = RankPool(2, hash_seed=0)
+    try:
+        assert pool.run(eval, IMPORTED, timeout=90) == [True, True]
+        pool.kill(restart=True)
+        assert pool.run(eval, IMPORTED, timeout=90) == [True, True]
+    finally:
+        pool.close()
+    control = RankPool(2, start_method="spawn")
+    try:
+        assert control.run(eval, IMPORTED, timeout=90) == [False, False]
+    finally:
+        control.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_calls_timeout_counts_from_the_ranks_start_not_from_their_spawn() -> None:
     """A spawned rank's start (torch's import, a CUDA context, the rendezvous) is not the call's: the first call of
