@@ -301,6 +301,28 @@ def _zygote(conn: Any) -> None:
                 os._exit(code)
 
 
+# this process's zygotes by the PYTHONHASHSEED they were spawned with: (the pid that spawned it, the process, its pipe
+# end). A zygote only forks, from the state it reached after its imports, so every pool's rank of a seed starts alike
+# from it; sharing them makes a pool's start after the first a fork per rank, not a spawn and torch's import per rank.
+# They end with this process (daemons; each also ends when its pipe closes).
+_ZYGOTES: dict[int, tuple[int, Any, Any]] = {}
+
+
+def _zygote_for(seed: int) -> tuple[Any, Any]:
+    """(process, pipe end) of this process's zygote of PYTHONHASHSEED `seed`, spawned if there is none alive (or
+    the one known was spawned by another process: a fork of this one inherits the table, not the zygotes)."""
+    known = _ZYGOTES.get(seed)
+    if known is not None and known[0] == os.getpid() and known[1].is_alive():
+        return known[1], known[2]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_zygote, args=(child,), daemon=True)
+    with _hash_seed(seed):
+        proc.start()
+    _ZYGOTES[seed] = (os.getpid(), proc, parent)
+    return proc, parent
+
+
 class _Forked:
     """A rank forked by a zygote, known by its pid (not this process's child: no waitpid)."""
 
@@ -330,9 +352,9 @@ class _Forked:
 
 class RankPool:
     """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
-    with `start_method` (default: fork on CPU, spawn with CUDA or a hash seed). hash_seed: rank r is spawned with
-    PYTHONHASHSEED = hash_seed + r (its own string-hashing seed, as separate training processes have; forked
-    ranks share the parent's). process_group=False: the ranks join no group (a single-device candidate that calls
+    with `start_method` (default: fork on CPU, spawn with CUDA or a hash seed). hash_seed: rank r runs with
+    PYTHONHASHSEED = hash_seed + r (its own string-hashing seed, as separate training processes have; ranks forked
+    from the parent would share the parent's), forked on the CPU from that seed's zygote (_zygote_for). process_group=False: the ranks join no group (a single-device candidate that calls
     torch.distributed fails there instead of running as a group of one). A rank that does not answer is asked
     where it is blocked (blocked_at: faulthandler's stack on SIGUSR1) before the pool is torn down. idle_s: a call counts as hung before its timeout
     once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
@@ -389,23 +411,18 @@ class RankPool:
             self.conns.append(parent)
 
     def _start_from_zygotes(self, init_file: str) -> None:
-        """Rank r forked by zygote r: a process spawned once per pool with PYTHONHASHSEED = hash_seed + r and torch
-        imported, which forks a fresh rank on request (its hash seed, not the parent's; a restart after a failure
-        costs a fork, not a spawn). The rank connects back to the pool's listener and says which it is."""
+        """Rank r forked by the zygote of hash seed hash_seed + r (_zygote_for: a process spawned once per seed in
+        this process with that PYTHONHASHSEED and torch imported, shared by every pool that asks for the seed), which
+        forks a fresh rank on request (its hash seed, not the parent's; a start after the first, and a restart after
+        a failure, cost a fork, not a spawn). The rank connects back to the pool's listener and says which it is."""
         if not self.zygotes:
-            ctx = mp.get_context("spawn")
             self.authkey = os.urandom(16)
             self.listener = connection.Listener(
                 os.path.join(tempfile.mkdtemp(prefix="muon_dist_zygotes_"), "sock"),
                 family="AF_UNIX",
                 authkey=self.authkey,
             )
-            for rank in range(self.world_size):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_zygote, args=(child,), daemon=True)
-                with _hash_seed(self.hash_seed + rank):
-                    proc.start()
-                self.zygotes.append((proc, parent))
+        self.zygotes = [_zygote_for(self.hash_seed + rank) for rank in range(self.world_size)]
         address = self.listener.address
         for rank, (_, zconn) in enumerate(self.zygotes):
             zconn.send(
@@ -548,15 +565,7 @@ class RankPool:
                 pass
             proc.join(timeout=5)
         self.kill()
-        for proc, zconn in self.zygotes:
-            try:
-                zconn.send(None)
-            except OSError:
-                pass
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-        if self.zygotes:
+        if self.zygotes:  # the zygotes stay for the next pool of their seeds (_zygote_for)
             folder = os.path.dirname(self.listener.address)
             self.listener.close()
             shutil.rmtree(folder, ignore_errors=True)

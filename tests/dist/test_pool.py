@@ -91,6 +91,26 @@ def test_a_rank_forked_by_a_zygote_starts_and_restarts_with_dtensor_imported() -
         control.close()
 
 
+SEED = 'int(__import__("os").environ["PYTHONHASHSEED"])'
+
+
+@pytest.mark.timeout(180)
+def test_pools_of_one_hash_seed_share_its_zygotes_and_their_ranks_keep_their_own_seeds() -> None:
+    """A pool's zygotes stay for the next pool that asks for their seeds (muon_check.launch._zygote_for), so its
+    start costs a fork per rank, not a spawn: two pools of hash seed 0, the second started after the first closed,
+    fork from the same zygotes, and each rank r still runs with PYTHONHASHSEED r. Control: a pool of another hash
+    seed forks from other zygotes, its ranks with their own seeds."""
+    zygotes = []
+    for hash_seed in (0, 0, 7):
+        pool = RankPool(2, hash_seed=hash_seed)
+        try:
+            assert pool.run(eval, SEED, timeout=90) == [hash_seed, hash_seed + 1]
+            zygotes.append([proc.pid for proc, _ in pool.zygotes])
+        finally:
+            pool.close()
+    assert zygotes[0] == zygotes[1] and not set(zygotes[2]) & set(zygotes[0]), zygotes
+
+
 @pytest.mark.timeout(120)
 def test_a_calls_timeout_counts_from_the_ranks_start_not_from_their_spawn() -> None:
     """A spawned rank's start (torch's import, a CUDA context, the rendezvous) is not the call's: the first call of
