@@ -301,26 +301,50 @@ def _zygote(conn: Any) -> None:
                 os._exit(code)
 
 
-# this process's zygotes by the PYTHONHASHSEED they were spawned with: (the pid that spawned it, the process, its pipe
-# end). A zygote only forks, from the state it reached after its imports, so every pool's rank of a seed starts alike
-# from it; sharing them makes a pool's start after the first a fork per rank, not a spawn and torch's import per rank.
-# They end with this process (daemons; each also ends when its pipe closes).
-_ZYGOTES: dict[int, tuple[int, Any, Any]] = {}
+# this process's zygotes by the PYTHONHASHSEED they were spawned with: (the pid that spawned it, _spawn_context() at
+# its spawn, the process, its pipe end). A zygote only forks, from the state it reached after its imports, so every
+# pool's rank of a seed starts alike from it; sharing them makes a pool's start after the first a fork per rank, not
+# a spawn and torch's import per rank. One per seed: a zygote whose context this process has since left is ended
+# and spawned again. They end with this process (daemons; each also ends when its pipe closes).
+_ZYGOTES: dict[int, tuple[int, tuple, Any, Any]] = {}
+
+
+def _spawn_context() -> tuple:
+    """What a spawned process takes from this one when it starts, and its forks keep: the working directory, the
+    module search path (a candidate's module is imported by name on the ranks) and the environment."""
+    return (os.getcwd(), tuple(sys.path), tuple(sorted(os.environ.items())))
 
 
 def _zygote_for(seed: int) -> tuple[Any, Any]:
-    """(process, pipe end) of this process's zygote of PYTHONHASHSEED `seed`, spawned if there is none alive (or
-    the one known was spawned by another process: a fork of this one inherits the table, not the zygotes)."""
-    known = _ZYGOTES.get(seed)
-    if known is not None and known[0] == os.getpid() and known[1].is_alive():
-        return known[1], known[2]
+    """(process, pipe end) of this process's zygote of PYTHONHASHSEED `seed`: the one alive, spawned by this process
+    (a fork of it inherits the table, not the zygotes) in the context this process is in now (_spawn_context); else
+    a new one, the old one ended."""
+    context = _spawn_context()
+    known = _ZYGOTES.pop(seed, None)
+    if known is not None and known[0] == os.getpid():
+        _, spawned_in, proc, conn = known
+        if spawned_in == context and proc.is_alive():
+            _ZYGOTES[seed] = known
+            return proc, conn
+        _end_zygote(proc, conn)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_zygote, args=(child,), daemon=True)
     with _hash_seed(seed):
         proc.start()
-    _ZYGOTES[seed] = (os.getpid(), proc, parent)
+    _ZYGOTES[seed] = (os.getpid(), context, proc, parent)
     return proc, parent
+
+
+def _end_zygote(proc: Any, conn: Any) -> None:
+    """A zygote asked to end (its loop returns on None), killed if it has not within 5 s."""
+    try:
+        conn.send(None)
+    except OSError:
+        pass
+    proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
 
 
 class _Forked:

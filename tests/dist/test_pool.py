@@ -111,6 +111,26 @@ def test_pools_of_one_hash_seed_share_its_zygotes_and_their_ranks_keep_their_own
     assert zygotes[0] == zygotes[1] and not set(zygotes[2]) & set(zygotes[0]), zygotes
 
 
+@pytest.mark.timeout(180)
+def test_a_pool_started_after_the_environment_changed_gets_zygotes_spawned_in_it(
+    monkeypatch,
+) -> None:
+    """A zygote's ranks see the environment, module path and working directory of the zygote's spawn: a pool started
+    after this process changed any of them gets new zygotes (the old ones ended), whose ranks see the change.
+    Control: the same pool before the change, whose ranks do not."""
+    probe = '__import__("os").environ.get("MUON_POOL_PROBE")'
+    answers = []
+    for value in (None, "changed"):
+        if value is not None:
+            monkeypatch.setenv("MUON_POOL_PROBE", value)
+        pool = RankPool(2, hash_seed=0)
+        try:
+            answers.append(pool.run(eval, probe, timeout=90))
+        finally:
+            pool.close()
+    assert answers == [[None, None], ["changed", "changed"]], answers
+
+
 @pytest.mark.timeout(120)
 def test_a_calls_timeout_counts_from_the_ranks_start_not_from_their_spawn() -> None:
     """A spawned rank's start (torch's import, a CUDA context, the rendezvous) is not the call's: the first call of
