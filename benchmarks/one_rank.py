@@ -36,11 +36,13 @@ from collections.abc import Callable
 import torch
 
 import muon_ref
+from muon_check.fixtures import same_bits
 from muon_dist.agreement import _nonfinite_flags
 from muon_ref.functional import apply_update, momentum_buffer, momentum_direction, orthogonalize
 from muon_ref.newton_schulz import input_cast
 from muon_ref.optim import follow_torch_keys, group_config
 
+from .peers import hyperparameters
 from .run import SETS, Bench, gradients, header, initial, muon_specs, shard
 
 METHODS = ("torch_muon", "held", "checked", "recomputed", "distributed")
@@ -100,7 +102,7 @@ def run(b: Bench) -> dict[str, dict]:
     names = [s.name for s in muon_specs(b.table)]
     plain = {m: [t.clone() for t in initial(b)] for m in METHODS if m != "distributed"}
     dtensors = [shard(t) for t in initial(b)]
-    torch_muon = torch.optim.Muon(plain["torch_muon"], nesterov=True, **_hyperparameters())
+    torch_muon = torch.optim.Muon(plain["torch_muon"], nesterov=True, **hyperparameters())
     distributed = DistributedMuon([{"params": dtensors, "param_names": names}], preset="torch")
     staged = {
         "held": Staged(plain["held"], names, check=False, recompute=False),
@@ -137,12 +139,6 @@ def run(b: Bench) -> dict[str, dict]:
     }
 
 
-def _hyperparameters() -> dict[str, float]:
-    from .peers import hyperparameters
-
-    return hyperparameters()
-
-
 def rows(results: dict[str, dict]) -> list[dict]:
     """Per method: median and min step ms, their ratios to torch_muon's, bitwise torch_muon's params."""
     base = results["torch_muon"]
@@ -150,10 +146,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
     out = []
     for method, r in results.items():
         median, least = statistics.median(r["times"]), min(r["times"])
-        same = all(
-            torch.equal(a.view(torch.int32), b.view(torch.int32))
-            for a, b in zip(r["params"], base["params"])
-        )
+        same = all(same_bits(a, b) for a, b in zip(r["params"], base["params"]))
         out.append(
             {
                 "method": method,
