@@ -6,10 +6,13 @@ import os
 import time
 
 import pytest
+import torch
 
+from muon_check import launch
+from muon_check.fixtures import same_bits
 from muon_check.launch import RankFailure, RankPool
 
-from .workers import fail_on, killed_in_a_collective
+from .workers import fail_on, killed_in_a_collective, tensors_of_every_kind
 
 
 def _alive(pid: int) -> bool:
@@ -129,6 +132,95 @@ def test_a_pool_started_after_the_environment_changed_gets_zygotes_spawned_in_it
         finally:
             pool.close()
     assert answers == [[None, None], ["changed", "changed"]], answers
+
+
+@pytest.mark.timeout(180)
+def test_pools_in_other_tests_of_a_suite_share_zygotes(monkeypatch) -> None:
+    """pytest sets PYTEST_CURRENT_TEST anew for every test and phase; it says where the suite is, not what a rank
+    runs, so a pool started after it changed forks from the zygotes of the pool before (else every test would spawn
+    its zygotes and import torch again). Control: a change of any other variable gets new zygotes."""
+    zygotes = []
+    for name in (None, "PYTEST_CURRENT_TEST", "MUON_POOL_PROBE"):
+        if name is not None:
+            monkeypatch.setenv(name, "tests/dist/test_pool.py::another (call)")
+        pool = RankPool(2, hash_seed=0)
+        try:
+            pool.run(os.getpid, timeout=90)
+            zygotes.append([proc.pid for proc, _ in pool.zygotes])
+        finally:
+            pool.close()
+    assert zygotes[0] == zygotes[1] and not set(zygotes[2]) & set(zygotes[0]), zygotes
+
+
+def _copy_of(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A tensor of its own made of `raw` (the control's pickler)."""
+    return (
+        torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        if raw
+        else torch.empty(shape, dtype=dtype)
+    )
+
+
+def _faithful(got: dict, sent: dict) -> list[str]:
+    """What of `sent` the answer `got` lost: each tensor's bits, dtype, shape, stride, offset, requires_grad and
+    class, the views of one storage sharing one storage, the same tensor one object; [] when nothing."""
+    lost = [
+        k
+        for k, t in sent.items()
+        if isinstance(t, torch.Tensor)
+        and not (
+            type(got[k]) is type(t)
+            and same_bits(got[k].detach(), t.detach())
+            and (got[k].stride(), got[k].storage_offset(), got[k].requires_grad)
+            == (t.stride(), t.storage_offset(), t.requires_grad)
+        )
+    ]
+    ptr = got["base"].untyped_storage().data_ptr()
+    if {got[k].untyped_storage().data_ptr() for k in ("rows", "t")} != {ptr}:
+        lost.append("views of one storage")
+    if got["again"] is not got["base"]:
+        lost.append("the same tensor")
+    return lost + ([] if got["text"] == sent["text"] else ["text"])
+
+
+@pytest.mark.timeout(120)
+def test_a_ranks_answer_keeps_its_tensors_and_their_views_and_carries_them_by_value(
+    monkeypatch,
+) -> None:
+    """A rank's answer comes back with every tensor as it was on the rank (bits, stride, offset, class,
+    requires_grad; views of one storage still share it), its CPU storages carried in the pickle by value, not
+    moved into shared memory and passed by file descriptor (launch._answer_bytes; the rebuild from a descriptor
+    is made to fail here). Control: a pickler that sends each tensor as its own contiguous copy loses the views
+    and the strides."""
+    import io
+    import pickle
+
+    import torch.multiprocessing.reductions as reductions
+
+    sent = tensors_of_every_kind()
+    assert _faithful(pickle.loads(launch._answer_bytes(sent)), sent) == []
+
+    def refused(*_):
+        raise AssertionError("a storage came by file descriptor")
+
+    monkeypatch.setattr(reductions, "rebuild_storage_fd", refused)
+    pool = RankPool(2)
+    try:
+        answers = pool.run(tensors_of_every_kind, timeout=90)
+    finally:
+        pool.close()
+    assert [_faithful(a, sent) for a in answers] == [[], []]
+
+    class Copies(pickle.Pickler):
+        def reducer_override(self, obj):
+            if type(obj) is torch.Tensor:
+                raw = obj.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                return _copy_of, (raw, obj.dtype, tuple(obj.shape))
+            return NotImplemented
+
+    out = io.BytesIO()
+    Copies(out, pickle.HIGHEST_PROTOCOL).dump(sent)
+    assert {"views of one storage", "t"} <= set(_faithful(pickle.loads(out.getvalue()), sent))
 
 
 @pytest.mark.timeout(120)

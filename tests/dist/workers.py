@@ -636,3 +636,25 @@ def killed_in_a_collective(how: str) -> int:
         namespace["all_gather_tensor"](lambda: os.kill(os.getpid(), getattr(signal, how)))
     dist.barrier()
     return dist.get_rank()
+
+
+def tensors_of_every_kind() -> dict:
+    """An answer with tensors as a check's case returns them and the corners beside: views of one storage (a slice,
+    a transpose), bf16, an empty tensor, a 0-d one, ints and bools, a Parameter, a leaf that requires grad, and the
+    same tensor twice."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 4, generator=g)
+    return {
+        "base": base,
+        "rows": base[1:3],
+        "t": base.t(),
+        "again": base,
+        "bf16": torch.randn(5, generator=g).bfloat16(),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+        "ints": torch.arange(5),
+        "bools": torch.tensor([True, False]),
+        "param": torch.nn.Parameter(torch.randn(3, 3, generator=g)),
+        "leaf": torch.randn(2, generator=g).requires_grad_(),
+        "text": "not a tensor",
+    }
