@@ -43,7 +43,7 @@ import torch
 
 from muon_ref.presets import PRESETS, preset_defaults
 
-from .oracle import Outcome, resolved_hyperparameters, trial
+from .oracle import Outcome, may_match, resolved_hyperparameters, trial
 from .routing import infer_rule
 from .stages import STAGES, locate
 
@@ -188,15 +188,30 @@ class Search:
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.seen: dict[tuple, Outcome] = {}
+        self.ruled_out: set[tuple] = (
+            set()
+        )  # keys whose first step already rules a match out (may_match)
         self.stopped = False
 
+    @staticmethod
+    def _key(o: Outcome, p: str | None, t: dict[str, Any]) -> tuple:
+        return (id(o), p, repr(sorted(t.items(), key=lambda kv: kv[0])))
+
     def judged(self, o: Outcome, p: str | None, t: dict[str, Any]) -> Outcome:
-        key = (id(o), p, repr(sorted(t.items(), key=lambda kv: kv[0])))
+        key = self._key(o, p, t)
         if key not in self.seen:
             self.seen[key] = trial(o, p, t)
         return self.seen[key]
 
     def match(self, o: Outcome, p: str | None, t: dict[str, Any]) -> bool:
+        """trial's answer (bitwise or close), ruled out first by its first step where that suffices (may_match)."""
+        key = self._key(o, p, t)
+        if key not in self.seen:
+            if key in self.ruled_out:
+                return False
+            if not may_match(o, p, t):
+                self.ruled_out.add(key)
+                return False
         return self.judged(o, p, t).status in ("bitwise", "close")
 
     def out_of_time(self) -> bool:

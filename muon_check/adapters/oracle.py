@@ -392,18 +392,25 @@ def _frozen(value: Any) -> Any:
 
 
 def _reference_run(
-    case: Case, preset: str | None, overrides: dict[str, Any], policy: str, rounding: Rounding
+    case: Case,
+    preset: str | None,
+    overrides: dict[str, Any],
+    policy: str,
+    rounding: Rounding,
+    steps: int | None = None,
 ) -> RefRun:
     """_run_reference's run, kept (_kept_runs) where its key is hashable."""
+    steps = case.steps if steps is None else steps
     try:
         claim = (preset, _frozen(PRESETS.get(preset or "", {})), _frozen(overrides))
         key = (case, claim, policy, rounding, torch.get_num_threads())
+        key = key if steps == case.steps else (*key, steps)
         hash(key)
     except TypeError:  # an option without a hashable value: run it each time
-        return _run_reference(case, preset, overrides, policy, rounding)
+        return _run_reference(case, preset, overrides, policy, rounding, steps)
     run = _kept_runs.get(key)
     if run is None:
-        run = _kept_runs[key] = _run_reference(case, preset, overrides, policy, rounding)
+        run = _kept_runs[key] = _run_reference(case, preset, overrides, policy, rounding, steps)
         if len(_kept_runs) > REFERENCE_RUNS_KEPT:
             _kept_runs.popitem(last=False)
     else:
@@ -412,15 +419,21 @@ def _reference_run(
 
 
 def _run_reference(
-    case: Case, preset: str | None, overrides: dict[str, Any], policy: str, rounding: Rounding
+    case: Case,
+    preset: str | None,
+    overrides: dict[str, Any],
+    policy: str,
+    rounding: Rounding,
+    steps: int | None = None,
 ) -> RefRun:
     """muon_ref.Muon under the claim (reference_optimizer, with the rounding's elementwise stages) on the case's full
-    initial params, stepped on oracle_gradients(case, step, policy) for case.steps steps: the params and momentum
+    initial params, stepped on oracle_gradients(case, step, policy) for case.steps steps (or the first `steps`: a
+    prefix of the whole run, since nothing of a step depends on the steps after it): the params and momentum
     buffers after each step, as CPU copies."""
     params = initial_params(case)
     opt = reference_optimizer(params, case, preset, overrides, rounding)
     per_step, momenta = [], []
-    for step in range(case.steps):
+    for step in range(case.steps if steps is None else steps):
         if rounding.local:
             ranges = shard_ranges(case, step)
             opt.configure(
@@ -763,6 +776,36 @@ def matches(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> 
     """Does muon_ref under (preset, overrides) reproduce the candidate's recorded results bit for bit (or within
     the outcome's tolerance), under any Rounding (judge), comparing what the outcome compared (its view)?"""
     return trial(outcome, preset, overrides).status in ("bitwise", "close")
+
+
+def may_match(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> bool:
+    """False only where trial(outcome, preset, overrides) is certainly neither bitwise nor close, found at a
+    fraction of its cost: the ranks' answers are a crash, or under no Rounding judge tries does muon_ref's first
+    step (a one-step prefix of its run) give the params that the first rank recorded after step 1 (bits, or the
+    view's tolerance), while a match needs every recorded step of every rank to. True where it cannot tell
+    cheaply (no results, no view, no rank that recorded step 1)."""
+    if outcome.results is None or outcome.view is None:
+        return True
+    case, segments, view = outcome.case, outcome.results, outcome.view
+    policy, crash = _policy(case, segments)
+    if crash:
+        return False
+    world, results = segments[0]
+    first = next(
+        ((rank, r) for rank, r in enumerate(results) if r["first_step"] == 0 and r["params"]), None
+    )
+    if first is None:
+        return True
+    rank, r = first
+    for rounding in ROUNDINGS:
+        if rounding.local and case.mode == "single":
+            continue
+        run = _reference_run(case, preset, overrides, policy, rounding, steps=1)
+        tally = _Tally(case, run, view, [0.0], [None])
+        tally.add_params({"first_step": 0, "params": r["params"][:1]}, rank, world)
+        if tally.bitwise or (view.tolerance and tally.diffs[0] <= view.tolerance):
+            return True
+    return False
 
 
 def trial(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -> Outcome:
