@@ -100,9 +100,8 @@ def _answer_bytes(answer: Any) -> bytes:
     import torch
 
     plain = (torch.Tensor, torch.nn.Parameter)
-    storages: dict[
-        int, Any
-    ] = {}  # data_ptr -> the first storage object seen for it (pickled once, then memoised)
+    # data_ptr -> the first storage object seen for it (pickled once, then memoised by pickle)
+    storages: dict[int, Any] = {}
 
     class ByValue(ForkingPickler):
         def reducer_override(self, obj: Any) -> Any:

@@ -188,9 +188,8 @@ class Search:
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.seen: dict[tuple, Outcome] = {}
-        self.ruled_out: set[tuple] = (
-            set()
-        )  # keys whose first step already rules a match out (may_match)
+        # the keys whose first step already rules a match out (may_match)
+        self.ruled_out: set[tuple] = set()
         self.stopped = False
 
     @staticmethod

@@ -189,8 +189,8 @@ def test_a_ranks_answer_keeps_its_tensors_and_their_views_and_carries_them_by_va
 ) -> None:
     """A rank's answer comes back with every tensor as it was on the rank (bits, stride, offset, class,
     requires_grad; views of one storage still share it), its CPU storages carried in the pickle by value, not
-    moved into shared memory and passed by file descriptor (launch._answer_bytes; the rebuild from a descriptor
-    is made to fail here). Control: a pickler that sends each tensor as its own contiguous copy loses the views
+    moved into shared memory and passed by file descriptor or name (launch._answer_bytes; the rebuild from
+    either is made to fail here). Control: a pickler that sends each tensor as its own contiguous copy loses the views
     and the strides."""
     import io
     import pickle
@@ -201,9 +201,13 @@ def test_a_ranks_answer_keeps_its_tensors_and_their_views_and_carries_them_by_va
     assert _faithful(pickle.loads(launch._answer_bytes(sent)), sent) == []
 
     def refused(*_):
-        raise AssertionError("a storage came by file descriptor")
+        raise AssertionError("a storage came through shared memory")
 
-    monkeypatch.setattr(reductions, "rebuild_storage_fd", refused)
+    for name in (
+        "rebuild_storage_fd",
+        "rebuild_storage_filename",
+    ):  # torch's two sharing strategies
+        monkeypatch.setattr(reductions, name, refused)
     pool = RankPool(2)
     try:
         answers = pool.run(tensors_of_every_kind, timeout=90)
