@@ -91,8 +91,8 @@ def _answer_bytes(answer: Any) -> bytes:
     storage once, as raw bytes (views of one storage stay views of one storage in the parent), each tensor as its
     dtype, offset, size, stride, requires_grad and class (Tensor or Parameter). multiprocessing's pickler, as torch
     registers it, would move each storage into shared memory and pass its file descriptor over a socket of its
-    own: about 0.7 ms a tensor, against microseconds for the small tensors a check's case returns by the
-    thousand. Everything else (CUDA tensors, tensors with attributes, conjugate or negative views, other layouts,
+    own, a cost per storage that the many small tensors of a check's answers multiply (docs/conformance.md,
+    "Ranks"). Everything else (CUDA tensors, tensors with attributes, conjugate or negative views, other layouts,
     non-leaf tensors that require grad) goes as that pickler sends it."""
     import io
     from multiprocessing.reduction import ForkingPickler
