@@ -405,7 +405,7 @@ def _zygote_for(seed: int) -> tuple[Any, Any]:
         if spawned_in == context and proc.is_alive():
             _ZYGOTES[seed] = known
             return proc, conn
-        _end_zygote(proc, conn)
+        _end(proc, conn)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_zygote, args=(child,), daemon=True)
@@ -415,8 +415,8 @@ def _zygote_for(seed: int) -> tuple[Any, Any]:
     return proc, parent
 
 
-def _end_zygote(proc: Any, conn: Any) -> None:
-    """A zygote asked to end (its loop returns on None), killed if it has not within 5 s."""
+def _end(proc: Any, conn: Any) -> None:
+    """A zygote or a rank asked to end (its loop returns on None), killed if it has not within 5 s."""
     try:
         conn.send(None)
     except OSError:
@@ -457,10 +457,11 @@ class RankPool:
     """world_size gloo ranks on `device` ("cpu", or "cuda": the node's GPUs shared, module docstring), started
     with `start_method` (default: fork on CPU, spawn with CUDA or a hash seed). hash_seed: rank r runs with
     PYTHONHASHSEED = hash_seed + r (its own string-hashing seed, as separate training processes have; ranks forked
-    from the parent would share the parent's), forked on the CPU from that seed's zygote (_zygote_for). process_group=False: the ranks join no group (a single-device candidate that calls
-    torch.distributed fails there instead of running as a group of one). A rank that does not answer is asked
-    where it is blocked (blocked_at: faulthandler's stack on SIGUSR1) before the pool is torn down. idle_s: a call counts as hung before its timeout
-    once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
+    from the parent would share the parent's), forked on the CPU from that seed's zygote (_zygote_for).
+    process_group=False: the ranks join no group (a single-device candidate that calls torch.distributed fails
+    there instead of running as a group of one). A rank that does not answer is asked where it is blocked
+    (blocked_at: faulthandler's stack on SIGUSR1) before the pool is torn down. idle_s: a call counts as hung
+    before its timeout once the ranks that have not answered, with their child processes, used no CPU time for idle_s seconds (CPU
     ranks, Linux /proc: they are blocked, in a collective that a peer never joins; not for CUDA, where a rank may
     wait for its GPU)."""
 
@@ -662,11 +663,7 @@ class RankPool:
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-            proc.join(timeout=5)
+            _end(proc, conn)
         self.kill()
         if self.zygotes:  # the zygotes stay for the next pool of their seeds (_zygote_for)
             folder = os.path.dirname(self.listener.address)
