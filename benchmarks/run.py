@@ -124,6 +124,9 @@ class Bench:
     dion: str | None = None  # a microsoft/dion checkout: time dion.Muon beside the others
     rounds: int | None = None  # DistributedMuon's rounds= (None: its default)
     pipeline_depth: int | None = None  # DistributedMuon's pipeline_depth= (None: its default)
+    memory_budget: int | None = (
+        None  # DistributedMuon's memory_budget= (None: its default; global dispatch)
+    )
     ns_backend: str = "torch"  # DistributedMuon's ns_backend= (muon_dist.kernels.BACKENDS)
 
     @property
@@ -195,6 +198,8 @@ def make(method: str, params: list[torch.Tensor], names: list[str], b: Bench) ->
             ns_backend=b.ns_backend,
             rounds=b.rounds,
             pipeline_depth=b.pipeline_depth,
+            # (a budget sets global dispatch's rounds: the batched methods take none)
+            memory_budget=None if method in options else b.memory_budget,
             **options.get(method, {}),
         )
     cls = FullTensorMuon if method == "full_tensor" else GatherScatterMuon
@@ -566,6 +571,14 @@ def main(argv: list[str] | None = None) -> int:
         "DistributedMuon's own, 3)",
     )
     parser.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="DistributedMuon's memory_budget= for its global-dispatch method (distributed): bytes per rank for "
+        "the communication buffers of the batches in flight (default: DistributedMuon's own)",
+    )
+    parser.add_argument(
         "--ns-backend",
         choices=sorted(BACKENDS),
         default="torch",
@@ -607,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                     dion=args.dion,
                     rounds=args.rounds,
                     pipeline_depth=args.pipeline_depth,
+                    memory_budget=args.memory_budget,
                     ns_backend=args.ns_backend,
                 )
                 results = pool.run(rank_bench, b, timeout=args.timeout)

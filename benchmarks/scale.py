@@ -12,8 +12,9 @@ each matrix costed by muon_dist.balance.ns_flops (5 steps). A stack's dim 0 is i
 box holds whole experts.
 
 Schemes:
-  distributed  DistributedMuon as it comes (dispatch="global", rounds by size: 4 on these models): its own plan (muon_dist.plan.plan), the
-               figures from each path's record (muon_dist.expected_bytes, expected_flops, expected_collectives)
+  distributed  DistributedMuon as it comes (dispatch="global", rounds by size, 4 on these models, and more where
+               the default memory budget needs them): its own plan (muon_dist.plan.plan), the figures from each
+               path's record (muon_dist.expected_bytes, expected_flops, expected_collectives, buffer_bytes)
   batched      DistributedMuon(dispatch="batched")
   xtuner       xtuner's Muon with remainder_strategy="pad_all2all", not its default "agrs" (the padded batches of
                W the comparison is about; AGRS remainders are the batched row's scheme) (InternLM/xtuner PR 1716 at b934f462,
@@ -43,7 +44,8 @@ Figures, per step:
                   experts lie whole on a rank each: nothing to move)
   pad %           padding moved (zero matrices, padded rows) over all elements moved
   buf GB          the busiest rank's send and receive buffers of its largest batch (DistributedMuon: times the
-                  batches in flight, min(3, batches)): a model of its extra peak for communication, not measured
+                  batches in flight, min(3, batches): muon_dist.buffer_bytes, the model its memory budget
+                  bounds): a model of its extra peak for communication, not measured
   colls           collectives per step on every rank (DistributedMuon: with its plan-digest and failure-check
                   all-gathers)
 The peers' rows are predictions from reading the code cited, made before any run and never run at these W.
@@ -71,6 +73,7 @@ from muon_dist import (
     Entry,
     Options,
     ParamLayout,
+    buffer_bytes,
     expected_bytes,
     expected_collectives,
     expected_flops,
@@ -81,7 +84,6 @@ from muon_dist.balance import lpt, ns_flops
 from muon_dist.batch import Batch
 from muon_dist.geometry import chunk_bounds
 from muon_dist.paths import PATHS
-from muon_dist.plan import PIPELINE_DEPTH
 
 MODELS = {"qwen3_30b_a3b": moe_30b_a3b, "qwen3_235b_a22b": moe_235b_a22b, "llama3_70b": dense_70b}
 WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -150,21 +152,13 @@ def distributed(specs: list[ParamSpec], W: int, options: Options) -> Tally:
     per_rank_colls = [
         1 + checks
     ] * W  # the plan digest; the failure checks no data collective carries
-    largest = [0] * W
     for batch in batches:
-        for rank in range(W):
-            moved = PATHS[batch.path].expected_bytes(
-                batch, batch.geometries[0].member(rank), ITEMSIZES
-            )
-            if moved is not None:
-                largest[rank] = max(largest[rank], sum(moved))
         tally.padded += _padding(batch)
-    depth = min(PIPELINE_DEPTH, len(batches)) or 1
     for rank in range(W):
         per_rank_colls[rank] += sum(expected_collectives(step_plan, rank).values())
         tally.flops[rank] = expected_flops(step_plan, rank)
         tally.sent[rank] = sum(s for s, _ in expected_bytes(step_plan, rank, ITEMSIZES).values())
-        tally.buffer[rank] = depth * largest[rank]
+        tally.buffer[rank] = buffer_bytes(step_plan, rank, ITEMSIZES)
     tally.moved = sum(tally.sent) // BYTES
     tally.rank_collectives, tally.collectives = per_rank_colls, max(per_rank_colls)
     return tally

@@ -118,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline-depth", type=int, default=None, help="DistributedMuon's pipeline_depth="
     )
+    parser.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        help="DistributedMuon's memory_budget= (distributed)",
+    )
     parser.add_argument("--dion", metavar="PATH", default=peers.installed_dion())
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=10, help="sites listed per reading")
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     dion=args.dion,
                     rounds=args.rounds,
                     pipeline_depth=args.pipeline_depth,
+                    memory_budget=args.memory_budget,
                 )
                 methods = tuple(m for m in args.methods if m in b.methods)
                 skipped = [m for m in args.methods if m not in methods]

@@ -14,7 +14,16 @@ from .geometry import Box, Geometry, chunk_bounds
 from .layout import ParamLayout, read_layout
 from .optim import DistributedMuon, StepReport
 from .paths import PATHS
-from .plan import Entry, Options, Plan, expected_bytes, expected_collectives, expected_flops, plan
+from .plan import (
+    Entry,
+    Options,
+    Plan,
+    buffer_bytes,
+    expected_bytes,
+    expected_collectives,
+    expected_flops,
+    plan,
+)
 
 __all__ = [
     "PATHS",
@@ -32,6 +41,7 @@ __all__ = [
     "ThreadComm",
     "ThreadWorld",
     "TorchComm",
+    "buffer_bytes",
     "chunk_bounds",
     "expected_bytes",
     "expected_collectives",

@@ -81,6 +81,7 @@ def resolve_options(
     dispatch: str | None,
     rounds: int | None,
     pipeline_depth: int | None = None,
+    memory_budget: int | None = None,
 ) -> Options:
     """The plan's Options from DistributedMuon's arguments: dispatch None is "global" (the fastest in
     docs/benchmarks.md), or "batched" when a remainder path or a forced path is asked for (options of batched
@@ -88,7 +89,7 @@ def resolve_options(
     if dispatch is None:
         dispatch = "batched" if remainder is not None or force_path is not None else "global"
     depth = PIPELINE_DEPTH if pipeline_depth is None else pipeline_depth
-    return Options(remainder or "agrs", force_path, dispatch, rounds, depth)
+    return Options(remainder or "agrs", force_path, dispatch, rounds, depth, memory_budget)
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -121,6 +122,11 @@ class DistributedMuon(torch.optim.Optimizer):
             3 (one issuing its directions, one running its kernels, one receiving its updates). Fewer hold less
             memory and overlap less: 1 runs each batch to its end before the next starts (docs/benchmarks.md,
             "Pipeline depth"). The same bits at any depth.
+        memory_budget: with rounds None (global dispatch), the bytes per rank the communication buffers of the
+            batches in flight may hold: the rounds are as many as keep pipeline_depth times the most a rank sends
+            and receives in a round within it (at most one param per owner and round); None (the default):
+            muon_dist.plan.BUFFER_BUDGET_MATRICES times the largest matrix's direction and update bytes
+            (docs/benchmarks.md, "A memory budget for the rounds"). The same bits at any budget.
         ns_backend: a name of muon_dist.kernels.BACKENDS ("torch", muon_ref's kernel, is bitwise).
         atomic: False (the default) writes the step in write groups, each after every rank agreed that its local
             work succeeded, holding one group's new buffers and updates at a time (a failure on any rank writes
@@ -141,6 +147,7 @@ class DistributedMuon(torch.optim.Optimizer):
         dispatch: str | None = None,
         rounds: int | None = None,
         pipeline_depth: int | None = None,
+        memory_budget: int | None = None,
         ns_backend: str = "torch",
         atomic: bool = False,
         **kwargs: Any,
@@ -155,6 +162,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 dispatch=dispatch,
                 rounds=rounds,
                 pipeline_depth=pipeline_depth,
+                memory_budget=memory_budget,
                 ns_backend=ns_backend,
                 atomic=atomic,
             ),
@@ -177,6 +185,7 @@ class DistributedMuon(torch.optim.Optimizer):
             construction["dispatch"],
             construction.get("rounds"),
             construction.get("pipeline_depth"),
+            construction.get("memory_budget"),
         )
         self.atomic = construction["atomic"]
         self.preset = construction["preset"]

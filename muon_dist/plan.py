@@ -21,8 +21,9 @@ case: the boxes say which case it is.
 dispatch="global" (Options.dispatch) then merges every batch of a path that allows it (Path.global_dispatch: the
 all-to-all family) into one "global_all_to_all" batch per (shard groups, direction dtype, update dtype), each
 param owned by the member that muon_dist.balance.lpt gives it (cost: ns_flops of its blocks; ties to the lowest
-param index and rank), cut into rounds (round_count of its elements; muon_dist.balance.rounds: each owner gets
-about 1/rounds of its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
+param index and rank), cut into rounds (round_count of its elements, and more where the batches in flight would
+hold more than Options.memory_budget: _within_budget; muon_dist.balance.rounds: each owner gets about 1/rounds of
+its load in each), one global_all_to_all batch per round. Expert paths, replicated batches and
 groups of one stay as they are, placed between the rounds (interleave), so that a write group can end with a
 round that carries its failure check (muon_dist/agreement.py).
 """
@@ -34,13 +35,15 @@ import hashlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
+
+import torch
 
 from muon_ref import MatrixLayout
 
 from .balance import lpt, ns_flops, rounds
 from .batch import Batch
-from .geometry import Box, blocks_in, parse_placement
+from .geometry import Box, Geometry, blocks_in, parse_placement
 from .layout import ParamLayout
 from .paths import PATHS
 
@@ -55,9 +58,19 @@ ROUNDS = 4
 # (muon_dist.runtime.staggered): one issuing its directions, one running its kernels, one receiving its updates
 PIPELINE_DEPTH = 3
 ROUND_MIN_ELEMENTS = 1 << 18
+# DistributedMuon's default memory budget (Options.memory_budget None): the communication buffers of the batches in
+# flight at most this many times the bytes of the step's largest matrix, its direction and its update each counted
+# once (docs/benchmarks.md, "A memory budget for the rounds"). Where a step's traffic is small next to its largest
+# matrix (the benchmark sets) the default rounds hold well under it; on a large model at a small W, four rounds
+# of a quarter of the step each held many times it (the planner's table: 45 GB on Llama-3-70B at W = 8).
+BUFFER_BUDGET_MATRICES = 8
 # in a shard group of one, a batch may hold this many elements even where every param is smaller (a few hundred
 # KiB at most): small params then share one stack kernel call, whose per-call cost dominates their Newton-Schulz
 PACK_MIN_ELEMENTS = 1 << 16
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -68,13 +81,18 @@ class Options:
     all-to-all traffic goes in about this many rounds, pipelined (module docstring); None (the default): as many
     as round_count gives for its elements. pipeline_depth: how many batches' Steps are in flight at once
     (muon_dist.runtime.staggered); part of the plan's digest, since another depth issues the collectives in
-    another order."""
+    another order. memory_budget: with rounds None and global dispatch, bytes per rank that the communication
+    buffers of the batches in flight may hold (pipeline_depth times the most a rank sends and receives in one
+    round: round_buffers, buffer_bytes); rounds are added until the step keeps within it, down to one param per
+    owner and round; None (the default): BUFFER_BUDGET_MATRICES times the direction and update bytes of the largest
+    param that global dispatch moves, with no round under ROUND_MIN_ELEMENTS elements."""
 
     remainder: str = "agrs"
     force_path: str | None = None
     dispatch: str = "batched"
     rounds: int | None = None
     pipeline_depth: int = PIPELINE_DEPTH
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.remainder not in REMAINDER_PATHS:
@@ -86,18 +104,22 @@ class Options:
             )
         if self.dispatch not in ("batched", "global"):
             raise ValueError(f"dispatch must be 'batched' or 'global', got {self.dispatch!r}")
-        if self.rounds is not None and (
-            not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1
-        ):
+        if self.rounds is not None and not _positive_int(self.rounds):
             raise ValueError(f"rounds must be None or an int >= 1, got {self.rounds!r}")
-        if (
-            not isinstance(self.pipeline_depth, int)
-            or isinstance(self.pipeline_depth, bool)
-            or self.pipeline_depth < 1
-        ):
+        if not _positive_int(self.pipeline_depth):
             raise ValueError(
                 f"pipeline_depth must be None or an int >= 1 (1: one batch at a time), got {self.pipeline_depth!r}"
             )
+        if self.memory_budget is not None:
+            if not _positive_int(self.memory_budget):
+                raise ValueError(
+                    f"memory_budget must be None or an int >= 1 (bytes per rank), got {self.memory_budget!r}"
+                )
+            if self.rounds is not None or self.dispatch != "global":
+                raise ValueError(
+                    f"memory_budget sets the rounds of dispatch='global'; give it with rounds=None and "
+                    f"dispatch='global', got rounds={self.rounds!r}, dispatch={self.dispatch!r}"
+                )
         if self.dispatch == "global" and self.force_path is not None:
             raise ValueError(
                 f"dispatch='global' chooses the path of every sharded batch; force_path must be None, "
@@ -275,7 +297,7 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
 def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) -> list[Batch]:
     """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), params in
     param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into `count` rounds (round_count
-    of the merged batch's elements)
+    of the merged batch's elements, with rounds None more where the memory budget needs them: _within_budget)
     (balance.rounds: each round gives each owner about 1/count of its load; empty rounds dropped). The other
     batches go between the rounds (interleave): so a write group can end with a round that carries its failure
     flag (agreement.write_groups), and their local work runs while a round's all-to-all flies."""
@@ -286,6 +308,20 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
             continue
         key = (batch.geometries[0].groups, batch.direction_dtype, batch.update_dtype)
         merged.setdefault(key, []).extend(batch.params)
+    budget = (
+        options.memory_budget
+        if options.memory_budget is not None
+        else BUFFER_BUDGET_MATRICES
+        * max(
+            (
+                math.prod(entries[i].layout.global_shape)
+                * (itemsize(direction_dtype) + itemsize(update_dtype))
+                for (_, direction_dtype, update_dtype), params in merged.items()
+                for i in params
+            ),
+            default=0,
+        )
+    )
     for (_, direction_dtype, update_dtype), params in merged.items():
         params.sort()
         costs = [
@@ -294,8 +330,25 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
         ]
         geometries = tuple(entries[i].layout.geometry for i in params)
         owners = lpt(costs, geometries[0].group_size)
-        count = round_count(options, sum(math.prod(g.global_shape) for g in geometries))
+        elements = sum(math.prod(g.global_shape) for g in geometries)
+        count = round_count(options, elements)
         round_of = rounds(costs, owners, count)
+        if options.rounds is None:
+            # no round with two params of one owner; under the default budget none under ROUND_MIN_ELEMENTS
+            limit = max(owners.count(o) for o in set(owners))
+            if options.memory_budget is None:
+                limit = min(limit, max(count, int(elements // ROUND_MIN_ELEMENTS)))
+            per_element = itemsize(direction_dtype) + itemsize(update_dtype)
+            count, round_of = _within_budget(
+                geometries,
+                owners,
+                costs,
+                (count, limit),
+                round_of,
+                per_element,
+                options.pipeline_depth,
+                budget,
+            )
         for r in range(count):
             members = [k for k, rr in enumerate(round_of) if rr == r]
             if members:
@@ -310,6 +363,72 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
                     )
                 )
     return interleave(kept, global_batches)
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype by its name ("torch.bfloat16": 2)."""
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
+
+
+def round_buffers(
+    geometries: Sequence[Geometry], owners: Sequence[int], per_element: int
+) -> list[int]:
+    """The bytes each member of a global_all_to_all batch (`geometries`, `owners`) sends and receives, both
+    exchanges together (paths.exchange.exchange_bytes's sent + received: an owner, the elements of its params
+    that it lacks, each way; another member, its boxes of them, each way), `per_element` bytes per element (the
+    direction's itemsize plus the update's): the model of the batch's communication buffers on each rank."""
+    moved = [0] * geometries[0].group_size
+    for geometry, owner in zip(geometries, owners):
+        sizes = geometry.sizes
+        for member, size in enumerate(sizes):
+            moved[member] += size
+        moved[owner] += sum(sizes) - 2 * sizes[owner]
+    return [m * per_element for m in moved]
+
+
+def _within_budget(
+    geometries: Sequence[Geometry],
+    owners: list[int],
+    costs: list[int],
+    counts: tuple[int, int],
+    round_of: list[int],
+    per_element: int,
+    depth: int,
+    budget: int,
+) -> tuple[int, list[int]]:
+    """The fewest rounds from `counts` = (count, limit), at most limit, whose buffers stay within the budget:
+    `depth` (the batches in flight) times the most any member moves in one round (round_buffers) at most `budget`
+    bytes (else `limit` rounds). With the round of each param (balance.rounds; `round_of`: count's)."""
+    count, limit = counts
+    while count < limit:
+        need = depth * max(
+            max(
+                round_buffers(
+                    [g for g, r in zip(geometries, round_of) if r == j],
+                    [o for o, r in zip(owners, round_of) if r == j],
+                    per_element,
+                )
+            )
+            for j in set(round_of)
+        )
+        if need <= budget:
+            break
+        count += 1
+        round_of = rounds(costs, owners, count)
+    return count, round_of
+
+
+def buffer_bytes(plan: Plan, rank: int, itemsizes: Mapping[str, int]) -> int:
+    """A model of this rank's communication buffers at the step's peak: min(pipeline_depth, batches) times the
+    most it sends and receives in one batch (each path's expected_bytes, both exchanges). An upper bound of what
+    the batches in flight allocate for their collectives; what each holds at once depends on the pipeline's order
+    (docs/benchmarks.md, "A memory budget for the rounds")."""
+    most = 0
+    for batch in plan.batches:
+        moved = PATHS[batch.path].expected_bytes(batch, batch.geometries[0].member(rank), itemsizes)
+        if moved is not None:
+            most = max(most, sum(moved))
+    return min(plan.options.pipeline_depth, len(plan.batches)) * most
 
 
 def interleave(others: list[Batch], global_batches: list[Batch]) -> list[Batch]:

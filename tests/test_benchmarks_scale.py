@@ -57,3 +57,37 @@ def test_the_command_prints_a_table_per_model(capsys) -> None:
     assert scale.main(args) == 0
     out = capsys.readouterr().out
     assert "qwen3_30b_a3b: per step, per rank" in out and out.count("    8 ") == 2, out
+
+
+@pytest.mark.parametrize("model", sorted(scale.MODELS))
+def test_the_default_memory_budget_bounds_the_buffers_of_the_real_models(model: str) -> None:
+    """DistributedMuon's default plan at W = 8 keeps every rank's buffer model (muon_dist.buffer_bytes) within the
+    default budget, BUFFER_BUDGET_MATRICES times the largest 2-D matrix's bf16 direction and update bytes; the
+    rounds by size alone (the plan without a budget) exceed it on every one of the three models, so the budget
+    is what bounds them (the table's buf GB column, docs/benchmarks.md)."""
+    from muon_dist import Options, buffer_bytes, plan
+    from muon_dist.plan import BUFFER_BUDGET_MATRICES
+
+    specs = [s for s in scale.MODELS[model]() if s.is_muon]
+    largest = max(s.shape[0] * s.shape[1] for s in specs if len(s.shape) == 2)
+    budget = BUFFER_BUDGET_MATRICES * largest * (2 + 2)
+    entries = scale.entries_of(specs, 8)
+    default = plan(entries, Options(dispatch="global"))
+    unbounded = plan(entries, Options(dispatch="global", memory_budget=1 << 62))
+    assert max(buffer_bytes(default, r, scale.ITEMSIZES) for r in range(8)) <= budget
+    assert max(buffer_bytes(unbounded, r, scale.ITEMSIZES) for r in range(8)) > budget
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_benchmark_sets_keep_their_rounds_under_the_default_budget(world_size: int) -> None:
+    """The speeds and peaks docs/benchmarks.md measured on benchmarks.run's sets are those of the default: on
+    every set the default plan is the plan with the budget off (a budget no round reaches)."""
+    from benchmarks.run import SETS
+    from muon_dist import Options, plan
+
+    for name, make_set in SETS.items():
+        entries = scale.entries_of([s for s in make_set() if s.is_muon], world_size)
+        default = plan(entries, Options(dispatch="global")).batches
+        assert (
+            default == plan(entries, Options(dispatch="global", memory_budget=1 << 62)).batches
+        ), name

@@ -259,7 +259,8 @@ def test_ns_backend_reaches_distributed_muons_methods_and_only_theirs() -> None:
 
 def test_rounds_and_pipeline_depth_reach_distributed_muons_methods() -> None:
     """--rounds N and --pipeline-depth N: each of DistributedMuon's methods is built with them; without them it
-    gets DistributedMuon's defaults (rounds None, depth muon_dist.plan.PIPELINE_DEPTH)."""
+    gets DistributedMuon's defaults (rounds None, depth muon_dist.plan.PIPELINE_DEPTH). --memory-budget B reaches
+    the global-dispatch method (distributed), the one whose rounds it sets, and no batched one."""
     from benchmarks.run import DISTRIBUTED_METHODS, make
     from muon_dist.plan import PIPELINE_DEPTH
 
@@ -269,6 +270,9 @@ def test_rounds_and_pipeline_depth_reach_distributed_muons_methods() -> None:
     for b, want in ((given, (2, 1)), (default, (None, PIPELINE_DEPTH))):
         options = [make(m, params, ["w"], b).options for m in DISTRIBUTED_METHODS]
         assert {(o.rounds, o.pipeline_depth) for o in options} == {want}
+    budget = Bench("tiny_moe", world_size=1, warmup=1, steps=1, memory_budget=4096)
+    budgets = {m: make(m, params, ["w"], budget).options.memory_budget for m in DISTRIBUTED_METHODS}
+    assert budgets == {m: 4096 if m == "distributed" else None for m in DISTRIBUTED_METHODS}
 
 
 def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_place(capsys) -> None:
