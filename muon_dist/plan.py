@@ -30,6 +30,7 @@ round that carries its failure check (muon_dist/agreement.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -84,7 +85,8 @@ class Options:
     another order. memory_budget: with rounds None and global dispatch, bytes per rank that the communication
     buffers of the batches in flight may hold (pipeline_depth times the most a rank sends and receives in one
     round: round_buffers, buffer_bytes); rounds are added until the step keeps within it, down to one param per
-    owner and round; None (the default): BUFFER_BUDGET_MATRICES times the direction and update bytes of the largest
+    owner and round, and from there fewer rounds are in flight (the plan's options carry that depth, at least
+    one); None (the default, which never lowers the depth): BUFFER_BUDGET_MATRICES times the direction and update bytes of the largest
     param that global dispatch moves, with no round under ROUND_MIN_ELEMENTS elements."""
 
     remainder: str = "agrs"
@@ -290,18 +292,24 @@ def plan(entries: tuple[Entry, ...], options: Options) -> Plan:
                 )
             )
     if options.dispatch == "global":
-        batches = _global(entries, batches, options)
+        batches, depth = _global(entries, batches, options)
+        if depth < options.pipeline_depth:
+            options = dataclasses.replace(options, pipeline_depth=depth)
     return Plan(tuple(entries), options, tuple(batches))
 
 
-def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) -> list[Batch]:
+def _global(
+    entries: tuple[Entry, ...], batches: list[Batch], options: Options
+) -> tuple[list[Batch], int]:
     """The batches of the paths that allow it merged per (shard groups, direction dtype, update dtype), params in
     param-group order, owners by LPT on each param's Newton-Schulz FLOPs, then cut into `count` rounds (round_count
     of the merged batch's elements, with rounds None more where the memory budget needs them: _within_budget)
     (balance.rounds: each round gives each owner about 1/count of its load; empty rounds dropped). The other
     batches go between the rounds (interleave): so a write group can end with a round that carries its failure
-    flag (agreement.write_groups), and their local work runs while a round's all-to-all flies."""
-    kept, merged, global_batches = [], {}, []
+    flag (agreement.write_groups), and their local work runs while a round's all-to-all flies. With the pipeline's
+    depth: Options.pipeline_depth, or fewer where an explicit memory budget is still exceeded with one param per
+    owner and round (as many rounds in flight as fit, at least one)."""
+    kept, merged, global_batches, depth = [], {}, [], options.pipeline_depth
     for batch in batches:
         if not PATHS[batch.path].global_dispatch or batch.group_size == 1:
             kept.append(batch)  # (a group of one moves nothing: its batches stay one param each)
@@ -339,7 +347,7 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
             if options.memory_budget is None:
                 limit = min(limit, max(count, int(elements // ROUND_MIN_ELEMENTS)))
             per_element = itemsize(direction_dtype) + itemsize(update_dtype)
-            count, round_of = _within_budget(
+            count, round_of, most = _within_budget(
                 geometries,
                 owners,
                 costs,
@@ -349,6 +357,8 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
                 options.pipeline_depth,
                 budget,
             )
+            if options.memory_budget is not None:  # at the floor and still over: fewer in flight
+                depth = min(depth, max(1, budget // most))
         for r in range(count):
             members = [k for k, rr in enumerate(round_of) if rr == r]
             if members:
@@ -362,7 +372,7 @@ def _global(entries: tuple[Entry, ...], batches: list[Batch], options: Options) 
                         update_dtype,
                     )
                 )
-    return interleave(kept, global_batches)
+    return interleave(kept, global_batches), depth
 
 
 def itemsize(dtype: str) -> int:
@@ -395,13 +405,14 @@ def _within_budget(
     per_element: int,
     depth: int,
     budget: int,
-) -> tuple[int, list[int]]:
+) -> tuple[int, list[int], int]:
     """The fewest rounds from `counts` = (count, limit), at most limit, whose buffers stay within the budget:
     `depth` (the batches in flight) times the most any member moves in one round (round_buffers) at most `budget`
-    bytes (else `limit` rounds). With the round of each param (balance.rounds; `round_of`: count's)."""
+    bytes (else `limit` rounds). With the round of each param (balance.rounds; `round_of`: count's) and that
+    most any member moves in one round."""
     count, limit = counts
-    while count < limit:
-        need = depth * max(
+    while True:
+        most = max(
             max(
                 round_buffers(
                     [g for g, r in zip(geometries, round_of) if r == j],
@@ -411,11 +422,10 @@ def _within_budget(
             )
             for j in set(round_of)
         )
-        if need <= budget:
-            break
+        if count >= limit or depth * most <= budget:
+            return count, round_of, most
         count += 1
         round_of = rounds(costs, owners, count)
-    return count, round_of
 
 
 def buffer_bytes(plan: Plan, rank: int, itemsizes: Mapping[str, int]) -> int:
