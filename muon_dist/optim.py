@@ -125,8 +125,9 @@ class DistributedMuon(torch.optim.Optimizer):
         memory_budget: with rounds None (global dispatch), the bytes per rank the communication buffers of the
             batches in flight may hold: the rounds are as many as keep pipeline_depth times the most a rank sends
             and receives in a round within it, down to one param per owner and round, and from there fewer are in
-            flight (last_plan.options.pipeline_depth, at least one); None (the default):
-            muon_dist.plan.BUFFER_BUDGET_MATRICES times the largest matrix's direction and update bytes
+            flight (last_plan.options.pipeline_depth, at least one); None (the default): pipeline_depth rounds
+            of 4/3 of the floor round each (muon_dist.plan.BUDGET_FLOOR_ROUNDS, floor_round: every member
+            orthogonalising one largest matrix), no round under 2^18 elements, the depth kept
             (docs/benchmarks.md, "A memory budget for the rounds"). The same bits at any budget.
         ns_backend: a name of muon_dist.kernels.BACKENDS ("torch", muon_ref's kernel, is bitwise).
         atomic: False (the default) writes the step in write groups, each after every rank agreed that its local

@@ -59,12 +59,13 @@ ROUNDS = 4
 # (muon_dist.runtime.staggered): one issuing its directions, one running its kernels, one receiving its updates
 PIPELINE_DEPTH = 3
 ROUND_MIN_ELEMENTS = 1 << 18
-# DistributedMuon's default memory budget (Options.memory_budget None): the communication buffers of the batches in
-# flight at most this many times the bytes of the step's largest matrix, its direction and its update each counted
-# once (docs/benchmarks.md, "A memory budget for the rounds"). Where a step's traffic is small next to its largest
-# matrix (the benchmark sets) the default rounds hold well under it; on a large model at a small W, four rounds
-# of a quarter of the step each held many times it (the planner's table: 45 GB on Llama-3-70B at W = 8).
-BUFFER_BUDGET_MATRICES = 8
+# DistributedMuon's default memory budget (Options.memory_budget None), per shard group and dtype pair: pipeline_depth
+# rounds of at most 4/3 of the floor round each, the round in which every member orthogonalises one largest matrix
+# (floor_round). On the dense benchmark set that cuts the four rounds by size into seven at W = 2, where the peak
+# fell to about two thirds at the same step, and leaves them at W = 4, where more rounds cost step time on 2 cores;
+# on a large model at a small W it bounds rounds that by size are a quarter of the step each (docs/benchmarks.md,
+# "A memory budget for the rounds").
+BUDGET_FLOOR_ROUNDS = (4, 3)
 # in a shard group of one, a batch may hold this many elements even where every param is smaller (a few hundred
 # KiB at most): small params then share one stack kernel call, whose per-call cost dominates their Newton-Schulz
 PACK_MIN_ELEMENTS = 1 << 16
@@ -86,8 +87,8 @@ class Options:
     buffers of the batches in flight may hold (pipeline_depth times the most a rank sends and receives in one
     round: round_buffers, buffer_bytes); rounds are added until the step keeps within it, down to one param per
     owner and round, and from there fewer rounds are in flight (the plan's options carry that depth, at least
-    one); None (the default, which never lowers the depth): BUFFER_BUDGET_MATRICES times the direction and update bytes of the largest
-    param that global dispatch moves, with no round under ROUND_MIN_ELEMENTS elements."""
+    one); None (the default, which never lowers the depth): per shard group and dtype pair, pipeline_depth times
+    BUDGET_FLOOR_ROUNDS (4/3) of floor_round, with no round under ROUND_MIN_ELEMENTS elements."""
 
     remainder: str = "agrs"
     force_path: str | None = None
@@ -316,20 +317,6 @@ def _global(
             continue
         key = (batch.geometries[0].groups, batch.direction_dtype, batch.update_dtype)
         merged.setdefault(key, []).extend(batch.params)
-    budget = (
-        options.memory_budget
-        if options.memory_budget is not None
-        else BUFFER_BUDGET_MATRICES
-        * max(
-            (
-                math.prod(entries[i].layout.global_shape)
-                * (itemsize(direction_dtype) + itemsize(update_dtype))
-                for (_, direction_dtype, update_dtype), params in merged.items()
-                for i in params
-            ),
-            default=0,
-        )
-    )
     for (_, direction_dtype, update_dtype), params in merged.items():
         params.sort()
         costs = [
@@ -347,6 +334,12 @@ def _global(
             if options.memory_budget is None:
                 limit = min(limit, max(count, int(elements // ROUND_MIN_ELEMENTS)))
             per_element = itemsize(direction_dtype) + itemsize(update_dtype)
+            budget = options.memory_budget
+            if budget is None:
+                times, over = BUDGET_FLOOR_ROUNDS
+                budget = (
+                    options.pipeline_depth * times * floor_round(geometries, per_element) // over
+                )
             count, round_of, most = _within_budget(
                 geometries,
                 owners,
@@ -394,6 +387,16 @@ def round_buffers(
             moved[member] += size
         moved[owner] += sum(sizes) - 2 * sizes[owner]
     return [m * per_element for m in moved]
+
+
+def floor_round(geometries: Sequence[Geometry], per_element: int) -> int:
+    """The bytes a member sends and receives in a round in which every member of the shard group orthogonalises one
+    of the largest matrices (of `geometries`): an owner's lacking part of it each way, and its box of each other
+    member's, 2 (W - 1) / W of the matrix at `per_element` bytes an element (the direction's and the update's
+    itemsize together): the least a round holding the largest matrix moves where every member owns one."""
+    W = geometries[0].group_size
+    largest = max(math.prod(g.global_shape) for g in geometries)
+    return 2 * (W - 1) * largest * per_element // W
 
 
 def _within_budget(

@@ -1,6 +1,6 @@
 """memory_budget: the rounds of global dispatch cut so that the communication buffers of the batches in flight
 (pipeline_depth times the most a rank sends and receives in one round) stay within a byte budget per rank
-(muon_dist.plan: Options.memory_budget, BUFFER_BUDGET_MATRICES, round_buffers, buffer_bytes). The budget moves
+(muon_dist.plan: Options.memory_budget, BUDGET_FLOOR_ROUNDS, floor_round, round_buffers, buffer_bytes). The budget moves
 params between rounds only: the same owners, the same bits; a bad value is refused in one line at construction."""
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 from muon_dist import DistributedMuon, Entry, Options, buffer_bytes, plan
 from muon_dist.paths import PATHS
-from muon_dist.plan import BUFFER_BUDGET_MATRICES, PIPELINE_DEPTH, ROUND_MIN_ELEMENTS, round_buffers
+from muon_dist.plan import (
+    BUDGET_FLOOR_ROUNDS,
+    PIPELINE_DEPTH,
+    ROUND_MIN_ELEMENTS,
+    floor_round,
+    round_buffers,
+)
 from tests.conftest import examples
 
 from .batches import layout_1d
@@ -103,32 +109,33 @@ def test_each_round_keeps_its_buffers_within_the_budget_with_the_owners_of_one_r
 
 
 def _model_of(W: int, layers: int = 12) -> tuple[Entry, ...]:
-    """A dense model's matrices, large enough that the default rounds hold many times its largest matrix:
+    """A dense model's matrices, large enough that four rounds hold many times its largest matrix:
     per layer q, k, v, o of 256 x 256 and an MLP of 1024 x 256 and 256 x 1024, Shard(0) over W ranks."""
     per_layer = [(256, 256)] * 4 + [(1024, 256), (256, 1024)]
     return _entries([(shape, "S0") for _ in range(layers) for shape in per_layer], W)
 
 
-def test_the_default_budget_is_eight_of_the_largest_matrix_and_cuts_rounds_only_where_they_exceed_it(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_the_default_budget_is_four_thirds_of_the_floor_round_per_round_in_flight(
+    monkeypatch: pytest.MonkeyPatch, W: int
 ) -> None:
-    """Contract: memory_budget None is BUFFER_BUDGET_MATRICES (8) times the largest matrix's direction and update
-    bytes (1024 x 256 x (2 + 2)); on 12 dense layers at W = 2 the four default rounds exceed it, so the plan has
-    more, each within it; on 4 layers (the benchmarks' dense set) the four rounds fit and stay; on a set whose
-    rounds would fall under ROUND_MIN_ELEMENTS the default budget adds none (an explicit one does). Negative
-    control: a planner that ignores the budget keeps four rounds on 12 layers and breaks the contract."""
-    assert BUFFER_BUDGET_MATRICES == 8
-    budget = 8 * 1024 * 256 * 4
-    big, small = _model_of(2), _model_of(2, layers=4)
+    """Contract: memory_budget None is, per shard group and dtype pair, pipeline_depth times 4/3
+    (BUDGET_FLOOR_ROUNDS) of floor_round: 2 (W - 1) / W of the largest matrix (1024 x 256) at 2 + 2 bytes an
+    element. On 12 dense layers the default plan is the plan with that budget given, which the rounds by size
+    (four) exceed, so it has more, all within it; on a set whose rounds would fall under ROUND_MIN_ELEMENTS the
+    default budget adds none (an explicit one does) and never lowers the depth. Negative control: a planner that
+    ignores the budget keeps four rounds on 12 layers and breaks the contract."""
+    assert BUDGET_FLOOR_ROUNDS == (4, 3)
+    floor = 2 * (W - 1) * 1024 * 256 * 4 // W
+    budget = PIPELINE_DEPTH * 4 * floor // 3
+    big = _model_of(W)
+    assert floor_round([e.layout.geometry for e in big], 4) == floor
     cut = plan(big, Options(dispatch="global"))
-    assert len(_rounds(cut)) > 4 and _within(cut, 2, budget)
-    assert not _within(plan(big, Options(dispatch="global", rounds=4)), 2, budget)
-    assert (
-        plan(small, Options(dispatch="global")).batches
-        == plan(small, Options(dispatch="global", rounds=4)).batches
-    )
+    assert cut.batches == plan(big, Options(dispatch="global", memory_budget=budget)).batches
+    assert len(_rounds(cut)) > 4 and _within(cut, W, budget)
+    assert not _within(plan(big, Options(dispatch="global", rounds=4)), W, budget)
     assert sum(32 * 96 for _ in range(16)) < ROUND_MIN_ELEMENTS
-    tiny = _entries([((32, 96), "S0")] * 16, 2)
+    tiny = _entries([((32, 96), "S0")] * 16, W)
     assert len(_rounds(plan(tiny, Options(dispatch="global")))) == 1
     assert plan(tiny, Options(dispatch="global")).options.pipeline_depth == PIPELINE_DEPTH
     assert len(_rounds(plan(tiny, Options(dispatch="global", memory_budget=3 * 32 * 96 * 4)))) > 1
@@ -141,7 +148,7 @@ def test_the_default_budget_is_eight_of_the_largest_matrix_and_cuts_rounds_only_
     )
     ignored = plan_module.plan(big, Options(dispatch="global"))
     plan_module.plan.cache_clear()
-    assert len(_rounds(ignored)) == 4 and not _within(ignored, 2, budget)
+    assert len(_rounds(ignored)) == 4 and not _within(ignored, W, budget)
 
 
 def test_round_buffers_is_the_paths_traffic_and_buffer_bytes_the_depth_times_the_largest_batch() -> (
