@@ -350,8 +350,10 @@ def _global(
                 options.pipeline_depth,
                 budget,
             )
-            if options.memory_budget is not None:  # at the floor and still over: fewer in flight
-                depth = min(depth, max(1, budget // most))
+            if options.memory_budget is not None and options.pipeline_depth * most > budget:
+                depth = min(
+                    depth, max(1, budget // most)
+                )  # at the floor and still over: fewer in flight
         for r in range(count):
             members = [k for k, rr in enumerate(round_of) if rr == r]
             if members:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from muon_dist import DistributedMuon, Entry, Options, buffer_bytes, plan
@@ -75,7 +75,8 @@ def _within(step_plan, W: int, budget: int) -> bool:
 
 shapes = st.lists(
     st.tuples(
-        st.sampled_from([(64, 32), (32, 96), (17, 40), (5, 3)]), st.sampled_from(["S0", "S1"])
+        st.sampled_from([(64, 32), (32, 96), (17, 40), (5, 3), (1, 7)]),
+        st.sampled_from(["S0", "S1"]),
     ),
     min_size=1,
     max_size=24,
@@ -84,6 +85,9 @@ shapes = st.lists(
 
 @settings(max_examples=examples(1.0))
 @given(W=st.integers(2, 6), spec=shapes, budget=st.integers(1, 1 << 16))
+@example(
+    W=2, spec=[((1, 7), "S0")], budget=1
+)  # its owner holds it whole: a round that moves nothing
 def test_each_round_keeps_its_buffers_within_the_budget_with_the_owners_of_one_round(
     W: int, spec: list, budget: int
 ) -> None:
