@@ -124,9 +124,7 @@ class Bench:
     dion: str | None = None  # a microsoft/dion checkout: time dion.Muon beside the others
     rounds: int | None = None  # DistributedMuon's rounds= (None: its default)
     pipeline_depth: int | None = None  # DistributedMuon's pipeline_depth= (None: its default)
-    memory_budget: int | None = (
-        None  # DistributedMuon's memory_budget= (None: its default; global dispatch)
-    )
+    memory_budget: int | None = None  # DistributedMuon's memory_budget= (None: its default)
     ns_backend: str = "torch"  # DistributedMuon's ns_backend= (muon_dist.kernels.BACKENDS)
 
     @property

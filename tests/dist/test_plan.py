@@ -349,10 +349,10 @@ def test_by_default_a_steps_rounds_hold_at_least_round_min_elements_each(
     """Options.rounds None (DistributedMuon's default): global dispatch cuts a merged batch of E elements into
     min(ROUNDS, E // ROUND_MIN_ELEMENTS) rounds, at least one, before the memory budget adds any (a budget that
     binds on none here; the default budget's rounds: tests/dist/test_memory_budget.py); an explicit rounds= is
-    taken as given. 32 (side,
-    side) matrices on W = 4 (8 per owner, so every round has work): 2^17 elements in all (side 64) is one round,
-    2^19 (side 128) two, 819,200 (side 160) three, 2^21 (side 256) and more the four of ROUNDS. Negative control:
-    ROUNDS rounds asked for explicitly cut the smaller steps into four rounds, which the default does not."""
+    taken as given. 32 (side, side) matrices on W = 4 (8 per owner, so every round has work): 2^17 elements in
+    all (side 64) is one round, 2^19 (side 128) two, 819,200 (side 160) three, 2^21 (side 256) and more the four
+    of ROUNDS. Negative control: ROUNDS rounds asked for explicitly cut the smaller steps into four rounds, which
+    the default does not."""
     assert (ROUNDS, ROUND_MIN_ELEMENTS) == (4, 1 << 18)
     entries = tuple(entry(0, 4, (side, side), "S0") for _ in range(32))
     elements = 32 * side * side
