@@ -79,14 +79,36 @@ class Batch:
 
     def send_offsets(self, member: int) -> tuple[list[int], int]:
         """Where each param's box of `member` starts in that member's forward send buffer, in the exchange's order
-        (muon_dist/paths/exchange.py, pack: the boxes of the params that owner 0 orthogonalises, in param order,
+        (muon_dist/paths/exchange.py, pack: the boxes of the params that owner 0 orthogonalises, in travel_order,
         then owner 1's, and so on), and the buffer's length in elements."""
         offsets, at = [0] * len(self.params), 0
         for owner in range(self.group_size):
-            for k, o in enumerate(self.owners):
-                if o == owner:
-                    offsets[k], at = at, at + self.geometries[k].sizes[member]
+            owned = [k for k, o in enumerate(self.owners) if o == owner]
+            for k in travel_order(owned, self.geometries, member):
+                offsets[k], at = at, at + self.geometries[k].sizes[member]
         return offsets, at
+
+
+def travel_order(owned: Sequence[int], geometries: Sequence[Geometry], member: int) -> list[int]:
+    """The order in which `member` sends its boxes of one owner's params (`owned`, in param order) in the exchange's
+    forward all-to-all, and so the order in which the owner finds member's boxes in its receive buffer: param
+    order, except that the owner's largest param (by elements; the first of the largest) travels last from member
+    0 and first from member W - 1. In a group of two its boxes then lie side by side in the receive buffer, in
+    member order: for Shard(0) boxes, the param's row-major elements, which the owner's kernel reads where they
+    are (muon_dist/paths/shards.in_place) instead of from a joined copy. An owner of one param finds it so in
+    any group. Any order moves the same bits; this one only saves the owner the largest param's copy."""
+    order = list(owned)
+    if len(order) < 2:
+        return order
+    group_size = geometries[order[0]].group_size
+    largest = max(order, key=lambda k: (sum(geometries[k].sizes), -order.index(k)))
+    if member == 0:
+        order.remove(largest)
+        order.append(largest)
+    elif member == group_size - 1:
+        order.remove(largest)
+        order.insert(0, largest)
+    return order
 
 
 class Packed(list):

@@ -1,9 +1,11 @@
 """The exchange shared by the all-to-all family: every param to its owner and its update back, one ragged
 all_to_all_single each way for the whole batch.
 
-Forward: member j sends owner o its boxes of the params o owns, concatenated in param order, with split sizes
-(uneven and empty boxes need no padding). The owner joins each param's boxes into exactly its global tensor and
-runs that param's kernel on it. Back: the update's boxes, in the same order.
+Forward: member j sends owner o its boxes of the params o owns, concatenated in travel order (muon_dist/batch.py:
+param order, the owner's largest moved so that in a group of two its boxes arrive side by side), with split sizes
+(uneven and empty boxes need no padding). The owner joins each param's boxes into exactly its global tensor (a
+view of the receive buffer where they arrived as its row-major elements: shards.in_place) and runs that param's
+kernel on it. Back: the update's boxes, in param order.
 
 Equation, on every member r and for every param k:  exchange_steps(...)[k] == box_r(kernel_k(full(D_k)))
 (the value the generator returns; muon_dist.runtime.run_to_end runs it without pausing)
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch, FailureFlag, Kernel, Packed, run_kernels
+from ..batch import Batch, FailureFlag, Kernel, Packed, run_kernels, travel_order
 from ..comm import Comm, Group
 from ..geometry import Box, Geometry, whole
 from ..runtime import Steps
@@ -31,6 +33,21 @@ def pack(pieces: list[list[Tensor]], empty: Tensor) -> Tensor:
     """pieces[j]: what goes to member j, in param order; one flat buffer (`empty` when there is nothing)."""
     flat = [p.reshape(-1) for row in pieces for p in row]
     return torch.cat(flat) if flat else empty
+
+
+def forward_send(
+    boxes: Sequence[Tensor],
+    geometries: Sequence[Geometry],
+    owners: Sequence[int],
+    member: int,
+    empty: Tensor,
+) -> Tensor:
+    """`member`'s forward send buffer, packed from its boxes of the batch's params: to owner 0 its boxes of owner
+    0's params in travel_order (muon_dist/batch.py), then to owner 1, and so on (Batch.send_offsets' layout)."""
+    owned = [[k for k, o in enumerate(owners) if o == j] for j in range(geometries[0].group_size)]
+    return pack(
+        [[boxes[k] for k in travel_order(mine, geometries, member)] for mine in owned], empty
+    )
 
 
 def unpack(flat: Tensor, lengths: list[list[int]]) -> list[list[Tensor]]:
@@ -77,15 +94,18 @@ def exchange_steps(
         send = directions.buffer
         assert send.numel() == sum(to_owner), (send.numel(), to_owner)
     else:
-        send = pack([[directions[k] for k in owned[j]] for j in range(W)], empty)
+        send = forward_send(directions, geometries, owners, me, empty)
     num_params = len(directions)
     del directions  # packed: this frame holds them no longer
     pending = comm.all_to_all(send, from_member, to_owner, group, name, async_op=True)
     del send
     yield
-    # recv[j][i]: member j's box of owned[me][i]
-    recv = unpack(pending.wait(), [[sizes[k][j] for k in owned[me]] for j in range(W)])
+    # arrived[j][i]: member j's box of its i-th param of mine in travel order; recv[j][i]: of owned[me][i]
+    orders = [travel_order(owned[me], geometries, j) for j in range(W)]
+    arrived = unpack(pending.wait(), [[sizes[k][j] for k in orders[j]] for j in range(W)])
     del pending  # the received buffer lives as long as its pieces in recv, no longer
+    recv = [[row[order.index(k)] for k in owned[me]] for order, row in zip(orders, arrived)]
+    del arrived
     rows = _orthogonalise_owned(recv, owned[me], geometries, kernels, update_dtype)
     del recv
     lengths = [[sizes[k][me] for k in owned[j]] for j in range(W)]

@@ -2,10 +2,10 @@
 (direction dtype, update dtype) pair, in one batch of any size per round (Options.rounds); member owners[k]
 owns param k (the plan's LPT assignment on Newton-Schulz FLOPs over all of them, muon_dist/plan.py).
 
-Forward: ONE all_to_all_single: member j sends owner o its boxes of the params o owns, concatenated in param
-order, with split sizes (uneven and empty boxes need no padding). The owner joins each param's boxes into
-exactly its global matrix and runs that param's own kernel. Back: ONE all_to_all_single with the update
-boxes in the same order (muon_dist/paths/exchange.py). So two collectives per (group, dtype pair), round and
+Forward: ONE all_to_all_single: member j sends owner o its boxes of the params o owns, concatenated in travel
+order (muon_dist/batch.py), with split sizes (uneven and empty boxes need no padding). The owner joins each
+param's boxes into exactly its global matrix and runs that param's own kernel. Back: ONE all_to_all_single with
+the update boxes in param order (muon_dist/paths/exchange.py). So two collectives per (group, dtype pair), round and
 step, whatever the number of shapes.
 
 Reference equation, on every member r and for every param k of the batch:

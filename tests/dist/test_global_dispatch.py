@@ -158,8 +158,9 @@ def test_global_dispatch_refuses_a_forced_path_and_unknown_modes() -> None:
 
 @pytest.mark.timeout(60)
 def test_boxes_packed_in_another_order_than_unpacked_fail_the_equality_check() -> None:
-    """Two same-shape params per owner, sent forward in reverse param order and received in param order: each owner
-    runs its kernels on the other param's matrix. (Reversed both ways it would only relabel, and stay bitwise.)"""
+    """Two same-shape params per owner, sent forward in the reverse of their travel order (batch.travel_order) and
+    received in travel order: each owner runs its kernels on the other param's matrix. (Reversed both ways it would
+    only relabel, and stay bitwise.)"""
     case = Case(((4, 3),) * 4, ("S0",) * 4, options=GLOBAL, sabotage="global_send_order")
     results = run_unchecked(2, case)
     assert any(r["differing"] for r in results), (

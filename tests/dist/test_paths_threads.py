@@ -180,21 +180,24 @@ def test_join_refuses_pieces_whose_boxes_do_not_tile_the_frame() -> None:
     "W, count, placement, joined_in_place",
     [
         # each member owns one param: its rows arrive in member order, nothing between
-        (2, 2, "S0", True),
-        (3, 3, "S0", True),
-        # two owned params: each member's rows of both sit together, so a param's are apart
-        (2, 4, "S0", False),
+        (2, 2, "S0", 2),
+        (3, 3, "S0", 3),
+        # two owned params in a group of two: the first of the largest travels last from member 0 and first
+        # from member 1 (batch.travel_order), so its rows lie side by side; the other's are apart
+        (2, 4, "S0", 2),
+        # two owned params in a group of three: member 1's boxes of both lie between member 0's and member 2's
+        (3, 6, "S0", 0),
         # columns: the pieces are not the param's row-major order
-        (3, 3, "S1", False),
+        (3, 3, "S1", 0),
     ],
 )
 def test_an_owner_joins_a_param_in_its_receive_buffer_without_a_copy_where_the_rows_lie_in_order(
-    W: int, count: int, placement: str, joined_in_place: bool
+    W: int, count: int, placement: str, joined_in_place: int
 ) -> None:
     """The all-to-all exchange hands the owner's kernel a view of the receive buffer (shards.in_place: no joined
-    copy, the same elements) exactly where its rows arrived in member order with nothing between them, and a new
-    tensor otherwise (the last two cases are the control: the check tells a copy from a view). The updates stay
-    the kernel's on the whole matrix, bitwise."""
+    copy, the same elements) exactly where a param's rows arrived in member order with nothing between them, and
+    a new tensor otherwise (the cases with none in place are the control: the check tells a copy from a view).
+    The updates stay the kernel's on the whole matrix, bitwise."""
     inputs: list[bool] = []
 
     def recording(x: torch.Tensor, frame=None) -> torch.Tensor:
@@ -204,4 +207,77 @@ def test_an_owner_joins_a_param_in_its_receive_buffer_without_a_copy_where_the_r
     fulls = [torch.randn(6, 4, generator=torch.Generator().manual_seed(k)) for k in range(count)]
     results = run_threads(W, "all_to_all", fulls, placement, recording, torch.float32)
     assert_equation(results, fulls, NS, torch.float32)
-    assert len(inputs) == count and set(inputs) == {joined_in_place}, inputs
+    assert len(inputs) == count and sum(inputs) == joined_in_place, inputs
+
+
+@pytest.mark.parametrize(
+    "rows, owners, in_place",
+    [
+        # owner 0: params 0, 1, 3 (rows 2, 6, 6: the first of the largest is 1); owner 1: 2, 4 (rows 4, 8)
+        ((2, 6, 4, 6, 8), (0, 0, 1, 0, 1), {1, 4}),
+        # one owner of all, the largest last in param order
+        ((2, 4, 8), (1, 1, 1), {2}),
+        # control: reorder=False below, the boxes in param order
+    ],
+)
+@pytest.mark.parametrize("reorder", [True, False])
+def test_in_a_group_of_two_each_owner_reads_its_largest_param_where_it_arrived(
+    monkeypatch: pytest.MonkeyPatch,
+    rows: tuple[int, ...],
+    owners: tuple[int, ...],
+    in_place: set[int],
+    reorder: bool,
+) -> None:
+    """Global all-to-all at W = 2 with params of several sizes: member 0 sends an owner's largest param (by
+    elements, the first of the largest) last and member 1 first (batch.travel_order), so the owner's kernel reads
+    it as a view of the receive buffer (no joined copy) and every other owned param from a copy; the updates stay
+    the kernel's on each whole matrix, bitwise, with the planned bytes. Control (reorder=False): with the boxes
+    sent in param order, no param of an owner of several is in place, and the check sees the difference."""
+    from muon_dist.batch import Batch
+    from muon_dist.paths import exchange
+
+    if not reorder:
+        monkeypatch.setattr(exchange, "travel_order", lambda owned, geometries, member: list(owned))
+    W = 2
+    layouts = [layout_1d((r, 3), "S0", W, torch.float32) for r in rows]
+    batch = Batch(
+        "global_all_to_all",
+        tuple(range(len(rows))),
+        tuple(lay.geometry for lay in layouts),
+        owners,
+        "torch.float32",
+        "torch.float32",
+    )
+    fulls = [
+        torch.randn(r, 3, generator=torch.Generator().manual_seed(r * 10 + k))
+        for k, r in enumerate(rows)
+    ]
+    seen: dict[int, bool] = {}
+
+    def recording(k: int):
+        def kernel(x: torch.Tensor, frame=None) -> torch.Tensor:
+            seen[k] = x._base is not None  # a view of the receive buffer; join's copy has no base
+            return NS(x)
+
+        return kernel
+
+    world, results = ThreadWorld(W, timeout_s=20), [None] * W
+
+    def rank_main(rank: int) -> None:
+        comm = ThreadComm(world, rank)
+        results[rank] = PATHS["global_all_to_all"].run(
+            comm,
+            Group((0, 1)),
+            batch,
+            [box(f, lay, rank) for f, lay in zip(fulls, layouts)],
+            [recording(k) for k in range(len(rows))],
+        )
+        want = PATHS["global_all_to_all"].expected_bytes(batch, rank, ITEMSIZES)
+        assert {k: tuple(v) for k, v in comm.ledger.items()} == {"global_all_to_all": want}
+
+    run_on_threads(W, rank_main)
+    for rank, updates in enumerate(results):
+        for f, lay, got in zip(fulls, layouts, updates):
+            assert torch.equal(bits(got), bits(box(NS(f).float(), lay, rank)))
+    assert sorted(seen) == list(range(len(rows)))
+    assert {k for k, v in seen.items() if v} == (in_place if reorder else set()), seen

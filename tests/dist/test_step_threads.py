@@ -764,9 +764,9 @@ def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(
     W: int, rows: list[int], data
 ) -> None:
     """Batch.send_offsets(member), where the momentum stage writes each param's box of its direction (a Packed),
-    is the layout exchange.pack builds from the boxes: owner 0's params in param order, then owner 1's, and so on;
-    any owners, uneven and empty boxes (torch.chunk of `rows` over W members). Control: the boxes written in param
-    order alone differ from it where the owners are not in param order."""
+    is the layout the exchange packs the boxes into (exchange.forward_send): owner 0's params in travel order,
+    then owner 1's, and so on; any owners, uneven and empty boxes (torch.chunk of `rows` over W members).
+    Control: the boxes written in param order alone differ from it where the owners are not in param order."""
     from muon_dist.batch import Batch
     from muon_dist.paths import exchange
 
@@ -793,9 +793,7 @@ def test_the_send_offsets_lay_each_direction_where_the_exchange_would_pack_it(
         written = torch.full((length,), float("nan"))
         for k, b in enumerate(boxes):
             written[offsets[k] : offsets[k] + b.numel()] = b
-        packed = exchange.pack(
-            [[boxes[k] for k, o in enumerate(owners) if o == j] for j in range(W)], torch.empty(0)
-        )
+        packed = exchange.forward_send(boxes, geometries, owners, member, torch.empty(0))
         assert same_bits(written, packed), (member, owners, offsets)
         in_param_order = torch.cat(boxes)
         if owners != tuple(sorted(owners)) and all(b.numel() for b in boxes):

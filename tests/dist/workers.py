@@ -113,7 +113,7 @@ def _sabotaged(opt: DistributedMuon, how: str | None) -> None:
         how == "global_send_order"
     ):  # global_all_to_all's forward send buffer holds each owner's boxes in reverse
         from muon_dist.batch import (
-            Batch,  # param order (the momentum stage writes them there: Batch.send_offsets)
+            Batch,  # travel order (the momentum stage writes them there: Batch.send_offsets)
         )
 
         real_offsets = Batch.send_offsets
