@@ -55,6 +55,9 @@ from .geometry import Box
 # A multiple of every vector chunk of at::vec on CPU (a 512-bit register holds 32 bf16 values; loops
 # unroll by 2): the body/tail boundary of any of them is a multiple of 64.
 BLOCK = 64
+# the write stage's and the momentum stage's slabs (write_slabs): at most about this many elements each, so that
+# a stage's temporaries are a slab's (256 KiB of float32), not a whole large box's
+SLAB_ELEMENTS = 1 << 16
 
 Stage = Callable[..., tuple[Tensor, ...]]
 
@@ -435,6 +438,93 @@ def update_on_box(
     (new,) = on_box(_update_stage(cfg), [param, update], matrices, global_shape, box, key)
     keep_blocks(new, param, matrices, box, skipped_blocks)
     return new if out is None else out.copy_(new)
+
+
+def write_slabs(box: Box, elements: int | None = None) -> list[Box]:
+    """The box cut along its first dim into consecutive slabs that tile it, each of at most `elements` elements
+    (SLAB_ELEMENTS when None), or of the fewest whole rows that make a multiple of BLOCK elements where that is
+    more, and every slab but the last a multiple of BLOCK elements: so an element lies in the body or the tail of its slab's
+    call as it does in the box's (runs_as_is), and each slab runs as is wherever the box does. The box itself
+    where it is no larger, is empty or has no dims."""
+    elements = SLAB_ELEMENTS if elements is None else elements
+    if not box.shape or box.numel <= elements:
+        return [box]
+    row = math.prod(box.shape[1:])
+    unit = BLOCK // math.gcd(BLOCK, row) if row else 1
+    rows = max(unit, elements // max(row, 1) // unit * unit)
+    if rows >= box.shape[0]:
+        return [box]
+    return [
+        Box(
+            (box.offsets[0] + r,) + tuple(box.offsets[1:]),
+            (min(rows, box.shape[0] - r),) + tuple(box.shape[1:]),
+        )
+        for r in range(0, box.shape[0], rows)
+    ]
+
+
+def _in_slabs(
+    box: Box, elements: int | None, tensors: Sequence[Tensor]
+) -> list[tuple[Box, list[Tensor]]] | None:
+    """(slab, each tensor's rows of it) for write_slabs(box, elements), the tensors given on the box (contiguous,
+    each of the box's elements in row-major order); None where there is only one slab or a tensor is not
+    contiguous (the caller then runs on the box as it is)."""
+    slabs = write_slabs(box, elements)
+    if len(slabs) == 1 or not all(t.is_contiguous() for t in tensors):
+        return None
+    tensors = [t.view(box.shape) for t in tensors]
+    out = []
+    for slab in slabs:
+        first = slab.offsets[0] - box.offsets[0]
+        out.append((slab, [t[first : first + slab.shape[0]] for t in tensors]))
+    return out
+
+
+def update_in_slabs(
+    cfg: MuonConfig,
+    param: Tensor,
+    update: Tensor,
+    matrices: MatrixLayout,
+    global_shape: tuple[int, ...],
+    box: Box,
+    out: Tensor,
+    skipped_blocks: tuple[int, ...] = (),
+    elements: int | None = None,
+) -> Tensor:
+    """update_on_box(..., out=out) run on each of write_slabs(box, elements) in turn, written into out's slab;
+    `out` returned. The same bits as one call on the box: update_on_box's contract holds on every box, a slab too.
+    What it saves is memory: the stage's temporaries are one slab's, not the box's (on CPU an op whose inputs have
+    different dtypes copies the narrower one to the common dtype first, as TensorIterator promotes inputs: a bf16
+    update added to a float32 param is a float32 copy of the whole update otherwise)."""
+    slabs = _in_slabs(box, elements, [param, update, out])
+    if slabs is None:
+        return update_on_box(cfg, param, update, matrices, global_shape, box, out, skipped_blocks)
+    for slab, (p, u, o) in slabs:
+        update_on_box(cfg, p, u, matrices, global_shape, slab, o, skipped_blocks)
+    return out
+
+
+def direction_in_slabs(
+    cfg: MuonConfig,
+    grad: Tensor,
+    buf: Tensor,
+    matrices: MatrixLayout,
+    global_shape: tuple[int, ...],
+    box: Box,
+    out: Tensor,
+    elements: int | None = None,
+) -> Tensor:
+    """momentum_on_box's direction written into `out` (a tensor of the box's shape, in any dtype: copy_ casts as
+    .to does) one slab of write_slabs(box, elements) at a time; `out` returned. The same bits as the direction of
+    one call on the box, cast: momentum_on_box's contract holds on every box, and the cast is elementwise with
+    each element in the body or the tail of its call as it is in the box's (every slab but the last a multiple of
+    BLOCK elements). The new buffer and the float32 direction exist for one slab at a time, not for the box."""
+    slabs = _in_slabs(box, elements, [grad, buf, out])
+    if slabs is None:
+        return out.copy_(momentum_on_box(cfg, grad, buf, matrices, global_shape, box)[1])
+    for slab, (g, b, o) in slabs:
+        o.copy_(momentum_on_box(cfg, g, b, matrices, global_shape, slab)[1])
+    return out
 
 
 def keep_blocks(

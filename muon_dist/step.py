@@ -164,21 +164,31 @@ class StepRun:
         for k, (i, geometry) in enumerate(zip(batch.params, batch.geometries)):
             layout, x, cfg = self.plan.entries[i].layout, self.inputs[i], self.configs[i]
             box = geometry.boxes[geometry.member(self.comm.rank)]
+            what = f"the momentum of {layout.name}"
+            if send is not None:  # slab by slab into the send buffer, with the kernel's input cast
+                view = send[offsets[k] : offsets[k] + box.numel].view(box.shape)
+                stage = agreement.guarded(
+                    self.failures,
+                    what,
+                    lambda g, b: elementwise.direction_in_slabs(
+                        cfg, g, b, layout.matrices, layout.global_shape, box, view
+                    ),
+                    lambda g, b: view.zero_(),
+                )
+                directions.append(stage(x.grad, x.buf))
+                continue
             stage = agreement.guarded(
                 self.failures,
-                f"the momentum of {layout.name}",
+                what,
                 lambda g, b: elementwise.momentum_on_box(
                     cfg, g, b, layout.matrices, layout.global_shape, box
                 ),
                 lambda g, b: (torch.zeros_like(g), torch.zeros_like(g)),
             )
             direction = stage(x.grad, x.buf)[1]  # the new buffer goes now, not held past this line
-            if send is not None:
-                view = send[offsets[k] : offsets[k] + box.numel].view(box.shape)
-                directions.append(view.copy_(direction))  # with the kernel's input cast
-            else:  # the kernel's input cast where the batch's direction dtype is narrower (else itself)
-                directions.append(direction.to(batch.direction_torch_dtype))
-            del direction  # not held past its copy into the send buffer
+            # the kernel's input cast where the batch's direction dtype is narrower (else itself)
+            directions.append(direction.to(batch.direction_torch_dtype))
+            del direction
         return directions if send is None else Packed(directions, send)
 
     def exchange(self, batch: Batch, directions: list[Tensor]) -> Steps:
@@ -256,10 +266,12 @@ class StepRun:
 
     def write(self, done: list[Done]) -> Iterator[tuple[int, Tensor, Tensor]]:
         """(param index, new local param, new local buffer) of each param of a checked write group: the new buffer
-        computed here (buffer_on_box), the new param written into out_params[i] where given (and then yielded as
-        the new param)."""
+        computed here (buffer_on_box), the new param written into out_params[i] where given (slab by slab:
+        elementwise.update_in_slabs, and then yielded as the new param). Before each param, the send buffers of
+        the all-to-alls in flight that have completed go (Comm.release_done), as before each kernel call."""
         done.reverse()  # taken from the end, so that each param's update goes once written
         while done:
+            self.comm.release_done()
             i, geometry, update = done.pop()
             layout, x, cfg = self.plan.entries[i].layout, self.inputs[i], self.configs[i]
             box, skipped = geometry.boxes[geometry.member(self.comm.rank)], self.skipped.get(i, ())
@@ -269,16 +281,21 @@ class StepRun:
             buf = elementwise.buffer_on_box(
                 cfg, x.grad, x.buf, layout.matrices, layout.global_shape, box, in_place
             )
-            new = elementwise.update_on_box(
-                cfg,
-                x.param,
-                update,
-                layout.matrices,
-                layout.global_shape,
-                box,
-                None if self.out_params is None else self.out_params[i],
-                skipped,
-            )
+            if self.out_params is None:
+                new = elementwise.update_on_box(
+                    cfg, x.param, update, layout.matrices, layout.global_shape, box, None, skipped
+                )
+            else:  # in slabs: the stage's temporaries are one slab's (elementwise.update_in_slabs)
+                new = elementwise.update_in_slabs(
+                    cfg,
+                    x.param,
+                    update,
+                    layout.matrices,
+                    layout.global_shape,
+                    box,
+                    self.out_params[i],
+                    skipped,
+                )
             elementwise.keep_blocks(buf, x.buf, layout.matrices, box, skipped)
             yield i, new, buf
             del new, buf, update  # nothing of a written param is held while the next one is written
