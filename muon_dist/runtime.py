@@ -50,47 +50,57 @@ class _Running:
             self.finished, self.value = True, end.value
 
     def finish(self) -> tuple[Any, Any]:
+        """(item, value), resumed to its end first; the value is then held by the caller alone (a batch's updates
+        go as soon as they are written, wherever this object is still referenced)."""
         while not self.finished:
             self.advance()
-        return self.item, self.value
+        value, self.value = self.value, None
+        return self.item, value
 
 
-def kernels_first(
+def writes_first(
     window: Sequence[_Running], pauses: Callable[[Any], bool] = lambda item: True
 ) -> list[_Running]:
-    """staggered's order of the items in flight (`window`, oldest first): the one before the newest, then the newest,
-    then the older ones, newest first; but newest first all through where the newest item does not pause
-    (pauses(item) False: its Steps run to their end at once, issuing no collective that stays in flight), so that
-    its work overlaps what the item before it has in flight, and it holds nothing past its segment."""
-    newest_first = list(reversed(window))
-    if not pauses(newest_first[0].item):
-        return newest_first
-    return newest_first[1:2] + newest_first[:1] + newest_first[2:]
+    """staggered's order of the items in flight (`window`, oldest first): oldest first, so that the items before
+    n - 1 wait for their updates (and each is handed back, to be written, as soon as it ends) before n - 1 waits
+    for its directions, runs its kernels and issues its updates, and the newest, n, runs its momentum stage and
+    issues its directions last; but the newest first where it does not pause (pauses(item) False: its Steps run
+    to their end at once, issuing no collective that stays in flight), so that its work overlaps what the item
+    before it has in flight, and it holds nothing past its segment."""
+    if not pauses(window[-1].item):
+        return [window[-1], *list(window)[:-1]]
+    return list(window)
 
 
 def staggered(
     items: Sequence[Item],
     start: Callable[[Item], Steps],
     depth: int,
-    order: Callable[[Sequence[_Running]], Sequence[_Running]] = kernels_first,
+    order: Callable[[Sequence[_Running]], Sequence[_Running]] = writes_first,
 ) -> Iterator[tuple[Item, Any]]:
     """(item, start(item)'s value) for every item, in order, with the Steps of up to `depth` items interleaved:
-    when item n starts, first the next segment of item n - 1 runs (it waits for its directions, runs its kernels
-    and issues its updates), then item n's first segment (up to its first yield: its momentum stage, and it
-    issues its directions), then the next segment of each older unfinished item, newest first (n - 2 waits for
-    its updates); the oldest item runs to its end once `depth` items are in flight. So no buffer of item n
-    exists while n - 1's kernels run, which hold the step's largest working set (docs/benchmarks.md, "Kernels
-    before the next directions"); n's directions travel while n - 2's updates are waited for and written. An item
-    n that does not pause (a batch with no all-to-all in flight: its work is done in one segment) runs first
-    instead, while n - 1's directions are still in flight (kernels_first's `pauses`).
+    when item n starts, first the next segment of each older unfinished item runs, oldest first (n - 2 waits for
+    its updates), then item n - 1's (it waits for its directions, runs its kernels and issues its updates), then
+    item n's first segment (up to its first yield: its momentum stage, and it issues its directions); the oldest
+    item runs to its end once `depth` items are in flight. Each item is handed back as soon as it and every item
+    before it have ended, between segments: so n - 2 is written before n - 1's kernels run, which hold the step's
+    largest working set, and no update buffer of n - 2 and no buffer of n is alive through them (docs/benchmarks.md,
+    "Each batch written before the next kernels"). n's directions travel while n - 1's updates are waited for
+    and written; n - 1's updates while n runs its momentum stage. An item n that does not pause (a batch with no
+    all-to-all in flight: its work is done in one segment) runs first instead, while n - 1's directions are still
+    in flight (writes_first's `pauses`).
     A pure function of the items and their segment counts: every rank issues the same collectives in the same
-    order. `order`: the order in which the items in flight advance (kernels_first; tests plant others)."""
+    order. `order`: the order in which the items in flight advance (writes_first; tests plant others)."""
     window: deque[_Running] = deque()  # oldest first
     for item in items:
         window.append(_Running(item, start(item)))
         for running in order(window):
             if not running.finished:
                 running.advance()
+            while (
+                window and window[0].finished
+            ):  # handed back at once, before the next segment runs
+                yield window.popleft().finish()
         while window and (window[0].finished or len(window) >= depth):
             yield window.popleft().finish()
     while window:

@@ -41,7 +41,7 @@ from .geometry import Box, Geometry, blocks_in
 from .kernels import Backend, orthogonalize_many, stacks
 from .paths import PATHS
 from .plan import Entry, Options, Plan, plan
-from .runtime import Steps, kernels_first, staggered
+from .runtime import Steps, staggered, writes_first
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class StepRun:
 
     def pauses(self, batch: Batch) -> bool:
         """Whether the batch's Steps pause (yield with an all-to-all in flight): a pipelined path over a group of
-        more than one; the others run to their end in one segment (muon_dist.runtime.kernels_first)."""
+        more than one; the others run to their end in one segment (muon_dist.runtime.writes_first)."""
         return PATHS[batch.path].steps is not None and self.groups[id(batch)].size > 1
 
     def stages(self, batch: Batch) -> Steps:
@@ -266,9 +266,12 @@ class StepRun:
 
     def write(self, done: list[Done]) -> Iterator[tuple[int, Tensor, Tensor]]:
         """(param index, new local param, new local buffer) of each param of a checked write group: the new buffer
-        computed here (buffer_on_box), the new param written into out_params[i] where given (slab by slab:
-        elementwise.update_in_slabs, and then yielded as the new param). Before each param, the send buffers of
-        the all-to-alls in flight that have completed go (Comm.release_done), as before each kernel call."""
+        computed here (buffer_on_box), the new param written into out_params[i] where given (and then yielded as
+        the new param): slab by slab in a world of more than one (elementwise.update_in_slabs), so that the
+        stage's temporaries beside the buffers in flight are a slab's; in a world of one, where nothing is in
+        flight and Newton-Schulz holds the step's peak, in one call (no slab calls' host time). Before each param,
+        the send buffers of the all-to-alls in flight that have completed go (Comm.release_done), as before each
+        kernel call."""
         done.reverse()  # taken from the end, so that each param's update goes once written
         while done:
             self.comm.release_done()
@@ -281,9 +284,10 @@ class StepRun:
             buf = elementwise.buffer_on_box(
                 cfg, x.grad, x.buf, layout.matrices, layout.global_shape, box, in_place
             )
-            if self.out_params is None:
+            out = None if self.out_params is None else self.out_params[i]
+            if out is None or self.comm.world_size == 1:
                 new = elementwise.update_on_box(
-                    cfg, x.param, update, layout.matrices, layout.global_shape, box, None, skipped
+                    cfg, x.param, update, layout.matrices, layout.global_shape, box, out, skipped
                 )
             else:  # in slabs: the stage's temporaries are one slab's (elementwise.update_in_slabs)
                 new = elementwise.update_in_slabs(
@@ -293,7 +297,7 @@ class StepRun:
                     layout.matrices,
                     layout.global_shape,
                     box,
-                    self.out_params[i],
+                    out,
                     skipped,
                 )
             elementwise.keep_blocks(buf, x.buf, layout.matrices, box, skipped)
@@ -323,7 +327,7 @@ def execute(
     run = StepRun(comm, step_plan, inputs, configs, backend, skipped or {}, out_params)
     ends = {id(group[-1]): len(group) for group in run.write_groups(group_for, atomic)}
     done: list[Done] = []
-    order = functools.partial(kernels_first, pauses=run.pauses)
+    order = functools.partial(writes_first, pauses=run.pauses)
     for batch, batch_done in staggered(
         step_plan.batches, run.stages, step_plan.options.pipeline_depth, order
     ):

@@ -12,7 +12,7 @@ import torch
 
 from muon_dist import DistributedMuon
 from muon_dist.plan import PIPELINE_DEPTH
-from muon_dist.runtime import kernels_first, staggered
+from muon_dist.runtime import staggered, writes_first
 
 from .checks import run_case, timeout_for
 from .workers import Case
@@ -61,9 +61,10 @@ def test_the_schedule_holds_at_most_depth_batches_in_flight_and_exactly_that_man
 def _trace(
     n_items: int, depth: int, schedule=staggered, quiet: frozenset[int] = frozenset()
 ) -> list[tuple[int, int]]:
-    """(item, segment) in the order a schedule runs them: items of three segments, as an exchange's Steps are
-    (momentum and directions issued | directions waited for, kernels, updates issued | updates waited for), the
-    items in `quiet` of one (a batch with no all-to-all: all its work at once), the schedule told which pause."""
+    """(item, segment) in the order a schedule runs them, and (item, WRITTEN) where it hands an item back (the step
+    then writes it): items of three segments, as an exchange's Steps are (momentum and directions issued |
+    directions waited for, kernels, updates issued | updates waited for), the items in `quiet` of one (a batch
+    with no all-to-all: all its work at once), the schedule told which pause."""
     ran: list[tuple[int, int]] = []
 
     def start(item: int):
@@ -74,12 +75,17 @@ def _trace(
         return item
 
     if schedule is staggered:
-        order = functools.partial(kernels_first, pauses=lambda item: item not in quiet)
+        order = functools.partial(writes_first, pauses=lambda item: item not in quiet)
         schedule = functools.partial(staggered, order=order)
-    assert [item for item, _ in schedule(list(range(n_items)), start, depth)] == list(
-        range(n_items)
-    )
+    handed = []
+    for item, _ in schedule(list(range(n_items)), start, depth):
+        handed.append(item)
+        ran.append((item, WRITTEN))
+    assert handed == list(range(n_items))
     return ran
+
+
+WRITTEN = -1  # _trace's mark of an item handed back to be written
 
 
 def _newest_first(items, start, depth):
@@ -87,25 +93,46 @@ def _newest_first(items, start, depth):
     return staggered(items, start, depth, order=lambda window: list(reversed(window)))
 
 
+def _kernels_first(items, start, depth):
+    """A planted schedule: the order before writes went first (n - 1's kernels, then n's momentum and directions,
+    then n - 2's wait for its updates)."""
+
+    def order(window):
+        newest = list(reversed(window))
+        return newest[1:2] + newest[:1] + newest[2:]
+
+    return staggered(items, start, depth, order=order)
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("n_items", [1, 2, 5])
-def test_the_kernels_of_a_batch_run_before_the_next_batch_issues_its_directions(
+def test_each_batch_is_written_before_the_next_kernels_and_those_run_before_the_next_directions(
     depth: int, n_items: int
 ) -> None:
-    """Contract (muon_dist.runtime.staggered): batch n's first segment (its momentum stage and its directions'
-    all-to-all) runs only after batch n - 1's second (its kernels), so no buffer of n is alive while n - 1's
-    kernels run; every segment of every batch runs once, each batch's in order; at depth >= 3 batch n - 2 waits
-    for its updates after n has issued its directions. Control: the newest-first order this replaced issues n's
-    directions first and breaks the contract wherever two batches are in flight."""
+    """Contract (muon_dist.runtime.staggered): batch n - 2 is handed back to be written before batch n - 1's
+    kernels (its second segment) run, and batch n's first segment (its momentum stage and its directions'
+    all-to-all) runs only after them, so neither n - 2's update buffers nor any buffer of n is alive while n - 1's
+    kernels run; every segment of every batch runs once, each batch's in order, and each batch is handed back
+    once, after its last; at depth >= 3 batch n - 1 waits for its updates after n has issued its directions.
+    Controls: the newest-first order issues n's directions before n - 1's kernels wherever two batches are in
+    flight, and the order before this one (n - 1's kernels, n's directions, then n - 2's updates) writes n - 2
+    after n - 1's kernels wherever three are."""
     ran = _trace(n_items, depth)
-    assert sorted(ran) == [(i, s) for i in range(n_items) for s in range(3)]
-    assert all(ran.index((i, 0)) < ran.index((i, 1)) < ran.index((i, 2)) for i in range(n_items))
+    assert sorted(ran) == sorted([(i, s) for i in range(n_items) for s in (0, 1, 2, WRITTEN)])
+    assert all(
+        ran.index((i, 0)) < ran.index((i, 1)) < ran.index((i, 2)) < ran.index((i, WRITTEN))
+        for i in range(n_items)
+    )
     assert all(ran.index((n - 1, 1)) < ran.index((n, 0)) for n in range(1, n_items))
+    assert all(ran.index((n - 2, WRITTEN)) < ran.index((n - 1, 1)) for n in range(2, n_items))
     if depth >= 3:
-        assert all(ran.index((n, 0)) < ran.index((n - 2, 2)) for n in range(2, n_items))
+        assert all(ran.index((n, 0)) < ran.index((n - 1, 2)) for n in range(1, n_items))
     old = _trace(n_items, depth, _newest_first)
     broken = any(old.index((n - 1, 1)) > old.index((n, 0)) for n in range(1, n_items))
     assert broken == (n_items > 1 and depth > 1)
+    before = _trace(n_items, depth, _kernels_first)
+    late = any(before.index((n - 2, WRITTEN)) > before.index((n - 1, 1)) for n in range(2, n_items))
+    assert late == (n_items > 2 and depth > 2)
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4])
@@ -119,14 +146,16 @@ def test_a_batch_that_does_not_pause_runs_while_the_batch_before_it_has_directio
     quiet = frozenset({2, 4})
     ran = _trace(6, depth, quiet=quiet)
     assert sorted(ran) == sorted(
-        [(i, 0) for i in quiet] + [(i, s) for i in range(6) if i not in quiet for s in range(3)]
+        [(i, 0) for i in quiet]
+        + [(i, s) for i in range(6) if i not in quiet for s in range(3)]
+        + [(i, WRITTEN) for i in range(6)]
     )
     for n in quiet:  # n - 1 pauses: its kernels (segment 1) come after the quiet batch
         assert ran.index((n, 0)) < ran.index((n - 1, 1))
     for n in (1, 3, 5):  # pausing after a pause, or after a quiet batch that has nothing left
         before = (n - 1, 1) if n - 1 not in quiet else (n - 1, 0)
         assert ran.index(before) < ran.index((n, 0))
-    told_all_pause = _trace(6, depth, functools.partial(staggered, order=kernels_first), quiet)
+    told_all_pause = _trace(6, depth, functools.partial(staggered, order=writes_first), quiet)
     assert all(told_all_pause.index((n - 1, 1)) < told_all_pause.index((n, 0)) for n in quiet)
 
 
