@@ -96,19 +96,14 @@ def travel_order(owned: Sequence[int], geometries: Sequence[Geometry], member: i
     0 and first from member W - 1. In a group of two its boxes then lie side by side in the receive buffer, in
     member order: for Shard(0) boxes, the param's row-major elements, which the owner's kernel reads where they
     are (muon_dist/paths/shards.in_place) instead of from a joined copy. An owner of one param finds it so in
-    any group. Any order moves the same bits; this one only saves the owner the largest param's copy."""
-    order = list(owned)
-    if len(order) < 2:
+    any group. Any order moves the same bits; this one only saves the owner the largest param's copy. In a group of
+    one (no exchange) param order."""
+    order, group_size = list(owned), geometries[owned[0]].group_size if owned else 1
+    if len(order) < 2 or group_size == 1 or member not in (0, group_size - 1):
         return order
-    group_size = geometries[order[0]].group_size
-    largest = max(order, key=lambda k: (sum(geometries[k].sizes), -order.index(k)))
-    if member == 0:
-        order.remove(largest)
-        order.append(largest)
-    elif member == group_size - 1:
-        order.remove(largest)
-        order.insert(0, largest)
-    return order
+    at = max(range(len(order)), key=lambda i: (sum(geometries[order[i]].sizes), -i))
+    largest = order.pop(at)
+    return order + [largest] if member == 0 else [largest] + order
 
 
 class Packed(list):

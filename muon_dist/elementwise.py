@@ -443,9 +443,9 @@ def update_on_box(
 def write_slabs(box: Box, elements: int | None = None) -> list[Box]:
     """The box cut along its first dim into consecutive slabs that tile it, each of at most `elements` elements
     (SLAB_ELEMENTS when None), or of the fewest whole rows that make a multiple of BLOCK elements where that is
-    more, and every slab but the last a multiple of BLOCK elements: so an element lies in the body or the tail of its slab's
-    call as it does in the box's (runs_as_is), and each slab runs as is wherever the box does. The box itself
-    where it is no larger, is empty or has no dims."""
+    more, and every slab but the last a multiple of BLOCK elements: so an element lies in the body or the tail of
+    its slab's call as it does in the box's (runs_as_is), and each slab runs as is wherever the box does. The box
+    itself where it is no larger, is empty or has no dims."""
     elements = SLAB_ELEMENTS if elements is None else elements
     if not box.shape or box.numel <= elements:
         return [box]

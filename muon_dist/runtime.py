@@ -97,9 +97,8 @@ def staggered(
         for running in order(window):
             if not running.finished:
                 running.advance()
-            while (
-                window and window[0].finished
-            ):  # handed back at once, before the next segment runs
+            # each finished item handed back at once, before the next segment runs
+            while window and window[0].finished:
                 yield window.popleft().finish()
         while window and (window[0].finished or len(window) >= depth):
             yield window.popleft().finish()

@@ -104,7 +104,8 @@ def exchange_steps(
     orders = [travel_order(owned[me], geometries, j) for j in range(W)]
     arrived = unpack(pending.wait(), [[sizes[k][j] for k in orders[j]] for j in range(W)])
     del pending  # the received buffer lives as long as its pieces in recv, no longer
-    recv = [[row[order.index(k)] for k in owned[me]] for order, row in zip(orders, arrived)]
+    where = [{k: i for i, k in enumerate(order)} for order in orders]
+    recv = [[row[at[k]] for k in owned[me]] for at, row in zip(where, arrived)]
     del arrived
     rows = _orthogonalise_owned(recv, owned[me], geometries, kernels, update_dtype)
     del recv

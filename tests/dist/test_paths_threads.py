@@ -281,3 +281,37 @@ def test_in_a_group_of_two_each_owner_reads_its_largest_param_where_it_arrived(
             assert torch.equal(bits(got), bits(box(NS(f).float(), lay, rank)))
     assert sorted(seen) == list(range(len(rows)))
     assert {k for k, v in seen.items() if v} == (in_place if reorder else set()), seen
+
+
+@settings(max_examples=examples(1.0))
+@given(
+    W=st.integers(1, 5),
+    rows=st.lists(st.integers(1, 9), min_size=1, max_size=7),
+    data=st.data(),
+)
+def test_travel_order_moves_only_the_first_of_the_largest_and_only_from_the_end_members(
+    W: int, rows: list[int], data
+) -> None:
+    """batch.travel_order on any owned params (any sizes, empty boxes too): a permutation of them; param order from
+    every member but 0 and W - 1; from member 0 the first of the largest moved last, from member W - 1 first (at
+    W = 1 member 0 is both: param order). Control: an order that moves the last of the largest differs wherever
+    two params tie for the largest."""
+    from muon_dist.batch import travel_order
+
+    geometries = [layout_1d((r, 3), "S0", W, "torch.float32").geometry for r in rows]
+    owned = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1), min_size=1)))
+    size = {k: sum(geometries[k].sizes) for k in owned}
+    first_largest = next(k for k in owned if size[k] == max(size.values()))
+    rest = [k for k in owned if k != first_largest]
+    for member in range(W):
+        got = travel_order(owned, geometries, member)
+        assert sorted(got) == owned
+        if len(owned) < 2 or W == 1 or 0 < member < W - 1:
+            assert got == owned, (member, got)
+        elif member == 0:
+            assert got == rest + [first_largest], (member, got)
+        else:
+            assert got == [first_largest] + rest, (member, got)
+    last_largest = [k for k in owned if size[k] == max(size.values())][-1]
+    if W > 1 and last_largest != first_largest:
+        assert travel_order(owned, geometries, W - 1)[0] != last_largest  # the control
