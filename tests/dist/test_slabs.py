@@ -227,8 +227,42 @@ HEADS = (("num_heads", 2), ("split_dim", 1))
             ),
             True,
         ),
+        (
+            Case(
+                2,
+                (0, 1),
+                (Group((), ((4, 64, 24),) * 2, (("S1",),) * 2),),
+                "bfloat16",
+                "torch",
+                GLOBAL,
+                False,
+            ),
+            True,
+        ),
+        (
+            Case(
+                2,
+                (0, 1),
+                (Group((("num_experts", 2),), ((64, 24),) * 2, (("S1",),) * 2),),
+                "float32",
+                "torch",
+                GLOBAL,
+                False,
+            ),
+            True,
+        ),
     ],
-    ids=["uneven-tail", "columns", "w3-batched-atomic", "split", "heads", "experts", "skipped"],
+    ids=[
+        "uneven-tail",
+        "columns",
+        "w3-batched-atomic",
+        "split",
+        "heads",
+        "experts",
+        "skipped",
+        "stack-rows",
+        "experts-columns",
+    ],
 )
 def test_the_step_runs_its_stages_in_slabs_with_muon_refs_bits(
     monkeypatch, case: Case, packed: bool, elements: int
@@ -238,7 +272,8 @@ def test_the_step_runs_its_stages_in_slabs_with_muon_refs_bits(
     blocks path of separate layouts and the local path of expert stacks compute it on the box), both counted:
     more stage calls than boxes. Each rank's params and buffers are muon_ref's, bitwise, over two steps (dense
     params with uneven boxes and the global tail, column shards, W = 3 batched and atomic, separate blocks by
-    rows and by columns, expert stacks on (ep, fsdp), a skipped non-finite param)."""
+    rows and by columns, expert stacks on (ep, fsdp), a skipped non-finite param, a 3-D stack sharded by its
+    matrices' rows (slabs of whole matrices) and stacked experts sharded by columns (slabs within an expert))."""
     calls = {"momentum": 0, "update": 0}
     real_momentum, real_update = elementwise.momentum_on_box, elementwise.update_on_box
 
