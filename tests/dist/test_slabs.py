@@ -136,134 +136,71 @@ SPLIT = (("split_sizes", (64, 64)),)
 HEADS = (("num_heads", 2), ("split_dim", 1))
 
 
+def on_two(group: Group, dtype: str, preset: str, **more) -> Case:
+    """A case of one param group on a 1-D mesh of two ranks, global dispatch, not atomic."""
+    return Case(2, (0, 1), (group,), dtype, preset, GLOBAL, False, **more)
+
+
+# (case, whether the batch's path takes its directions packed), by id
+STEP_CASES = {
+    "uneven-tail": (
+        on_two(Group((), ((130, 64), (129, 63)), (("S0",),) * 2), "bfloat16", "torch"),
+        True,
+    ),
+    "columns": (
+        on_two(Group((), ((130, 64), (96, 40)), (("S0",), ("S1",))), "float32", "dion"),
+        True,
+    ),
+    "w3-batched-atomic": (
+        Case(
+            3,
+            (0, 1, 2),
+            (Group((), ((193, 32),) * 4, (("S0",),) * 4),),
+            "float32",
+            "torch",
+            Options(),
+            True,
+        ),
+        True,
+    ),
+    "split": (on_two(Group(SPLIT, ((128, 64),), (("S0",),)), "bfloat16", "torch"), False),
+    "heads": (on_two(Group(HEADS, ((48, 64),), (("S0",),)), "float32", "moonlight"), False),
+    "experts": (
+        Case(
+            4,
+            ((0, 1), (2, 3)),
+            (Group((("num_experts", 4),), ((64, 24),) * 2, (("S0", "S0"),) * 2),),
+            "bfloat16",
+            "xtuner",
+            GLOBAL,
+            False,
+        ),
+        False,
+    ),
+    "skipped": (
+        on_two(
+            Group((), ((130, 64),) * 2, (("S0",),) * 2),
+            "float32",
+            "torch",
+            nonfinite=(1, 70 * 64 + 5),
+            policy="skip",
+        ),
+        True,
+    ),
+    "stack-rows": (
+        on_two(Group((), ((4, 64, 24),) * 2, (("S1",),) * 2), "bfloat16", "torch"),
+        True,
+    ),
+    "experts-columns": (
+        on_two(Group((("num_experts", 2),), ((64, 24),) * 2, (("S1",),) * 2), "float32", "torch"),
+        True,
+    ),
+}
+
+
 @pytest.mark.timeout(timeout_for(120))
 @pytest.mark.parametrize("elements", [1, 300])
-@pytest.mark.parametrize(
-    "case, packed",
-    [
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group((), ((130, 64), (129, 63)), (("S0",), ("S0",))),),
-                "bfloat16",
-                "torch",
-                GLOBAL,
-                False,
-            ),
-            True,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group((), ((130, 64), (96, 40)), (("S0",), ("S1",))),),
-                "float32",
-                "dion",
-                GLOBAL,
-                False,
-            ),
-            True,
-        ),
-        (
-            Case(
-                3,
-                (0, 1, 2),
-                (Group((), ((193, 32),) * 4, (("S0",),) * 4),),
-                "float32",
-                "torch",
-                Options(),
-                True,
-            ),
-            True,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group(SPLIT, ((128, 64),), (("S0",),)),),
-                "bfloat16",
-                "torch",
-                GLOBAL,
-                False,
-            ),
-            False,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group(HEADS, ((48, 64),), (("S0",),)),),
-                "float32",
-                "moonlight",
-                GLOBAL,
-                False,
-            ),
-            False,
-        ),
-        (
-            Case(
-                4,
-                ((0, 1), (2, 3)),
-                (Group((("num_experts", 4),), ((64, 24),) * 2, (("S0", "S0"),) * 2),),
-                "bfloat16",
-                "xtuner",
-                GLOBAL,
-                False,
-            ),
-            False,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group((), ((130, 64),) * 2, (("S0",),) * 2),),
-                "float32",
-                "torch",
-                GLOBAL,
-                False,
-                nonfinite=(1, 70 * 64 + 5),
-                policy="skip",
-            ),
-            True,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group((), ((4, 64, 24),) * 2, (("S1",),) * 2),),
-                "bfloat16",
-                "torch",
-                GLOBAL,
-                False,
-            ),
-            True,
-        ),
-        (
-            Case(
-                2,
-                (0, 1),
-                (Group((("num_experts", 2),), ((64, 24),) * 2, (("S1",),) * 2),),
-                "float32",
-                "torch",
-                GLOBAL,
-                False,
-            ),
-            True,
-        ),
-    ],
-    ids=[
-        "uneven-tail",
-        "columns",
-        "w3-batched-atomic",
-        "split",
-        "heads",
-        "experts",
-        "skipped",
-        "stack-rows",
-        "experts-columns",
-    ],
-)
+@pytest.mark.parametrize("case, packed", list(STEP_CASES.values()), ids=list(STEP_CASES))
 def test_the_step_runs_its_stages_in_slabs_with_muon_refs_bits(
     monkeypatch, case: Case, packed: bool, elements: int
 ) -> None:
