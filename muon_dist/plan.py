@@ -47,6 +47,7 @@ from .batch import Batch
 from .geometry import Box, Geometry, blocks_in, parse_placement
 from .layout import ParamLayout
 from .paths import PATHS
+from .paths.exchange import exchange_bytes
 
 REMAINDER_PATHS: tuple[str, ...] = tuple(name for name, path in PATHS.items() if path.remainder)
 # DistributedMuon's default (Options.rounds None): global dispatch in up to this many rounds (docs/benchmarks.md: the
@@ -379,16 +380,15 @@ def round_buffers(
     geometries: Sequence[Geometry], owners: Sequence[int], per_element: int
 ) -> list[int]:
     """The bytes each member of a global_all_to_all batch (`geometries`, `owners`) sends and receives, both
-    exchanges together (paths.exchange.exchange_bytes's sent + received: an owner, the elements of its params
-    that it lacks, each way; another member, its boxes of them, each way), `per_element` bytes per element (the
-    direction's itemsize plus the update's): the model of the batch's communication buffers on each rank."""
-    moved = [0] * geometries[0].group_size
-    for geometry, owner in zip(geometries, owners):
-        sizes = geometry.sizes
-        for member, size in enumerate(sizes):
-            moved[member] += size
-        moved[owner] += sum(sizes) - 2 * sizes[owner]
-    return [m * per_element for m in moved]
+    exchanges together: the paths' own traffic formula (paths.exchange.exchange_bytes, sent + received: an owner,
+    the elements of its params that it lacks, each way; another member, its boxes of them, each way), at
+    `per_element` bytes per element (the direction's itemsize plus the update's, counted here on the direction's
+    side): the model of the batch's communication buffers on each rank."""
+    together = {"both": per_element, "none": 0}
+    return [
+        sum(exchange_bytes(geometries, owners, member, together, "both", "none") or (0, 0))
+        for member in range(geometries[0].group_size)
+    ]
 
 
 def floor_round(geometries: Sequence[Geometry], per_element: int) -> int:

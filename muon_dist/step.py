@@ -152,8 +152,9 @@ class StepRun:
     def momentum(self, batch: Batch) -> list[Tensor]:
         """Each param's direction in the batch's direction dtype, on this rank's box: for a path that takes them
         packed (Path.packed_directions, a shard group of more than one), written straight into the forward send
-        buffer at Batch.send_offsets (a Packed: copy_ casts as .to does, the same bits, with no cast copy and
-        no concatenation). The new buffer is not kept: the write stage computes it again
+        buffer at Batch.send_offsets, slab by slab (elementwise.direction_in_slabs; a Packed: copy_ casts as .to
+        does, the same bits, with no cast copy, no concatenation and no whole box's temporaries). The new buffer is
+        not kept: the write stage computes it again
         (elementwise.buffer_on_box, the same bits), so that no new buffer is held through the exchange."""
         directions: list[Tensor] = []
         send, offsets = None, []
