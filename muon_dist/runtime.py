@@ -42,8 +42,11 @@ class _Running:
 
     def __init__(self, item: Any, steps: Steps) -> None:
         self.item, self.steps, self.finished, self.value = item, steps, False, None
+        # whether any segment has run (a Steps that has not started holds nothing)
+        self.started = False
 
     def advance(self) -> None:
+        self.started = True
         try:
             next(self.steps)
         except StopIteration as end:
@@ -66,10 +69,20 @@ def writes_first(
     for its directions, runs its kernels and issues its updates, and the newest, n, runs its momentum stage and
     issues its directions last; but the newest first where it does not pause (pauses(item) False: its Steps run
     to their end at once, issuing no collective that stays in flight), so that its work overlaps what the item
-    before it has in flight, and it holds nothing past its segment."""
-    if not pauses(window[-1].item):
-        return [window[-1], *list(window)[:-1]]
-    return list(window)
+    before it has in flight, and it holds nothing past its segment. Where nothing is in flight (no started,
+    unfinished item: the step's first items, or after the pipeline ran dry), such an item is held, not started:
+    it runs right after the next item that pauses has run its first segment (its momentum stage, its directions
+    issued), so that its work overlaps those directions instead of running before anything travels. A held item
+    stays in the window in plan order, so it is handed back, and checked with its write group, as before; it runs
+    before that next item's second segment (its kernels and its updates, which carry a write group's failure
+    flag)."""
+    newest = window[-1]
+    if not pauses(newest.item):
+        if any(r.started and not r.finished for r in window):
+            return [newest, *list(window)[:-1]]
+        return []  # held: nothing in flight that its work could overlap
+    held = [r for r in window if not r.started and r is not newest]
+    return [*(r for r in window if r.started), newest, *held]
 
 
 def staggered(
@@ -88,7 +101,9 @@ def staggered(
     "Each batch written before the next kernels"). n's directions travel while n - 1's updates are waited for
     and written; n - 1's updates while n runs its momentum stage. An item n that does not pause (a batch with no
     all-to-all in flight: its work is done in one segment) runs first instead, while n - 1's directions are still
-    in flight (writes_first's `pauses`).
+    in flight (writes_first's `pauses`); with nothing in flight it is held, unstarted, until the next item that
+    pauses has issued its directions (writes_first). The depth counts held items too: one forced to its end
+    runs at once.
     A pure function of the items and their segment counts: every rank issues the same collectives in the same
     order. `order`: the order in which the items in flight advance (writes_first; tests plant others)."""
     window: deque[_Running] = deque()  # oldest first

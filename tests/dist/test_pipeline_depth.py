@@ -159,6 +159,41 @@ def test_a_batch_that_does_not_pause_runs_while_the_batch_before_it_has_directio
     assert all(told_all_pause.index((n - 1, 1)) < told_all_pause.index((n, 0)) for n in quiet)
 
 
+def _quiet_at_once(window, pauses):
+    """A planted order: the rule before quiet batches were held (a quiet newest runs at once, whatever is in
+    flight)."""
+    if not pauses(window[-1].item):
+        return [window[-1], *list(window)[:-1]]
+    return list(window)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_batches_that_do_not_pause_with_nothing_in_flight_run_while_the_next_batch_s_directions_travel(
+    depth: int,
+) -> None:
+    """Contract (runtime.writes_first): quiet batches (no all-to-all) at the start of a step, where nothing is in
+    flight, are held until the next batch that pauses has run its first segment (its momentum stage, its
+    directions issued); then they run, in plan order, before that batch's second segment (its kernels and the
+    updates that carry a write group's failure flag), and are handed back in plan order. The depth counts held
+    batches: at depth d, all but d - 1 of them run at once (depth 1: one at a time, as without a pipeline).
+    Control: the rule before (a quiet batch runs at once) runs every quiet batch before anything travels."""
+    quiet = frozenset({0, 1})
+    expected = sorted(quiet)[len(quiet) - min(depth - 1, len(quiet)) :]
+
+    def held(ran: list) -> list[int]:
+        return [n for n in sorted(quiet) if ran.index((n, 0)) > ran.index((2, 0))]
+
+    ran = _trace(4, depth, quiet=quiet)
+    assert held(ran) == expected
+    assert all(ran.index((n, 0)) < ran.index((2, 1)) for n in quiet)
+    assert ran.index((0, 0)) < ran.index((1, 0))
+    before = functools.partial(
+        staggered,
+        order=functools.partial(_quiet_at_once, pauses=lambda item: item not in quiet),
+    )
+    assert (held(_trace(4, depth, before)) == expected) == (depth == 1)
+
+
 @pytest.mark.timeout(timeout_for(120))
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("depth", [1, 2, PIPELINE_DEPTH, 5])
