@@ -1,7 +1,7 @@
 """Where DistributedMuon's step spends its time, stage by stage, beside Dion's step on the same params.
 
     python -m benchmarks stages [--dion PATH] [--world-sizes 1 2 4] [--warmup 2] [--steps 8]
-                                [--sets dense] [--ns-backend torch] [--rounds N]
+                                [--sets dense] [--ns-backend torch] [--rounds N] [--per-rank]
 
 Parameter sets of benchmarks.run (default `dense`: the 28 Muon matrices of a 4-layer transformer with d = 256
 and ff = 1024), fp32, Shard(0) DTensors on a 1-D CPU mesh over gloo, one intra-op thread per rank, preset
@@ -18,7 +18,9 @@ one), measured by wrapping the step's functions for the duration of the run (a w
 the calling stage: 0.41 us per call of an empty function, min of 5 x 200,000 calls with timeit on the CPU of
 docs/benchmarks.md); `host` is the step's time outside every stage
 (configs, the plan's bookkeeping, the params' copies, the report). Per step the slowest rank's total; per
-stage its mean over ranks; medians over the timed steps. Stages:
+stage its mean over ranks; medians over the timed steps. With --per-rank, each DistributedMuon method's stages on
+each rank apart (each cell the median over steps of that rank's time): where the ranks' Newton-Schulz differs, the
+faster rank's wait shows in its collectives. Stages:
     collect       DistributedMuon._collect: validating the gradients, reading the layouts, the local shards
     plan          muon_dist.plan.plan and the write groups
     nonfinite     the non-finite flags of the gradients (without their collective)
@@ -245,6 +247,40 @@ def table(results: list[dict], method: str) -> dict[str, float]:
     return row
 
 
+def rank_table(results: list[dict], method: str) -> list[dict[str, float]]:
+    """Per rank, per stage (host: the rank's step outside every stage; total: its step), the median over steps of
+    that rank's own time: the cells that `table` averages over ranks, each rank apart (a rank that waits on a
+    slower one shows its wait in its collectives)."""
+    names = sorted({k for r in results for row in r[method] for k in row} - {"total", "host"})
+    out = []
+    for r in results:
+        rows = r[method]
+        cells = {"total": statistics.median(row["total"] for row in rows)}
+        for name in names:
+            cells[name] = statistics.median(row.get(name, 0.0) for row in rows)
+        if names:
+            cells["host"] = statistics.median(
+                row["total"] - sum(row.get(n, 0.0) for n in names) for row in rows
+            )
+        out.append(cells)
+    return out
+
+
+def print_rank_tables(results: list[dict], table: str) -> None:
+    """For each DistributedMuon method (not dion), its stages on each rank (rank_table)."""
+    for method in results[0]:
+        if method == "dion":
+            continue
+        ranks = rank_table(results, method)
+        names = [s for s in STAGES if s in ranks[0]]
+        names += sorted(k for k in ranks[0] if k.startswith("COLL")) + ["host"]
+        print(f"\n{table}, W = {len(ranks)}, {method}: stage ms per rank (median over steps)")
+        print(f"{'stage':<34}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(ranks))))
+        for name in ["total", *names]:
+            if name in ranks[0]:
+                print(f"{name:<34}" + "".join(f"{cells[name]:>10.2f}" for cells in ranks))
+
+
 def print_tables(world_size: int, rows: dict[str, dict[str, float]], table: str = "dense") -> None:
     names = [s for s in STAGES if any(s in r for r in rows.values())]
     names += sorted({k for r in rows.values() for k in r if k.startswith("COLL")}) + ["host"]
@@ -288,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", nargs="+", choices=sorted(SETS), default=["dense"])
     parser.add_argument("--ns-backend", choices=sorted(BACKENDS), default="torch")
     parser.add_argument("--rounds", type=int, default=None, help="DistributedMuon's rounds=")
+    parser.add_argument(
+        "--per-rank",
+        action="store_true",
+        help="also each DistributedMuon method's stages on each rank (medians over steps)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(header("muon_dist stage profile"))
@@ -307,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     timeout=600.0,
                 )
                 print_tables(W, {m: table(results, m) for m in results[0]}, name)
+                if args.per_rank:
+                    print_rank_tables(results, name)
         finally:
             pool.close()
     return 0

@@ -336,6 +336,37 @@ def test_the_stage_profile_times_a_backend_without_changing_it(capsys) -> None:
     assert len(ns) == 3 and all(float(v) > 0 for v in ns[1:])
 
 
+def test_the_stage_profile_per_rank_keeps_each_rank_apart_and_averages_to_the_table(capsys) -> None:
+    """benchmarks/stages.py --per-rank: rank_table gives each rank's own medians over steps (host: its step outside
+    every stage), and over one step the mean of the ranks' cells is the averaged table's cell. Control: a per-rank
+    table that reads rank 0 for every rank (a planted bug) shows equal columns where the ranks differ."""
+    from benchmarks import stages
+
+    def rows(ns: list[float], wait: list[float]) -> list[dict[str, float]]:
+        return [{"total": n + w + 1.0, "NS": n, "COLL all_to_all[x]": w} for n, w in zip(ns, wait)]
+
+    results = [
+        {"global": rows([10.0, 12.0, 11.0], [4.0, 3.0, 5.0])},
+        {"global": rows([14.0, 13.0, 15.0], [1.0, 0.5, 0.7])},
+    ]
+    ranks = stages.rank_table(results, "global")
+    assert [r["NS"] for r in ranks] == [11.0, 14.0]
+    assert [r["COLL all_to_all[x]"] for r in ranks] == [4.0, 0.7]
+    assert [r["host"] for r in ranks] == [1.0, 1.0]
+    assert [r["total"] for r in ranks] == [16.0, 16.0]
+    one = [{"global": r["global"][:1]} for r in results]
+    averaged = stages.table(one, "global")
+    for name in ("NS", "COLL all_to_all[x]", "host"):
+        cells = [r[name] for r in stages.rank_table(one, "global")]
+        assert sum(cells) / len(cells) == pytest.approx(averaged[name])
+    planted = stages.rank_table([results[0], results[0]], "global")
+    assert planted[0]["NS"] == planted[1]["NS"] != ranks[1]["NS"]
+    stages.print_rank_tables(results, "tiny_moe")
+    out = capsys.readouterr().out.splitlines()
+    assert "tiny_moe, W = 2, global: stage ms per rank (median over steps)" in out
+    assert [line.split()[1:] for line in out if line.startswith("NS ")] == [["11.00", "14.00"]]
+
+
 def stand_in_dion(root, with_ns_function: bool) -> str:
     """A stand-in for a microsoft/dion checkout at `root` (the real one is never needed by the tests): dion.Muon
     with the constructor benchmarks.peers calls, whose step passes each gradient's local tensor through its
