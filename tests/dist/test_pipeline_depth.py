@@ -9,6 +9,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from muon_dist import DistributedMuon
 from muon_dist.plan import PIPELINE_DEPTH
@@ -192,6 +194,62 @@ def test_batches_that_do_not_pause_with_nothing_in_flight_run_while_the_next_bat
         order=functools.partial(_quiet_at_once, pauses=lambda item: item not in quiet),
     )
     assert (held(_trace(4, depth, before)) == expected) == (depth == 1)
+
+
+def _held_to_the_end(window, pauses):
+    """A planted order: quiet batches with nothing in flight held, but never run before the next pausing batch's
+    second segment (they run only when the depth or the end of the step forces them)."""
+    newest = window[-1]
+    if not pauses(newest.item):
+        if any(r.started and not r.finished for r in window):
+            return [newest, *list(window)[:-1]]
+        return []
+    return [r for r in window if r.started or r is newest]
+
+
+def _kernels_before_each_flag(ran: list, quiet: frozenset[int], n_items: int) -> bool:
+    """Whether every batch's kernels (a quiet batch's one segment, a pausing batch's second) ran before each later
+    pausing batch's second segment, where its updates, and the failure flag of its write group, are issued."""
+    kernels = {i: ran.index((i, 0 if i in quiet else 1)) for i in range(n_items)}
+    return all(
+        kernels[i] < ran.index((p, 1)) for p in range(n_items) if p not in quiet for i in range(p)
+    )
+
+
+@given(
+    n_items=st.integers(1, 8),
+    depth=st.integers(1, 5),
+    quiet_bits=st.integers(0, 2**8 - 1),
+)
+def test_every_batch_s_kernels_run_before_a_later_batch_issues_its_failure_flag(
+    n_items: int, depth: int, quiet_bits: int
+) -> None:
+    """Contract (runtime.staggered with writes_first), over any mix of quiet and pausing batches and any depth:
+    every segment runs once, each batch's in order, batches are handed back in plan order, and every batch's kernels
+    run before any later pausing batch issues its updates (the write group's failure flag rides on them, and is read
+    then: a kernel run after it would fail unreported). Control: an order that holds quiet batches past the next
+    pausing batch's updates breaks the last wherever a quiet batch with nothing in flight comes before a pausing
+    one and the depth does not force it (asserted on the case below)."""
+    quiet = frozenset(i for i in range(n_items) if quiet_bits >> i & 1)
+    ran = _trace(n_items, depth, quiet=quiet)
+    segments = [(i, s) for i in range(n_items) for s in ((0,) if i in quiet else (0, 1, 2))]
+    assert sorted(ran) == sorted(segments + [(i, WRITTEN) for i in range(n_items)])
+    assert all(
+        ran.index((i, s)) < ran.index((i, s + 1)) for i, s in segments if (i, s + 1) in segments
+    )
+    assert _kernels_before_each_flag(ran, quiet, n_items)
+
+
+def test_the_flag_control_fails_where_quiet_batches_are_held_too_long() -> None:
+    """The control of the property above: quiet batches 0 and 1 before pausing batch 2 at depth 3, held by an order
+    that never runs them before batch 2's second segment, run after it; writes_first runs them before it."""
+    quiet = frozenset({0, 1})
+    planted = functools.partial(
+        staggered,
+        order=functools.partial(_held_to_the_end, pauses=lambda item: item not in quiet),
+    )
+    assert not _kernels_before_each_flag(_trace(4, 3, planted), quiet, 4)
+    assert _kernels_before_each_flag(_trace(4, 3, quiet=quiet), quiet, 4)
 
 
 @pytest.mark.timeout(timeout_for(120))
