@@ -14,6 +14,15 @@ Columns: matrices, shapes (the stacked calls), the median ms of each way over --
 untimed ones (one intra-op thread, wall clock), their ratio, and whether every stacked result has the loop's bits
 (else the max |difference| and how many matrices differ). The stacked way is not a contract of any backend: where
 its bits differ from the loop's, only a backend with a stated tolerance may run it (docs/benchmarks.md).
+
+    python -m benchmarks stacking --per-shape [--sets ...] [--warmup 3] [--reps 20]
+
+also prints, per set and shape, the loop's cost of one matrix beside the cost DistributedMuon's planner assigns it
+(muon_dist.balance.ns_flops, 5 steps: LPT balances owners on it): matrices of the shape, MFLOP per matrix, the median
+us of one newton_schulz call on one matrix of the shape (as above, per call), us per MFLOP, and the shape's share of
+the set's FLOPs and of its loop time. Where the two shares part, the FLOP count misprices the shape on the CPU it runs on
+(small matrices, whose calls cost more than their arithmetic: docs/benchmarks.md, "Local expert batches held
+until a round's directions travel").
 """
 
 from __future__ import annotations
@@ -95,6 +104,40 @@ def row(table: str, warmup: int, reps: int) -> dict:
     }
 
 
+def shape_rows(table: str, warmup: int, reps: int) -> list[dict]:
+    """Per shape of the set (first-seen order): matrices, ns_flops of one, the median us of one loop call on one of
+    them, and the shape's shares of the set's FLOPs and of its loop time (count x per matrix over the sums)."""
+    from muon_dist.balance import ns_flops
+
+    cfg = group_config(preset_defaults(PRESET, {}))
+    matrices = matrices_of(table)
+    rows = []
+    for (m, n), indices in by_shape(matrices).items():
+        M = matrices[indices[0]]
+        us = 1e3 * median_ms(lambda M=M: newton_schulz(M, **cfg.ns_kwargs()), warmup, reps)
+        rows.append({"shape": (m, n), "count": len(indices), "flops": ns_flops(m, n), "us": us})
+    total_flops = sum(r["count"] * r["flops"] for r in rows)
+    total_us = sum(r["count"] * r["us"] for r in rows)
+    for r in rows:
+        r["flops_share"] = r["count"] * r["flops"] / total_flops
+        r["time_share"] = r["count"] * r["us"] / total_us
+    return rows
+
+
+def print_shape_rows(table: str, rows: list[dict]) -> None:
+    print(f"\n{table}: one matrix of each shape, the loop's call beside the planner's FLOP count")
+    print(
+        f"{'shape':>12} {'matrices':>8} {'MFLOP':>9} {'us':>9} {'us/MFLOP':>9} "
+        f"{'FLOP share':>10} {'time share':>10}"
+    )
+    for r in rows:
+        mflop = r["flops"] / 1e6
+        print(
+            f"{'x'.join(map(str, r['shape'])):>12} {r['count']:>8} {mflop:>9.2f} {r['us']:>9.1f} "
+            f"{r['us'] / mflop:>9.2f} {r['flops_share']:>10.3f} {r['time_share']:>10.3f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks stacking",
@@ -106,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--per-shape",
+        action="store_true",
+        help="also each shape's loop call beside the planner's FLOP count (shape_rows)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(header("Newton-Schulz of a set's matrices: one call per matrix, or stacked by shape"))
@@ -123,4 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{table:<12} {r['matrices']:>8} {r['shapes']:>6} {r['loop_ms']:>9.2f} {r['stacked_ms']:>10.2f} "
             f"{r['stacked_ms'] / r['loop_ms']:>6.2f}  {bits}"
         )
+    if args.per_shape:
+        for table in args.sets:
+            print_shape_rows(table, shape_rows(table, args.warmup, args.reps))
     return 0

@@ -294,6 +294,40 @@ def test_python_m_benchmarks_stacking_orthogonalises_every_matrix_once_in_its_pl
     assert line.split()[1:3] == [str(len(matrices)), str(len(stacking.by_shape(matrices)))]
 
 
+def _shapes_account_for_the_set(rows: list[dict], matrices: list) -> bool:
+    """Whether per-shape rows hold every matrix of the set once: counts and shapes as by_shape gives them, FLOPs as
+    the planner's ns_flops, and both shares summing to 1."""
+    from benchmarks import stacking
+    from muon_dist.balance import ns_flops
+
+    groups = stacking.by_shape(matrices)
+    return (
+        [(r["shape"], r["count"]) for r in rows] == [(k, len(v)) for k, v in groups.items()]
+        and all(r["flops"] == ns_flops(*r["shape"]) and r["us"] > 0 for r in rows)
+        and abs(sum(r["flops_share"] for r in rows) - 1) < 1e-9
+        and abs(sum(r["time_share"] for r in rows) - 1) < 1e-9
+    )
+
+
+def test_python_m_benchmarks_stacking_per_shape_prices_every_shape_of_the_set(capsys) -> None:
+    """benchmarks/stacking.py --per-shape: one row per shape of the set, every matrix counted once, the planner's
+    FLOPs of one matrix (balance.ns_flops) beside a timed call, and the shares of the set's FLOPs and time summing
+    to 1; printed under the stacking table. Control: rows missing a shape (a planted bug) fail the same check."""
+    from benchmarks import stacking
+
+    matrices = stacking.matrices_of("tiny_moe")
+    rows = stacking.shape_rows("tiny_moe", 0, 1)
+    assert len(rows) == 6 and _shapes_account_for_the_set(rows, matrices)
+    assert not _shapes_account_for_the_set(rows[1:], matrices)
+    assert stacking.main(["--sets", "tiny_moe", "--warmup", "0", "--reps", "1", "--per-shape"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = out.index(
+        "tiny_moe: one matrix of each shape, the loop's call beside the planner's FLOP count"
+    )
+    printed = [line.split()[0] for line in out[start + 2 : start + 2 + len(rows)]]
+    assert printed == ["x".join(map(str, r["shape"])) for r in rows]
+
+
 def test_the_stage_profile_times_a_backend_without_changing_it(capsys) -> None:
     """benchmarks/stages.py: timed_backend wraps the backend's orthogonalize and stack kernel and keeps every other
     field (a backend rebuilt from its name, function and bitwise flag alone would lose its stack kernel and its
