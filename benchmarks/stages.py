@@ -230,6 +230,11 @@ def rank_stages(
     return {m: [{k: 1e3 * v for k, v in row.items()} for row in rows] for m, rows in out.items()}
 
 
+def host_of(row: dict[str, float], names: list[str]) -> float:
+    """A step's time outside every stage: its total less the stages' (exclusive) times."""
+    return row["total"] - sum(row.get(n, 0.0) for n in names)
+
+
 def table(results: list[dict], method: str) -> dict[str, float]:
     """Per stage (host: the step outside every stage) the median over steps of its mean over ranks; total: the
     median over steps of the slowest rank's."""
@@ -238,7 +243,7 @@ def table(results: list[dict], method: str) -> dict[str, float]:
     for r in results:
         for row in r[method]:
             if names:
-                row["host"] = row["total"] - sum(row.get(n, 0.0) for n in names)
+                row["host"] = host_of(row, names)
     row = {"total": statistics.median(max(r[method][s]["total"] for r in results) for s in steps)}
     for name in [*names, "host"] if names else []:
         row[name] = statistics.median(
@@ -259,9 +264,7 @@ def rank_table(results: list[dict], method: str) -> list[dict[str, float]]:
         for name in names:
             cells[name] = statistics.median(row.get(name, 0.0) for row in rows)
         if names:
-            cells["host"] = statistics.median(
-                row["total"] - sum(row.get(n, 0.0) for n in names) for row in rows
-            )
+            cells["host"] = statistics.median(host_of(row, names) for row in rows)
         out.append(cells)
     return out
 

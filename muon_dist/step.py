@@ -286,21 +286,15 @@ class StepRun:
                 cfg, x.grad, x.buf, layout.matrices, layout.global_shape, box, in_place
             )
             out = None if self.out_params is None else self.out_params[i]
-            if out is None or self.comm.world_size == 1:
-                new = elementwise.update_on_box(
-                    cfg, x.param, update, layout.matrices, layout.global_shape, box, out, skipped
-                )
-            else:  # in slabs: the stage's temporaries are one slab's (elementwise.update_in_slabs)
-                new = elementwise.update_in_slabs(
-                    cfg,
-                    x.param,
-                    update,
-                    layout.matrices,
-                    layout.global_shape,
-                    box,
-                    out,
-                    skipped,
-                )
+            # in slabs where written into out beside buffers in flight: the stage's temporaries are one slab's
+            stage = (
+                elementwise.update_on_box
+                if out is None or self.comm.world_size == 1
+                else elementwise.update_in_slabs
+            )
+            new = stage(
+                cfg, x.param, update, layout.matrices, layout.global_shape, box, out, skipped
+            )
             elementwise.keep_blocks(buf, x.buf, layout.matrices, box, skipped)
             yield i, new, buf
             del new, buf, update  # nothing of a written param is held while the next one is written
