@@ -198,14 +198,31 @@ def _dense_one_rank_sites(planted: bool) -> tuple[int, dict[str, int]]:
     return result["distributed"]
 
 
+def _innermost(site: str) -> str:
+    """The innermost Python function of a site label (memory.site_label): "op @ file:line (function) < ..."."""
+    found = re.match(r"[^@]*@ [^ ]+ \(([^)]*)\)", site)
+    return found.group(1) if found else "?"
+
+
+def _holds_new_buffer_past_its_op(found: dict[str, int]) -> bool:
+    """Whether a new momentum buffer (a block muon_ref's momentum_buffer allocated) is alive at the peak beside
+    anything but the op that computes the direction from it (momentum_direction's own block): the two blocks
+    that any out-of-place momentum stage holds at once, on every torch."""
+    sites = {_innermost(name) for name in found}
+    return "momentum_buffer" in sites and not sites <= {"momentum_buffer", "momentum_direction"}
+
+
 def test_the_momentum_stage_holds_no_new_buffer_at_the_steps_peak() -> None:
     """muon_dist.step.StepRun.momentum keeps each param's direction, never its new momentum buffer (the write stage
-    computes it again): on the dense set at W = 1 no block from muon_ref's momentum_buffer is alive at the step's
-    peak, which Newton-Schulz's working set sets. Control: a momentum stage that holds each new buffer until it
-    returns shows it there, at a higher peak (the momentum stage's, through the bf16 cast of the direction)."""
+    computes it again): on the dense set at W = 1, at the step's peak, a block from muon_ref's momentum_buffer is
+    alive only beside the direction computed from it (the momentum op itself, where that sets the peak), never
+    beside the direction's bf16 cast or anything later. Which stage sets the peak depends on the torch: with torch
+    2.13 Newton-Schulz's working set does (no new buffer alive then), with torch 2.9.1 the momentum op's two
+    blocks do (its addmm allocates less), so the test asserts what holds on both. Control: a momentum stage that
+    holds each new buffer until it returns shows it beside the cast, at a higher peak."""
     peak, found = _dense_one_rank_sites(planted=False)
     assert sum(found.values()) == peak
-    assert not any("(momentum_buffer)" in name for name in found), found
+    assert not _holds_new_buffer_past_its_op(found), found
     planted_peak, planted = _dense_one_rank_sites(planted=True)
-    assert any("(momentum_buffer)" in name for name in planted), planted
+    assert _holds_new_buffer_past_its_op(planted), planted
     assert planted_peak > peak
