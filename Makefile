@@ -13,11 +13,15 @@ comma := ,
 
 setup: $(STAMP)
 
+# the extras go beside the torch of TORCH_SPEC, never in its place: pip would otherwise replace a torch whose pins
+# conflict with them (torch 2.9.1's CUDA build pins triton 3.5.1, the triton extra 3.9.0) and the tests run on another
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')" || { \
+		echo "make setup: .[$(EXTRAS)] cannot be installed beside TORCH_SPEC=\"$(TORCH_SPEC)\" without replacing that torch; \
+	a CUDA build brings the triton it pins: run with EXTRAS=dev,notebooks" >&2; exit 1; }
 	touch $@
 
 verify: $(STAMP)
