@@ -8,7 +8,7 @@ import importlib
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from muon_dist import Entry, Options, expected_bytes, plan
@@ -273,6 +273,8 @@ def test_global_rounds_cut_the_merged_batch_keeping_every_owner_and_about_one_ro
 
 @settings(max_examples=examples(1.0))
 @given(W=st.integers(1, 6), spec=mixed, count=st.integers(1, 8))
+# two same-shape params in a group of one, which packs whatever the rounds (found by the thorough profile)
+@example(W=1, spec=[((5, 3), "S0", 0, True, "torch.bfloat16")] * 2, count=1)
 def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_round_of_the_step(
     W: int, spec: list, count: int
 ) -> None:
@@ -298,8 +300,9 @@ def test_batched_all_to_all_batches_pack_same_layout_full_batches_up_to_one_roun
         assert len({entries[i].key() for i in b.params}) == 1
         assert b.owners == tuple(k % W for k in range(len(b.params)))
         assert len(b.params) == W or len(b.params) * size <= cap, (len(b.params), size, cap)
+    # batches of W, but a group of one packs whatever the rounds (as above)
     for b in single.batches:
-        assert b.path != "all_to_all" or len(b.params) == b.group_size
+        assert b.path != "all_to_all" or b.group_size == 1 or len(b.params) == b.group_size
     for rank in range(W):
         assert expected_bytes(packed, rank, ITEMSIZES) == expected_bytes(single, rank, ITEMSIZES)
 
