@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import muon_ref.gram
 from muon_dist.kernels.gram_ns import gram_newton_schulz_batched
+from muon_dist.kernels.reference import onednn_takes
 from muon_ref import (
     DAO_RESTARTS,
     SCHEDULES,
@@ -305,13 +306,32 @@ def test_batched_float32_is_within_the_measured_tolerance_of_the_reference(batch
     restarts=st.sampled_from([(), DAO_RESTARTS, (1, 3)]),
     seed=st.integers(0, 2**16),
 )
-def test_batched_bfloat16_equals_the_reference_bitwise_from_eight_rows_and_columns_on_this_cpu(
+# a stack whose batched bf16 products round otherwise where oneDNN takes them (an Intel Xeon with AMX)
+@example(leading=[2], m=20, n=16, restarts=(), seed=466)
+def test_batched_bfloat16_equals_the_reference_bitwise_from_eight_rows_and_columns_where_aten_runs_them(
     leading, m, n, restarts, seed
 ):
+    """Contract 1 of muon_dist/kernels/gram_ns.py, bf16 with min(m, n) >= 8: bitwise where ATen's own kernel runs
+    the bf16 products (one addmm_ per matrix, the reference's call): with oneDNN off on every CPU, and as the
+    process comes where oneDNN does not take bf16 matmuls; where it does, its batched and single products round
+    some inputs otherwise (the example: 0.033 at most over the module's 1,235 such stacks on an Intel Xeon with
+    AMX), and the kernel is held to the small stacks' bound."""
     G = gaussian((*leading, m, n), seed)
-    assert same_bits(
-        gram_newton_schulz_batched(G, restarts=restarts), gram_newton_schulz(G, restarts=restarts)
+    with torch.backends.mkldnn.flags(
+        enabled=False, deterministic=torch.backends.mkldnn.deterministic
+    ):
+        assert same_bits(
+            gram_newton_schulz_batched(G, restarts=restarts),
+            gram_newton_schulz(G, restarts=restarts),
+        )
+    got, want = (
+        gram_newton_schulz_batched(G, restarts=restarts),
+        gram_newton_schulz(G, restarts=restarts),
     )
+    if onednn_takes(torch.bfloat16):
+        torch.testing.assert_close(got, want, rtol=0, atol=BATCHED_SMALL_BF16_ATOL)
+    else:
+        assert same_bits(got, want)
 
 
 @settings(max_examples=examples(0.25))

@@ -25,9 +25,12 @@ batched reduction).
 
 Contract 1, against muon_ref.gram_newton_schulz with the same arguments, on the CPU; measured by
 `python -m muon_dist.kernels.gram_ns` and asserted by tests/test_gram.py:
-    bfloat16, min(m, n) >= 8: bitwise. ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the reference's
-        own call, when k * rows * cols >= 400 (bmm_out_or_baddbmm_ as read in
-        aten/src/ATen/native/LinearAlgebra.cpp); m >= 8 gives m^3 >= 512 for every product here.
+    bfloat16, min(m, n) >= 8: bitwise where ATen's own kernel runs bf16 matmuls (oneDNN off, or not taking bf16:
+        muon_dist.kernels.reference.onednn_takes). ATen runs a bf16 bmm / baddbmm as one addmm_ per matrix, the
+        reference's own call, when k * rows * cols >= 400 (bmm_out_or_baddbmm_ as read in
+        aten/src/ATen/native/LinearAlgebra.cpp); m >= 8 gives m^3 >= 512 for every product here. Where oneDNN
+        takes bf16 matmuls, its batched and single products round some inputs otherwise: <= 2^-4, the small
+        stacks' bound (measured up to 0.033, 1220 of 1235 stacks bitwise, on an Intel Xeon with AMX).
     bfloat16, min(m, n) < 8: <= 2^-4 (measured up to 2.3e-2, 3 ulps of 1): below 400, ATen's own loop kernel
         rounds otherwise.
     float32: <= 2e-4 (measured <= 6.1e-5 over 7,000 stacks): MKL's batched GEMM and the small-matrix loop sum in
