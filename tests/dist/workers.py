@@ -500,7 +500,8 @@ def tp_layout_against_dtensor(
     """A tensor placed by torch with per-axis placements that may include _StridedShard: by FSDP2 over tensor
     parallelism when they do (torch 2.9.1's distribute_tensor splits an uneven _StridedShard otherwise than FSDP2
     places it: measured), else by distribute_tensor (src_data_rank=None). (Its local shard is the fixtures' box of
-    the full tensor, read_layout's box has its local shape, and its offset is torch's where the box is not empty.)"""
+    the full tensor; read_layout's box has the local shard's shape; and the box is torch's
+    compute_local_shape_and_global_offset's, its offset where the box is not empty.)"""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -522,8 +523,8 @@ def tp_layout_against_dtensor(
     local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
     return (
         torch.equal(t.to_local(), box_of(full, placement, kind, r, W)),
-        box.shape == tuple(local_shape),
-        box.offsets == tuple(offset) or box.numel == 0,
+        box.shape == tuple(t.to_local().shape),
+        (box.shape == tuple(local_shape) and (box.offsets == tuple(offset) or box.numel == 0)),
     )
 
 
