@@ -308,6 +308,8 @@ def test_batched_float32_is_within_the_measured_tolerance_of_the_reference(batch
 )
 # a stack whose batched bf16 products round otherwise where oneDNN takes them (an Intel Xeon with AMX)
 @example(leading=[2], m=20, n=16, restarts=(), seed=466)
+# torch's mkldnn.flags() warns of TF32 on CPU builds
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_batched_bfloat16_equals_the_reference_bitwise_from_eight_rows_and_columns_where_aten_runs_them(
     leading, m, n, restarts, seed
 ):
