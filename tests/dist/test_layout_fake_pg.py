@@ -89,7 +89,8 @@ def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
     """The layout's box is torch's compute_local_shape_and_global_offset, wherever torch's box is a right-to-left
     one (_inside_inner_axes). Where it is not (an uneven _StridedShard, e.g. (11, 1) over 3 x 3: torch puts row 10
     on rank 6, FSDP2 itself on rank 8, tests/dist/test_layout.py), read_layout refuses a shard of torch's shape,
-    naming the box FSDP2 places there, as it does any local shard that is not its box."""
+    naming the box FSDP2 places there, as it does any local shard that is not its box; a shard of the box's shape
+    is read, and its offset is then the right-to-left one, not torch's."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, mesh_shape, codes = drawn
@@ -122,8 +123,10 @@ def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
                 layout = read_layout(p, "w", {}, W, rank)
         geometry = layout.geometry
         box = geometry.boxes[geometry.member(rank)]
+        # where torch departs, a shard of its shape may sit at another offset: ((7, 1), (2, 2, 3), S0:6, S0, S0),
+        # rank 4, row 6 by torch 2.13, row 5 right to left (torch 2.9.1 computes no shape there)
         assert box.shape == tuple(want_shape) and (
-            box.offsets == tuple(want_offset) or box.numel == 0
+            box.offsets == tuple(want_offset) or box.numel == 0 or bool(departs)
         ), (rank, box)
         codes_read = tuple(
             c.split(":")[0] if c.endswith(":1") else c for c in codes
