@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from .newton_schulz import DEFAULT_EPS, EPS_MODES, STEP_FORMS
+from .newton_schulz import DEFAULT_EPS, EPS_MODES, STACKS, STEP_FORMS
 from .schedules import Schedule, get_schedule
 
 MomentumStyle = Literal["ema", "sum"]
@@ -91,6 +91,12 @@ class MuonConfig:
                                  arrives in row shards)
                    Equal values; on CPU a bf16 op on P and O rounds differently for the two orders (scalar loop
                    for mixed strides, vectorised loop for equal ones), so the params' last bits follow the layout.
+    ns_stack       "per_matrix": a stack's matrices (3-D experts, fused experts) each orthogonalised alone
+                   "batched":    the stack as one batch, each product one batched product (KellerJordan's
+                                 zeropower_via_newtonschulz5 on a 3-D param; newton_schulz's `stack`), O in the
+                                 kernel's memory order under update_layout "kernel". Equal values; a batched
+                                 product may round otherwise than single ones. muon_dist.DistributedMuon has
+                                 "per_matrix" only (a matrix's bits never depend on where its stack lies).
     """
 
     lr: float | torch.Tensor = 1e-3  # a 1-element Tensor is used 0-d, as torch does (group_config)
@@ -115,6 +121,7 @@ class MuonConfig:
     safety: float | None = None
     normalize_before_cast: bool = False
     precondition: str | None = None
+    ns_stack: str = "per_matrix"
     flatten: bool = False
     nonfinite: Literal["raise", "skip"] = "raise"
 
@@ -154,6 +161,7 @@ class MuonConfig:
         )
         _check(self.step_form in STEP_FORMS, "step_form", self.step_form, f"one of {STEP_FORMS}")
         _check(self.eps_mode in EPS_MODES, "eps_mode", self.eps_mode, f"one of {EPS_MODES}")
+        _check(self.ns_stack in STACKS, "ns_stack", self.ns_stack, f"one of {STACKS}")
         _check(self.eps >= 0, "eps", self.eps, ">= 0")
         _check(
             self.nonfinite in ("raise", "skip"), "nonfinite", self.nonfinite, "'raise' or 'skip'"

@@ -363,8 +363,9 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
 
     Returns direction's shape in the kernel's dtype. A shared layout runs it as one batch view: the blocks are
     equal consecutive flat ranges of D, so reshape(num_matrices, fan_out, fan_in) stacks them, and newton_schulz
-    orthogonalises each matrix of a stack alone (proofs/blocks.md#batch-view); D may be any run of whole
-    consecutive blocks. A separate layout runs each block alone (map_blocks) on the whole D.
+    orthogonalises each matrix of a stack alone (proofs/blocks.md#batch-view), or the stack as one batch under
+    ns_stack "batched"; D may be any run of whole consecutive blocks. A separate layout runs each block alone
+    (map_blocks) on the whole D.
     """
     if layout.separate:
         return map_blocks(lambda b, d: (newton_schulz(d, **cfg.ns_kwargs()),), layout, direction)[0]
@@ -376,6 +377,12 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
         update = newton_schulz(direction, **cfg.ns_kwargs())
         return update if cfg.update_layout == "kernel" else update.contiguous()
     matrices = direction.reshape(layout.matrices_shape)
+    if cfg.ns_stack == "batched":
+        # one batch over the stack (MuonConfig.ns_stack); the kernel's memory order kept as for one matrix
+        update = newton_schulz(matrices, **cfg.ns_kwargs(), stack="batched").reshape(
+            direction.shape
+        )
+        return update if cfg.update_layout == "kernel" else update.contiguous()
     return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
 
 

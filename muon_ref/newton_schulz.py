@@ -11,6 +11,13 @@ In exact arithmetic NS(G) = U f(S) V^T for G = U S V^T with f = p_k o ... o p_1 
 (proofs/newton_schulz.md). Leading dims are independent matrices: the kernel is defined on one matrix and
 mapped over the others, each with its own transpose decision and its own norm.
 
+Stacks (`stack`): "per_matrix" (the default) runs the kernel on each trailing matrix alone, so a matrix's bits never
+depend on the stack around it (muon_dist's bitwise contract rests on it). "batched" runs it once on the whole stack
+[B, m, n], each product one batched product over the stack, as an origin that writes `X @ X.mT` on a 3-D tensor runs
+it (KellerJordan's zeropower_via_newtonschulz5 on expert stacks): the same equations, each matrix its own norm and
+the stack's one transpose decision; a batched product may round some inputs otherwise than single ones (oneDNN's
+bf16 kernels, ATen's small products: docs/conventions.md, "Stacks"), so the two differ in bits, not in values.
+
 What changes bits, as options (each origin is reproduced by its preset, see muon_ref/presets.py):
     step_form "addmm": B = addmm(A, A, A, beta=b, alpha=c); X = addmm(X, B, X, beta=a)   (torch, Emerging)
               "keller": B = b*A + (c*A) @ A;                 X = a*X + B @ X              (Keller, Moonlight, PE)
@@ -37,8 +44,10 @@ from .schedules import Coefficients, Schedule, get_schedule
 
 StepForm = Literal["addmm", "keller", "dion"]
 EpsMode = Literal["add", "clamp"]
+Stack = Literal["per_matrix", "batched"]
 STEP_FORMS: tuple[str, ...] = ("addmm", "keller", "dion")
 EPS_MODES: tuple[str, ...] = ("add", "clamp")
+STACKS: tuple[str, ...] = ("per_matrix", "batched")
 
 # torch.optim.Muon's EPS (torch/optim/_muon.py), also KellerJordan's 1e-7
 DEFAULT_EPS = 1e-7
@@ -67,12 +76,21 @@ def normalise(X: Tensor, eps: float, eps_mode: EpsMode, safety: float) -> Tensor
     return X / denom
 
 
+def _addmm(input: Tensor, m1: Tensor, m2: Tensor, *, beta: float, alpha: float = 1.0) -> Tensor:
+    """beta * input + alpha * m1 @ m2 in one op: addmm on a matrix, baddbmm on a [B, m, n] stack (the batched
+    kernel's form of torch.optim.Muon's addmm steps)."""
+    if input.ndim == 2:
+        return torch.addmm(input, m1, m2, beta=beta, alpha=alpha)
+    return torch.baddbmm(input, m1, m2, beta=beta, alpha=alpha)
+
+
 def _step(X: Tensor, a: float, b: float, c: float, step_form: StepForm) -> Tensor:
-    """One quintic step X <- a X + (b A + c A^2) X with A = X X^T, in the origin's operation order."""
+    """One quintic step X <- a X + (b A + c A^2) X with A = X X^T, in the origin's operation order (on a matrix,
+    or on a [B, m, n] stack as batched products)."""
     A = X @ X.mT
     if step_form == "addmm":
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        return torch.addmm(X, B, X, beta=a)
+        B = _addmm(A, A, A, beta=b, alpha=c)
+        return _addmm(X, B, X, beta=a)
     if step_form == "keller":
         B = b * A + c * A @ A  # parsed as (c * A) @ A, as in KellerJordan/Muon muon.py
     else:
@@ -93,8 +111,8 @@ def _aol_first_step(
     X = X * s.unsqueeze(-1)
     A = A * s.unsqueeze(-1) * s.unsqueeze(-2)
     if step_form == "addmm":
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        return torch.addmm(X, B, X, beta=a)
+        B = _addmm(A, A, A, beta=b, alpha=c)
+        return _addmm(X, B, X, beta=a)
     B = b * A + c * A @ A if step_form == "keller" else b * A + c * (A @ A)
     return a * X + B @ X
 
@@ -111,8 +129,9 @@ def newton_schulz_matrix(
     normalize_before_cast: bool,
     precondition: str | None,
 ) -> Tensor:
-    """The kernel on one 2-D matrix, all options explicit. Returns the compute dtype (dtype, or G's)."""
-    transpose = G.size(0) > G.size(1)  # decided on this matrix's own shape, never a padded one
+    """The kernel on one 2-D matrix (or on a [B, m, n] stack as one batch: stack="batched"), all options explicit.
+    Returns the compute dtype (dtype, or G's)."""
+    transpose = G.size(-2) > G.size(-1)  # decided on this matrix's own shape, never a padded one
     X = G.mT if transpose else G
     compute_dtype = G.dtype if dtype is None else dtype
     if precondition == "aol":
@@ -261,16 +280,20 @@ def newton_schulz(
     safety: float | None = None,
     normalize_before_cast: bool = False,
     precondition: str | None = None,
+    stack: Stack = "per_matrix",
 ) -> Tensor:
     """Orthogonalise G of shape [..., m, n]: each trailing matrix independently, in `dtype` (None: G's).
 
     Defaults reproduce torch.optim.Muon's kernel (addmm form, eps clamped at 1e-7, bf16, norm after the
-    cast). `eps`, `safety` and `precondition` default to the schedule's own (its origin's) values.
+    cast). `eps`, `safety` and `precondition` default to the schedule's own (its origin's) values. `stack`:
+    each matrix of a stack alone ("per_matrix") or the stack as one batch ("batched"; module docstring).
     Returns a new tensor of shape [..., m, n] in the compute dtype; G is never written.
     """
     _check_matrices(G, eps_mode, "newton_schulz")
     if step_form not in STEP_FORMS:
         raise ValueError(f"step_form must be one of {STEP_FORMS}, got {step_form!r}")
+    if stack not in STACKS:
+        raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
     options = resolve_ns_options(schedule, steps, eps, safety, precondition)
     kernel = functools.partial(
         newton_schulz_matrix,
@@ -283,4 +306,7 @@ def newton_schulz(
         normalize_before_cast=normalize_before_cast,
         precondition=options.precondition,
     )
+    if stack == "batched" and G.ndim > 2 and G.numel() > 0:
+        batch = G.reshape(math.prod(G.shape[:-2]), *G.shape[-2:])  # -1 is ambiguous when a dim is 0
+        return kernel(batch).reshape(G.shape)
     return _map_matrices(kernel, G, G.dtype if dtype is None else dtype)

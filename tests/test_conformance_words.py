@@ -397,6 +397,7 @@ def test_every_option_a_claim_may_set_reaches_the_reference(key):
         "safety": 1.05,
         "normalize_before_cast": True,
         "precondition": "aol",
+        "ns_stack": "batched",
         "flatten": True,
         "nonfinite": "skip",
         "num_experts": 3,

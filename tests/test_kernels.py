@@ -83,12 +83,13 @@ def _keywords(fn) -> dict[str, object]:
 
 
 MIRRORS = [  # (module, function, muon_ref's function it mirrors, keywords it refuses, keywords of its own)
-    ("reference", "newton_schulz_batched", "newton_schulz", {"step_form"}, set()),
+    # "stack": muon_dist's kernels orthogonalise each matrix of a stack alone (muon_dist/optim.py NS_STACK)
+    ("reference", "newton_schulz_batched", "newton_schulz", {"step_form", "stack"}, set()),
     (
         "triton_ns",
         "newton_schulz_triton",
         "newton_schulz",
-        {"step_form", "precondition"},
+        {"step_form", "precondition", "stack"},
         {"block", "block_k", "num_warps", "num_stages"},
     ),
     ("gram_ns", "gram_newton_schulz_batched", "gram_newton_schulz", set(), set()),
@@ -141,7 +142,7 @@ def test_a_mirror_with_another_default_is_caught():
     ):
         return G
 
-    assert _mirror_differences(drifted, muon_ref.newton_schulz, {"step_form"}, set()) == {
+    assert _mirror_differences(drifted, muon_ref.newton_schulz, {"step_form", "stack"}, set()) == {
         "eps_mode": ("add", "clamp")
     }
 

@@ -15,6 +15,7 @@ from muon_ref import (
     schedule_band,
     signed_singular_values,
 )
+from tests.conftest import examples
 
 dims = st.integers(1, 24)
 F64 = dict(dtype=torch.float64)
@@ -150,6 +151,75 @@ def test_leading_dims_are_independent_matrices_bitwise():
             assert torch.equal(out[i, j], newton_schulz(G[i, j]))
 
 
+def _batched_restatement(G, coefficients, step_form, eps=1e-7):
+    """The kernel on a [B, m, n] stack as one batch, written out with torch's batched ops alone (no muon_ref code):
+    bf16, each matrix's norm clamped at eps, one transposition for the stack, then each step's batched products."""
+    X = G.to(torch.bfloat16)
+    tall = X.size(-2) > X.size(-1)
+    X = X.mT if tall else X
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for a, b, c in coefficients:
+        A = X @ X.mT
+        if step_form == "addmm":
+            X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        else:
+            B = b * A + c * A @ A if step_form == "keller" else b * A + c * (A @ A)
+            X = a * X + B @ X
+    return X.mT if tall else X
+
+
+KELLER5 = SCHEDULES["keller"].steps_for(None)
+
+
+@example(B=3, m=2, n=34, seed=0, step_form="keller")
+@example(B=2, m=37, n=6, seed=0, step_form="addmm")
+@settings(max_examples=examples(0.5))
+@given(
+    B=st.integers(1, 4),
+    m=dims,
+    n=dims,
+    seed=st.integers(0, 2**16),
+    step_form=st.sampled_from(["addmm", "keller", "dion"]),
+)
+def test_a_batched_stack_is_the_kernel_on_the_whole_stack_bitwise(B, m, n, seed, step_form):
+    """stack="batched": the kernel's equations on the whole [B, m, n] stack, each product one batched product, each
+    matrix its own norm (the restatement above, as an origin writes it on a 3-D tensor), bit for bit and in its
+    memory order. The per-matrix default keeps each matrix's bits those of the matrix alone on any stack."""
+    G = gaussian((B, m, n), seed)
+    batched = newton_schulz(G, step_form=step_form, stack="batched")
+    want = _batched_restatement(G, KELLER5, step_form)
+    assert same_bits(batched, want) and batched.stride() == want.stride()
+    per_matrix = newton_schulz(G, step_form=step_form)
+    assert all(
+        torch.equal(per_matrix[i], newton_schulz(G[i], step_form=step_form)) for i in range(B)
+    )
+    # equal values: a batched product rounds some inputs otherwise, never by more than bf16's rounding grows
+    torch.testing.assert_close(batched.float(), per_matrix.float(), atol=0.1, rtol=0)
+
+
+def test_the_batched_restatement_tells_each_step_form_from_the_others():
+    """Control for the test above: the restatement is not vacuous; under each step form, the restatement of another
+    step form differs from stack="batched" on some stack of these (the forms group their products otherwise)."""
+    stacks = [gaussian((3, 8, 16), seed) for seed in range(8)]
+    for form in ("addmm", "keller", "dion"):
+        for other in {"addmm", "keller", "dion"} - {form}:
+            assert any(
+                not same_bits(
+                    newton_schulz(G, step_form=form, stack="batched"),
+                    _batched_restatement(G, KELLER5, other),
+                )
+                for G in stacks
+            ), (form, other)
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (2, 0, 3), (0, 4, 3)])
+def test_a_matrix_and_an_empty_stack_are_the_same_batched_or_not(shape):
+    """No stack to batch: the per-matrix code runs (a stack of one is a batched product of one, which a backend may
+    round otherwise than the single product: not asserted)."""
+    G = gaussian(shape, 0)
+    assert torch.equal(newton_schulz(G, stack="batched"), newton_schulz(G))
+
+
 def test_the_input_is_never_written():
     for form in ("addmm", "keller", "dion"):
         G = gaussian(
@@ -177,6 +247,10 @@ def test_bad_arguments_raise_value_errors_naming_them():
         newton_schulz(torch.zeros(3, 3), "nope")
     with pytest.raises(ValueError, match="exactly 5 steps"):
         newton_schulz(torch.zeros(3, 3), "polar_express_modded", steps=6)
+    with pytest.raises(
+        ValueError, match=r"stack must be one of \('per_matrix', 'batched'\), got 'stacked'"
+    ):
+        newton_schulz(torch.zeros(2, 3, 3), stack="stacked")
 
 
 @pytest.mark.parametrize("shape", [(2, 0, 3), (0, 4, 3), (0, 5), (4, 0)])
