@@ -62,6 +62,21 @@ def check_update_layout(value: Any, where: str) -> None:
         )
 
 
+# The stack mode DistributedMuon implements (muon_ref.MuonConfig.ns_stack): each matrix of a stack orthogonalised
+# alone, so that its bits do not depend on which of its stack's matrices share its rank.
+NS_STACK = "per_matrix"
+
+
+def check_ns_stack(value: Any, where: str) -> None:
+    """ValueError naming the option for a stack mode DistributedMuon does not implement."""
+    if value != NS_STACK:
+        raise ValueError(
+            f"{where}: ns_stack={value!r} is not implemented by DistributedMuon; valid: {NS_STACK!r} (each "
+            "matrix of a stack is orthogonalised alone, wherever its stack's other matrices lie; muon_ref.Muon "
+            "has 'batched')"
+        )
+
+
 def default_comm() -> Comm:
     """TorchComm over the default process group when there is one; otherwise a world of one (plain
     tensors on one device: every group has one member and no collective is called, and the step is
@@ -170,6 +185,7 @@ class DistributedMuon(torch.optim.Optimizer):
             ),
         )
         check_update_layout(overrides.get("update_layout", UPDATE_LAYOUT), "DistributedMuon")
+        check_ns_stack(overrides.get("ns_stack", NS_STACK), "DistributedMuon")
         defaults = preset_defaults(preset, overrides)
         super().__init__(params, {**defaults, "update_layout": UPDATE_LAYOUT})
 
@@ -222,6 +238,8 @@ class DistributedMuon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and "update_layout" in param_group:
             check_update_layout(param_group["update_layout"], "param group")
+        if isinstance(param_group, dict) and "ns_stack" in param_group:
+            check_ns_stack(param_group["ns_stack"], "param group")
         group = add_group_checked(self, param_group)
         for i, p in enumerate(group["params"]):
             name = param_name(group, i)
@@ -342,6 +360,7 @@ class DistributedMuon(torch.optim.Optimizer):
         for i, (cfg, group) in enumerate(zip(configs, self.param_groups)):
             # the same groups and params on every rank: raised on all of them, before any collective
             check_update_layout(cfg.update_layout, f"param group {i}")
+            check_ns_stack(cfg.ns_stack, f"param group {i}")
             for k, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_step_param(p, param_name(group, k))

@@ -441,3 +441,26 @@ def test_distributed_muon_states_and_keeps_the_update_layout_it_implements() -> 
     set_grads(params, 0)
     with pytest.raises(ValueError, match="param group 0: update_layout='kernel'"):
         opt.step()
+
+
+def test_distributed_muon_refuses_a_batched_stack_mode_by_name() -> None:
+    """DistributedMuon orthogonalises each matrix of a stack alone (ns_stack "per_matrix"): "batched" is a one-line
+    ValueError naming the option, its value and the valid one (constructor, added group, a group edited before a
+    step, raised before any collective), where muon_ref.Muon takes it."""
+    stack = [torch.randn(3, 4, 5, requires_grad=True)]
+    assert DistributedMuon(stack).param_groups[0]["ns_stack"] == "per_matrix"
+    refusal = r"ns_stack='batched' is not implemented by DistributedMuon; valid: 'per_matrix'"
+    with pytest.raises(ValueError, match=refusal):
+        DistributedMuon(stack, ns_stack="batched")
+    opt = DistributedMuon(stack)
+    with pytest.raises(ValueError, match="param group: " + refusal):
+        opt.add_param_group(
+            {"params": [torch.randn(2, 3, 3, requires_grad=True)], "ns_stack": "batched"}
+        )
+    opt.param_groups[0]["ns_stack"] = "batched"
+    set_grads(stack, 0)
+    before = stack[0].detach().clone()
+    with pytest.raises(ValueError, match="param group 0: " + refusal):
+        opt.step()
+    assert torch.equal(stack[0], before)  # nothing written
+    muon_ref.Muon(stack, ns_stack="batched").step()  # the reference has it
