@@ -65,8 +65,12 @@ from .adapters.oracle import (
     candidate_hyperparameters,
     claim_of,
     judge,
+    other_stack,
     reference_steps,
     resolved_hyperparameters,
+)
+from .adapters.oracle import (
+    trial as judged_under,
 )
 from .adapters.routing import classify, parse_rule
 from .adapters.stages import locate, update_vanishes
@@ -267,8 +271,24 @@ class Runner:
         return found
 
     def _locate(self, outcome: Outcome, updates: dict) -> None:
-        """The departing stage (stages.locate), with what the update's spread says where it is the direction."""
+        """The departing stage (stages.locate), with what the update's spread says where it is the direction. Where
+        the first departing step is the other stack mode exactly (a rounding the check accepts: oracle.Rounding), the
+        departure is located again under that mode, at the step and stage where the candidate leaves it."""
         located = locate(outcome, self.preset, self.overrides)
+        if (
+            located is not None
+            and located.exact
+            and located.detail.startswith("reproduced with ns_stack=")
+        ):
+            options = {**self.overrides, **dict(outcome.case.options)}
+            stack = other_stack(self.preset, options)
+            under = {**self.overrides, "ns_stack": stack}
+            again = locate(judged_under(outcome, self.preset, under), self.preset, under)
+            if again is not None:
+                located = replace(
+                    again,
+                    detail=f"{again.detail} (under ns_stack={stack!r}, the stack rounding of its first steps)",
+                )
         if located is None:
             return
         outcome.stage, outcome.stage_detail = located.stage, located.describe()

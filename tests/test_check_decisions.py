@@ -6,7 +6,9 @@ these first: docs/mutation.md)."""
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -29,10 +31,14 @@ from muon_check.adapters.oracle import (
     max_ulps,
     other_layout,
     reference_steps,
+    tried,
 )
 from muon_check.adapters.routing import Update, classify, update_of
 from muon_check.adapters.stages import STAGES
 from muon_check.conformance import run_here, verdict
+
+conformance_module = importlib.import_module("muon_check.conformance")
+oracle_module = importlib.import_module("muon_check.adapters.oracle")
 
 CASE = Case("tall", "single", 1, ((12, 6),), "float32", steps=2)
 
@@ -182,6 +188,113 @@ def test_a_candidate_in_the_other_layout_conforms_under_the_named_rounding():
     )
     if outcome.elementwise:
         assert "update layout 'contiguous'" in outcome.elementwise
+
+
+# ---------------------------------------------------------------- a stack's products: each matrix alone or batched
+
+NS_MODULE = importlib.import_module(
+    "muon_ref.newton_schulz"
+)  # the module (muon_ref exports its function too)
+STACK_CASE = Case("experts3d", "single", 1, ((3, 6, 4),), "float32", steps=3)
+
+
+class BatchedStacks(Adapter):
+    """muon_ref with each stack's Newton-Schulz run as one batch, claiming preset keller alone (each matrix
+    alone): what KellerJordan's Muon does on a 3-D param."""
+
+    name, preset = "batches its stacks", "keller"
+    families = frozenset({"experts3d"})
+
+    def build(self, params, **hp):
+        return muon_ref.Muon(params, preset="keller", ns_stack="batched", **hp)
+
+
+class BatchedStacksThenDecays(BatchedStacks):
+    """BatchedStacks with twice the weight decay from its second step on: a departure after the stack rounding."""
+
+    def build(self, params, **hp):
+        opt = super().build(params, **hp)
+        step, calls = opt.step, []
+
+        def stepped(closure=None):
+            calls.append(1)
+            if len(calls) == 2:
+                for group in opt.param_groups:
+                    group["weight_decay"] *= 2
+            return step(closure)
+
+        opt.step = stepped
+        return opt
+
+
+@pytest.fixture
+def batched_rounds_otherwise(monkeypatch):
+    """A CPU whose batched products round otherwise than its single ones, simulated: each step of the kernel on a
+    [B, m, n] stack (stack="batched") moves its result one unit in the last place up, in the candidate and in the
+    reference alike, single matrices untouched; the oracle's kept runs are set aside, so no run from before is read."""
+    step = NS_MODULE._step
+
+    def nudged(X, *args):
+        out = step(X, *args)
+        return one_ulp_up(out) if X.ndim == 3 else out
+
+    monkeypatch.setattr(NS_MODULE, "_step", nudged)
+    monkeypatch.setattr(oracle_module, "_kept_runs", OrderedDict())
+
+
+def test_a_candidate_that_batches_its_stacks_conforms_under_the_named_stack_rounding(
+    batched_rounds_otherwise, monkeypatch
+):
+    """A stack's products batched is a rounding of the kernel, not a configuration: where it changes the bits, the
+    case is bitwise under the other ns_stack and names it (oracle.Rounding.other_stack). Control: judged in the
+    claim's stack mode only, the same candidate departs, located exactly at the orthogonalised direction."""
+    outcome = run_here(BatchedStacks(), STACK_CASE)
+    assert outcome.status == "bitwise", outcome.summary()
+    assert "ns_stack 'batched'" in (outcome.elementwise or ""), outcome.elementwise
+    line = diagnose([outcome], "keller", {})
+    assert (
+        line.startswith("conforms") and "candidate's Newton-Schulz products and elementwise" in line
+    ), line
+    assert (
+        "ns_stack 'batched' (one batched product over each stack; the claim's is the other)" in line
+    ), line
+    monkeypatch.setattr(
+        oracle_module, "ROUNDINGS", tuple(r for r in ROUNDINGS if not r.other_stack)
+    )
+    monkeypatch.setattr(oracle_module, "_kept_runs", OrderedDict())
+    control = run_here(BatchedStacks(), STACK_CASE)
+    assert control.status == "differs" and control.stage == "orthogonalised direction"
+    assert control.stage_exact and "reproduced with ns_stack='batched'" in control.stage_detail
+
+
+def test_a_departure_after_the_stack_rounding_is_located_where_it_is(
+    batched_rounds_otherwise, monkeypatch
+):
+    """A candidate that batches its stacks and departs later is located at its departure (step 2, the decay), under
+    the stack mode that its first step shows, never at the stack rounding. Control: without the second location
+    (the outcome not judged again under the other stack mode) the rounding of step 1 is what is named."""
+    outcome = run_here(BatchedStacksThenDecays(), STACK_CASE)
+    assert outcome.status == "differs" and outcome.stage == "weight decay", outcome.stage_detail
+    assert outcome.stage_detail.startswith("step 2, param 0")
+    assert (
+        "(under ns_stack='batched', the stack rounding of its first steps)" in outcome.stage_detail
+    )
+    monkeypatch.setattr(conformance_module, "judged_under", lambda o, preset, overrides: o)
+    control = run_here(BatchedStacksThenDecays(), STACK_CASE)
+    assert control.stage == "orthogonalised direction" and control.stage_detail.startswith("step 1")
+
+
+def test_the_other_stack_mode_is_tried_only_where_a_param_is_a_stack():
+    stacked = next(r for r in ROUNDINGS if r.other_stack and not r.local and not r.other_layout)
+    assert tried(STACK_CASE, stacked, "keller", {}) and not tried(CASE, stacked, "keller", {})
+    assert not tried(STACK_CASE, stacked, "keller", {"flatten": True})
+    fused = Case("experts_fused", "single", 1, ((12, 5),), options=(("num_experts", 4),))
+    assert tried(fused, stacked, "keller", {})
+    assert claim_options(STACK_CASE, "keller", {}, stacked)["ns_stack"] == "batched"
+    assert (
+        claim_options(STACK_CASE, "keller", {"ns_stack": "batched"}, stacked)["ns_stack"]
+        == "per_matrix"
+    )
 
 
 # ---------------------------------------------------------------- momentum found by value
@@ -1330,8 +1443,8 @@ def test_a_difference_grows_where_its_last_step_is_larger_than_its_first():
 
 
 def test_each_named_rounding_is_its_own_configuration():
-    """oracle.ROUNDINGS: eight distinct (momentum_local, update_local, other_layout) configurations, the claim's own
-    (WHOLE) first."""
+    """oracle.ROUNDINGS: sixteen distinct (momentum_local, update_local, other_layout, other_stack) configurations,
+    the claim's own (WHOLE) first, every one in the claim's stack mode before any in the other."""
     from muon_check.adapters.oracle import ELEMENTWISE
 
     assert ELEMENTWISE == {
@@ -1340,8 +1453,9 @@ def test_each_named_rounding_is_its_own_configuration():
         "shard-local momentum": (True, False),
         "shard-local update": (False, True),
     }
-    configs = [(r.momentum_local, r.update_local, r.other_layout) for r in ROUNDINGS]
-    assert len(set(configs)) == len(configs) == 8 and ROUNDINGS[0] == WHOLE
+    configs = [(r.momentum_local, r.update_local, r.other_layout, r.other_stack) for r in ROUNDINGS]
+    assert len(set(configs)) == len(configs) == 16 and ROUNDINGS[0] == WHOLE
+    assert [r.other_stack for r in ROUNDINGS] == [False] * 8 + [True] * 8
 
 
 def test_a_cases_gradients_differ_for_every_param_and_step_whatever_its_seed():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from muon_check import conformance
 from muon_check.adapters.cases import Case
-from muon_check.adapters.origins import ORIGINS
+from muon_check.adapters.origins import ORIGINS, KellerOrigin
 from muon_ref import PRESETS, Muon
 from tests.conftest import examples, require
 
@@ -60,6 +60,12 @@ def _per_matrix(batched):
     return run
 
 
+class KellerPerMatrix(KellerOrigin):
+    """KellerJordan's SingleDeviceMuon claimed with preset "keller" alone (ns_stack "per_matrix")."""
+
+    overrides: dict = {}
+
+
 @settings(max_examples=examples(0.5))
 @given(
     shape=st.one_of(shapes_2d, st.tuples(st.integers(1, 5), dims, dims)),
@@ -70,17 +76,22 @@ def _per_matrix(batched):
 def test_keller_preset_equals_kellerjordan_single_device_muon_bitwise_on_2d_and_3d(
     shape, weight_decay
 ):
-    """Preset "keller" against KellerJordan's SingleDeviceMuon, bit for bit. On a 3-D stack its `@` is a batched
-    product, and muon_ref's kernel runs each matrix alone (muon_ref.newton_schulz): a batched product and a single
-    one round some inputs differently (oneDNN's bf16 kernels, and ATen's own small products: (3, 2, 34) differs with
-    oneDNN on and off on an Intel Xeon), so on stacks the origin runs with its products per matrix, and what is
-    compared is the rest of its configuration (docs/conventions.md, "Stacks")."""
+    """Preset "keller" against KellerJordan's SingleDeviceMuon, bit for bit, with no tolerance and no rounding
+    named. On a 3-D stack its `@` is a batched product: the origin as it ships against the claim with ns_stack
+    "batched" (KellerOrigin's), and the origin with its stack's products run per matrix (its own 2-D call on each
+    matrix) against "keller" alone, where each matrix is orthogonalised alone (docs/conventions.md, "Stacks")."""
     muon = require("muon", "muon-optimizer")
-    with pytest.MonkeyPatch.context() as mp:
-        if len(shape) == 3:
+    case = Case(
+        "drawn", "single", 1, (tuple(shape),), steps=5, options=(("weight_decay", weight_decay),)
+    )
+    outcome = conformance.run_here(KellerOrigin(), case)
+    assert outcome.status == "bitwise" and outcome.elementwise is None, outcome.summary()
+    if len(shape) == 3:
+        with pytest.MonkeyPatch.context() as mp:
             ns = muon.zeropower_via_newtonschulz5
             mp.setattr(muon, "zeropower_via_newtonschulz5", _per_matrix(ns))
-        assert conforms("keller", shape, weight_decay=weight_decay)
+            outcome = conformance.run_here(KellerPerMatrix(), case)
+            assert outcome.status == "bitwise" and outcome.elementwise is None, outcome.summary()
 
 
 def test_kellerjordan_muon_fails_on_4d_conv_weights_and_the_reference_handles_them():
@@ -122,7 +133,10 @@ def test_the_origins_check_exits_zero_and_covers_every_preset(capsys):
     out = capsys.readouterr().out
     assert set(ORIGINS) == set(PRESETS)
     for preset in PRESETS:
-        assert f"(claims preset {preset!r})" in out
+        assert f"(claims preset {preset!r}" in out
+    assert (
+        "(claims preset 'keller', ns_stack='batched')" in out
+    )  # its origin batches a stack's products
     assert "6/6 adapters conform to their claims" in out
 
 

@@ -708,7 +708,7 @@ def diagnose(
     found: list[Finding] | None = None,
 ) -> str:
     """One line: the findings (module docstring; `found` when already made) joined, or conforms; the roundings
-    the conforming cases needed (shard-local, update layout) and an asym_none answer after it."""
+    the conforming cases needed (shard-local, update layout, stack mode) and an asym_none answer after it."""
     found = findings(outcomes, preset, overrides, context) if found is None else found
     parts = [phrase(f) for f in found]
     if not any(f.kind not in ("routing", "unsupported input", "non-deterministic") for f in found):
@@ -717,8 +717,12 @@ def diagnose(
     verdict = "; ".join(parts)
     local = [o for o in outcomes if o.elementwise]
     if local:
+        # a stack mode is a rounding of Newton-Schulz's products, not of an elementwise op
+        arithmetic = "elementwise arithmetic"
+        if any("ns_stack" in o.elementwise for o in local):
+            arithmetic = "Newton-Schulz products and elementwise arithmetic"
         verdict += (
-            f" (named roundings, conventions of the candidate's elementwise arithmetic, on "
+            f" (named roundings, conventions of the candidate's {arithmetic}, on "
             f"{by_family(outcomes, lambda o: bool(o.elementwise))}: "
             f"{'; '.join(sorted({_rounding_name(o.elementwise) for o in local}))})"
         )

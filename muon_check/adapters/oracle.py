@@ -4,8 +4,10 @@ Contract checked per case (Outcome.status == "bitwise"), for every step s, rank 
     bits(candidate_r,s[i]) == bits(box_r(reference_s[i]))      (bits: -0.0 and +0.0 differ; dtype must match)
 for one Rounding of ROUNDINGS, the same for every step, rank and param of the case: the reference's elementwise
 stages on the whole params (muon_ref.Muon itself) or on each rank's shard as its own tensor (_ShardLocalMuon), with
-the update in the claim's layout or the other one (muon_ref.MuonConfig.update_layout); Outcome.elementwise names a
-rounding other than the claim's own: a rounding convention, never a departure.
+the update in the claim's layout or the other one (muon_ref.MuonConfig.update_layout), and, on a case with a stack
+of matrices in one param, the stack's Newton-Schulz products in the claim's stack mode or the other one
+(muon_ref.MuonConfig.ns_stack: each matrix alone, or one batched product over the stack); Outcome.elementwise names
+a rounding other than the claim's own: a rounding convention, never a departure.
 and for the momentum after every recorded step and at the end, where the View says it is kept (the adapter's
 momentum(), or a state tensor found by value: momentum.py): the same, against box_r(reference momentum). Params the
 View routes to another optimizer are not compared (routing.py). With a View tolerance (a candidate that differs from
@@ -29,6 +31,7 @@ of errors is a crash, named by the ranks that raised and those that did not.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -190,13 +193,16 @@ class Rounding:
     tensor ("shard-local": on CPU a bf16 elementwise op rounds an element differently in the vectorised body and in
     the scalar tail of its loop, so the bits depend on where the shard boundaries fall; muon_dist/elementwise.py).
     other_layout: the update in the other update_layout than the claim's (muon_ref.MuonConfig.update_layout: the
-    kernel's own memory order or row-major; on CPU a bf16 op on P and O rounds by the order). All are correct; the
-    check names the one a candidate uses."""
+    kernel's own memory order or row-major; on CPU a bf16 op on P and O rounds by the order). other_stack: a stack's
+    Newton-Schulz in the other ns_stack than the claim's (each matrix alone, or the stack as one batch: a batched
+    product may round some inputs otherwise than single ones; tried only on cases with a stack: has_stacks). All are
+    correct; the check names the one a candidate uses."""
 
     name: str
     momentum_local: bool = False
     update_local: bool = False
     other_layout: bool = False
+    other_stack: bool = False
 
     @property
     def local(self) -> bool:
@@ -209,12 +215,17 @@ _SHARD_LOCAL = (
     Rounding("shard-local update", False, True),
 )
 WHOLE = Rounding("whole")
-# in the order judge tries them: the claim's own layout first, shard-local roundings only off a single device
-ROUNDINGS: tuple[Rounding, ...] = (
+# in the order judge tries them: the claim's own layout first, shard-local roundings only off a single device, the
+# claim's stack mode before the other, which only cases with a stack try
+_CLAIMED_STACK: tuple[Rounding, ...] = (
     WHOLE,
     *_SHARD_LOCAL,
     Rounding("whole", other_layout=True),
     *(Rounding(r.name, r.momentum_local, r.update_local, True) for r in _SHARD_LOCAL),
+)
+ROUNDINGS: tuple[Rounding, ...] = (
+    *_CLAIMED_STACK,
+    *(dataclasses.replace(r, other_stack=True) for r in _CLAIMED_STACK),
 )
 ELEMENTWISE: dict[str, tuple[bool, bool]] = {
     "whole": (False, False),
@@ -229,6 +240,27 @@ def claimed_layout(preset: str | None, overrides: dict[str, Any]) -> str:
 
 def other_layout(preset: str | None, overrides: dict[str, Any]) -> str:
     return "contiguous" if claimed_layout(preset, overrides) == "kernel" else "kernel"
+
+
+def other_stack(preset: str | None, overrides: dict[str, Any]) -> str:
+    """The ns_stack that is not the claim's (muon_ref.MuonConfig.ns_stack)."""
+    claimed = preset_defaults(preset, overrides)["ns_stack"]
+    return "batched" if claimed == "per_matrix" else "per_matrix"
+
+
+def has_stacks(case: Case, options: dict[str, Any]) -> bool:
+    """Does some param of the case reach Newton-Schulz as a stack of matrices under these options (a 3-D param not
+    flattened, or a fused [E * m, n] with num_experts > 1)? Only there can the stack mode change a bit."""
+    fused = (options.get("num_experts") or 1) > 1
+    return fused or (not options.get("flatten") and any(len(s) == 3 for s in case.shapes))
+
+
+def tried(case: Case, rounding: Rounding, preset: str | None, overrides: dict[str, Any]) -> bool:
+    """Whether judge tries `rounding` on the case: shard-local roundings off a single device, the other stack mode
+    on cases with a stack."""
+    if rounding.local and case.mode == "single":
+        return False
+    return not rounding.other_stack or has_stacks(case, {**overrides, **dict(case.options)})
 
 
 def shard_ranges(case: Case, step: int) -> list[list[tuple[int, int]]]:
@@ -345,6 +377,8 @@ def claim_options(case: Case, preset: str | None, overrides: dict[str, Any], rou
     options = {**overrides, **dict(case.options)}
     if rounding.other_layout:
         options["update_layout"] = other_layout(preset, options)
+    if rounding.other_stack:
+        options["ns_stack"] = other_stack(preset, options)
     return options
 
 
@@ -470,7 +504,7 @@ def judge(
     if first.status != "differs" or first.replicas or first.resumed:
         return first
     for rounding in ROUNDINGS[1:]:
-        if rounding.local and case.mode == "single":
+        if not tried(case, rounding, preset, overrides):
             continue
         trial = compare(case, segments, reference_steps(case, preset, overrides, rounding), view)
         if trial.status in ("bitwise", "close"):
@@ -482,11 +516,15 @@ def judge(
 
 
 def rounding_label(case: Case, rounding: Rounding, preset: str | None, overrides: dict) -> str:
-    """elementwise_label, and the update layout where it is the other one than the claim's."""
+    """elementwise_label, and the update layout and the stack mode where each is the other one than the claim's."""
     parts = [elementwise_label(case, rounding.name)] if rounding.local else []
     if rounding.other_layout:
         layout = other_layout(preset, {**overrides, **dict(case.options)})
         parts.append(f"update layout {layout!r} (the claim's is the other)")
+    if rounding.other_stack:
+        stack = other_stack(preset, {**overrides, **dict(case.options)})
+        how = "one batched product over each stack" if stack == "batched" else "each matrix alone"
+        parts.append(f"ns_stack {stack!r} ({how}; the claim's is the other)")
     return "; ".join(parts)
 
 
@@ -798,7 +836,7 @@ def may_match(outcome: Outcome, preset: str | None, overrides: dict[str, Any]) -
         return True
     rank, r = first
     for rounding in ROUNDINGS:
-        if rounding.local and case.mode == "single":
+        if not tried(case, rounding, preset, overrides):
             continue
         run = _reference_run(case, preset, overrides, policy, rounding, steps=1)
         tally = _Tally(case, run, view, [0.0], [None])

@@ -5,9 +5,11 @@
 torch      torch.optim.Muon of the installed torch (shipped.TorchMuon), fp32 params
 keller     KellerJordan's SingleDeviceMuon, PyPI muon-optimizer 0.1.0 (shipped.KellerSingleDevice), 2-D and 3-D
 moonlight, dion, xtuner, emerging: the op-for-op restatements of muon_check/restatements.py, as optimizers
-Each claims its preset; its variants switch what its origin exposes (Nesterov, the lr scale, weight decay), and
-the families are those its origin supports (KellerJordan's conv4d crash is the shipped adapter's row, not a
-preset check). The contract is the check's: every step's params and the final momentum bit for bit.
+Each claims its preset, with ns_stack="batched" where its origin runs a stack's products on the whole stack
+(keller, dion, xtuner: their stack families); its variants switch what its origin exposes (Nesterov, the lr
+scale, weight decay), and the families are those its origin supports (KellerJordan's conv4d crash is the shipped
+adapter's row, not a preset check). The contract is the check's: every step's params and the final momentum bit
+for bit.
 """
 
 from __future__ import annotations
@@ -87,11 +89,14 @@ class Dion(RestatedAdapter):
     }
     values = {"lr_scale": DION_LR_SCALES}
     variants = ({}, {"nesterov": False, "lr_scale": "match_rms_adamw"})
+    overrides = {"ns_stack": "batched"}  # dion_ns runs a stack's products on the whole stack
 
 
 class Xtuner(Dion):
     name = "InternLM/xtuner v1/optim/muon.py"
     preset, families = "xtuner", MATRIX_FAMILIES | FUSED_FAMILIES
+    # xtuner_ns runs its experts' products on the [E, m, n] view at once
+    overrides = {"ns_stack": "batched"}
     restates = staticmethod(restatements.xtuner_step)
     names = {**Dion.names, "num_experts": "num_experts"}
     variants = ({}, {"nesterov": False})
@@ -128,9 +133,11 @@ class TorchOrigin(TorchMuon):
 
 
 class KellerOrigin(KellerSingleDevice):
-    """SingleDeviceMuon on 2-D and 3-D params (its domain), with and without weight decay."""
+    """SingleDeviceMuon on 2-D and 3-D params (its domain), with and without weight decay. Its
+    zeropower_via_newtonschulz5 runs a 3-D param's products on the whole stack at once: ns_stack "batched"."""
 
     families, dtypes = MATRIX_FAMILIES | {"experts3d"}, FP32
+    overrides = {"ns_stack": "batched"}
     variants = ({}, {"weight_decay": 0.0})
 
 

@@ -77,6 +77,7 @@ NORMALISATION_OPTIONS: tuple[dict[str, Any], ...] = (
 DIRECTION_OPTIONS: tuple[dict[str, Any], ...] = (
     *({"schedule": s} for s in ("keller", "you5", "polar_express", "polar_express_modded")),
     *({"step_form": f} for f in ("addmm", "keller", "dion")),
+    *({"ns_stack": s} for s in ("per_matrix", "batched")),  # tried on stacks only (_alternatives)
 )
 
 
@@ -400,7 +401,7 @@ def _alternatives(
 ) -> Iterator[tuple[str, str, Tensor]]:
     """(stage, what, params) of each alternative of the direction's stages: the field's Nesterov forms
     (NESTEROV_FORMS, with the claim's Newton-Schulz), then NORMALISATION_OPTIONS and DIRECTION_OPTIONS (on the
-    claim's direction)."""
+    claim's direction; the stack modes only on a param of two or more matrices in one stack)."""
     mu = cfg.momentum
     forms = {
         "the momentum itself (no Nesterov)": M_new,
@@ -422,6 +423,8 @@ def _alternatives(
                 alt = cfg.replace(**option)
             except ValueError:
                 continue
+            if "ns_stack" in option and (layout.separate or layout.matrices_shape[0] < 2):
+                continue  # a stack mode changes nothing where there is no stack
             if alt != cfg:
                 text = ", ".join(f"{k}={_value(v)}" for k, v in option.items())
                 yield stage, text, apply_update(P, orthogonalize(D, layout, alt), layout, alt)
