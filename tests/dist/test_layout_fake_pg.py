@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 
 from muon_check.fixtures import placement_of
 from muon_dist import read_layout
@@ -101,7 +101,14 @@ def test_every_ranks_box_is_dtensors_own_local_shape_and_offset(drawn) -> None:
     for rank in range(W):
         with rank_of(W, rank, mesh_shape) as mesh:
             placements = [placement_of(c) for c in codes]
-            local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            try:
+                local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            except RuntimeError as error:
+                # torch 2.9.1 computes no shard for some strided placements ((7, 1) over 2 x 2 x 3 with S0:6, S0,
+                # S0: "Can only convert _StridedShard to ordered Shard if split_factor(6) == aggregate mesh size
+                # (2)"): no word of torch's to compare with there (test_layout.py checks FSDP2's own shards)
+                assert "_StridedShard" in str(error) and any(":" in c for c in codes), error
+                assume(False)
             if not _inside_inner_axes(mesh, codes, shape, local_shape, offset):
                 departs.append(rank)
     assert not departs or any(":" in c for c in codes), (departs, codes)  # a strided shard only
