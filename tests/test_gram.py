@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import muon_ref.gram
+from muon_check.fixtures import same_bits
 from muon_dist.kernels.gram_ns import gram_newton_schulz_batched
 from muon_dist.kernels.reference import onednn_takes
 from muon_ref import (
@@ -41,16 +42,6 @@ BATCHED_SMALL_BF16_ATOL = 2.0**-4
 
 def gaussian(shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns (torch.equal says -0.0 == +0.0 and NaN != NaN; bits do not); as tests/dist/checks.py."""
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.view(ints[a.element_size()]), b.view(ints[b.element_size()]))
-    )
 
 
 def restarts_for(name: str, picks: list[bool]) -> tuple[int, ...]:

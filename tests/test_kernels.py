@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 
 import muon_dist.kernels.reference as reference
 import muon_ref
+from muon_check.fixtures import same_bits
 from muon_dist.kernels import BACKENDS, backend
 from muon_dist.kernels.contracts import KINDS, measure
 from muon_ref import MuonConfig, matrix_layout, newton_schulz, orthogonalize
 from tests.conftest import examples
-from tests.test_gram import gaussian, same_bits
+from tests.test_gram import gaussian
 
 CPU = torch.device("cpu")
 LOW_PRECISION = [torch.bfloat16, torch.float16]

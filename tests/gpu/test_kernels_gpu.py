@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_check.fixtures import same_bits
 from muon_dist.kernels import BACKENDS
 from muon_dist.kernels.contracts import measure
 from muon_ref import MuonConfig, matrix_layout, newton_schulz, orthogonalize, signed_singular_values
 from tests.conftest import examples
-from tests.test_gram import same_bits
 
 pytestmark = [
     pytest.mark.gpu,
