@@ -288,6 +288,8 @@ def test_the_other_stack_mode_is_tried_only_where_a_param_is_a_stack():
     stacked = next(r for r in ROUNDINGS if r.other_stack and not r.local and not r.other_layout)
     assert tried(STACK_CASE, stacked, "keller", {}) and not tried(CASE, stacked, "keller", {})
     assert not tried(STACK_CASE, stacked, "keller", {"flatten": True})
+    conv = Case("conv4d", "single", 1, ((4, 3, 2, 2),))  # read (4, 12): one matrix
+    assert not tried(conv, stacked, "keller", {})
     fused = Case("experts_fused", "single", 1, ((12, 5),), options=(("num_experts", 4),))
     assert tried(fused, stacked, "keller", {})
     assert claim_options(STACK_CASE, "keller", {}, stacked)["ns_stack"] == "batched"

@@ -250,7 +250,8 @@ def other_stack(preset: str | None, overrides: dict[str, Any]) -> str:
 
 def has_stacks(case: Case, options: dict[str, Any]) -> bool:
     """Does some param of the case reach Newton-Schulz as a stack of matrices under these options (a 3-D param not
-    flattened, or a fused [E * m, n] with num_experts > 1)? Only there can the stack mode change a bit."""
+    flattened, or a fused [E * m, n] with num_experts > 1; muon_ref reads a 4-D param flattened or refuses it)?
+    Only there can the stack mode change a bit."""
     fused = (options.get("num_experts") or 1) > 1
     return fused or (not options.get("flatten") and any(len(s) == 3 for s in case.shapes))
 
