@@ -73,7 +73,7 @@ from .adapters.oracle import (
     trial as judged_under,
 )
 from .adapters.routing import classify, parse_rule
-from .adapters.stages import locate, update_vanishes
+from .adapters.stages import is_stack_mode, locate, update_vanishes
 from .adapters.verdict import (
     EXIT,
     PRECEDENCE,
@@ -275,11 +275,7 @@ class Runner:
         the first departing step is the other stack mode exactly (a rounding the check accepts: oracle.Rounding), the
         departure is located again under that mode, at the step and stage where the candidate leaves it."""
         located = locate(outcome, self.preset, self.overrides)
-        if (
-            located is not None
-            and located.exact
-            and located.detail.startswith("reproduced with ns_stack=")
-        ):
+        if located is not None and is_stack_mode(located):
             options = {**self.overrides, **dict(outcome.case.options)}
             stack = other_stack(self.preset, options)
             under = {**self.overrides, "ns_stack": stack}

@@ -377,13 +377,10 @@ def orthogonalize(direction: Tensor, layout: MatrixLayout, cfg: MuonConfig) -> T
         update = newton_schulz(direction, **cfg.ns_kwargs())
         return update if cfg.update_layout == "kernel" else update.contiguous()
     matrices = direction.reshape(layout.matrices_shape)
-    if cfg.ns_stack == "batched":
-        # one batch over the stack (MuonConfig.ns_stack); the kernel's memory order kept as for one matrix
-        update = newton_schulz(matrices, **cfg.ns_kwargs(), stack="batched").reshape(
-            direction.shape
-        )
-        return update if cfg.update_layout == "kernel" else update.contiguous()
-    return newton_schulz(matrices, **cfg.ns_kwargs()).reshape(direction.shape)
+    # each matrix alone (a contiguous stack) or one batch over the stack (MuonConfig.ns_stack: the kernel's memory
+    # order, kept or made row-major by update_layout as for one matrix)
+    update = newton_schulz(matrices, **cfg.ns_kwargs(), stack=cfg.ns_stack).reshape(direction.shape)
+    return update if cfg.update_layout == "kernel" else update.contiguous()
 
 
 def decay(param: Tensor, cfg: MuonConfig, out: Tensor | None = None) -> Tensor:

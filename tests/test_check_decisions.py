@@ -192,9 +192,8 @@ def test_a_candidate_in_the_other_layout_conforms_under_the_named_rounding():
 
 # ---------------------------------------------------------------- a stack's products: each matrix alone or batched
 
-NS_MODULE = importlib.import_module(
-    "muon_ref.newton_schulz"
-)  # the module (muon_ref exports its function too)
+# the module (muon_ref exports its function of the same name too)
+NS_MODULE = importlib.import_module("muon_ref.newton_schulz")
 STACK_CASE = Case("experts3d", "single", 1, ((3, 6, 4),), "float32", steps=3)
 
 
@@ -285,6 +284,8 @@ def test_a_departure_after_the_stack_rounding_is_located_where_it_is(
 
 
 def test_the_other_stack_mode_is_tried_only_where_a_param_is_a_stack():
+    """oracle.tried: the other stack mode only where the reference reads some param as a stack (a 3-D param not
+    flattened, fused experts with num_experts); claim_options sets the mode that is not the claim's."""
     stacked = next(r for r in ROUNDINGS if r.other_stack and not r.local and not r.other_layout)
     assert tried(STACK_CASE, stacked, "keller", {}) and not tried(CASE, stacked, "keller", {})
     assert not tried(STACK_CASE, stacked, "keller", {"flatten": True})

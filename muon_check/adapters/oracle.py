@@ -41,7 +41,14 @@ import torch
 from torch import Tensor
 
 import muon_ref
-from muon_ref.functional import apply_update, momentum_direction, orthogonalize
+from muon_ref.functional import (
+    LAYOUT_DEFAULTS,
+    MatrixLayout,
+    apply_update,
+    matrix_layout,
+    momentum_direction,
+    orthogonalize,
+)
 from muon_ref.presets import PRESETS, preset_defaults
 
 from ..fixtures import same_bits
@@ -248,12 +255,24 @@ def other_stack(preset: str | None, overrides: dict[str, Any]) -> str:
     return "batched" if claimed == "per_matrix" else "per_matrix"
 
 
+def is_stack(layout: MatrixLayout) -> bool:
+    """A shared layout of two or more matrices: where Newton-Schulz's stack mode (ns_stack) can change a bit."""
+    return not layout.separate and layout.matrices_shape[0] > 1
+
+
 def has_stacks(case: Case, options: dict[str, Any]) -> bool:
-    """Does some param of the case reach Newton-Schulz as a stack of matrices under these options (a 3-D param not
-    flattened, or a fused [E * m, n] with num_experts > 1; muon_ref reads a 4-D param flattened or refuses it)?
-    Only there can the stack mode change a bit."""
-    fused = (options.get("num_experts") or 1) > 1
-    return fused or (not options.get("flatten") and any(len(s) == 3 for s in case.shapes))
+    """Does some param of the case reach Newton-Schulz as a stack under these options? Each shape read as the
+    reference reads it (muon_ref.matrix_layout with the options' layout keys and reference_groups' flatten); a
+    shape the reference refuses is no stack."""
+    keys = {k: options[k] for k in LAYOUT_DEFAULTS if k in options}
+    for shape in case.shapes:
+        flatten = options["flatten"] if "flatten" in options else len(shape) >= 4
+        try:
+            if is_stack(matrix_layout(shape, flatten=flatten, **keys)):
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def tried(case: Case, rounding: Rounding, preset: str | None, overrides: dict[str, Any]) -> bool:
