@@ -40,6 +40,8 @@ MIN_BATCHED_SIDE = 8
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # probe_key -> whether the batch gave the loop's bits on the probe's stack (module docstring, part 3)
 _PROBED: dict[tuple, bool] = {}
+# dtype -> whether this process's CPU has oneDNN's kernels for it (onednn_takes; the query's answer is fixed)
+_ONEDNN_SUPPORTS: dict[torch.dtype, bool] = {}
 
 
 def in_static_rule(
@@ -86,17 +88,21 @@ def probe(
 
 def onednn_takes(dtype: torch.dtype) -> bool:
     """Whether oneDNN may run CPU matmuls of `dtype` in this process instead of ATen's own kernel (rule part 2);
-    True when torch cannot say (a missing query), so that the loop runs."""
+    True when torch cannot say (a missing query), so that the loop runs. torch.backends.mkldnn.enabled is read at
+    every call (a context manager may turn it off); the CPU's support, fixed for the process, is asked once per
+    dtype."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
-    query = {
-        torch.bfloat16: "_is_mkldnn_bf16_supported",
-        torch.float16: "_is_mkldnn_fp16_supported",
-    }.get(dtype)
-    try:
-        return query is None or bool(getattr(torch.ops.mkldnn, query)())
-    except (AttributeError, RuntimeError):
-        return True
+    if dtype not in _ONEDNN_SUPPORTS:
+        query = {
+            torch.bfloat16: "_is_mkldnn_bf16_supported",
+            torch.float16: "_is_mkldnn_fp16_supported",
+        }.get(dtype)
+        try:
+            _ONEDNN_SUPPORTS[dtype] = query is None or bool(getattr(torch.ops.mkldnn, query)())
+        except (AttributeError, RuntimeError):
+            _ONEDNN_SUPPORTS[dtype] = True
+    return _ONEDNN_SUPPORTS[dtype]
 
 
 def batched_is_bitwise(
@@ -119,12 +125,15 @@ def in_rule(
     """Parts 1 and 2 of the module docstring's rule for a stack of `shape` on `device` (batched_is_bitwise without
     its probe)."""
     dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
+    # the cheap parts first: where oneDNN takes the dtype (a dict lookup) the schedule is never resolved
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return (
-        torch.device(device).type == "cpu"
+        kind == "cpu"
+        and dtype in LOW_PRECISION
+        and not onednn_takes(dtype)
         and in_static_rule(
             tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), preconditioner(ns_kwargs)
         )
-        and not onednn_takes(dtype)
     )
 
 
