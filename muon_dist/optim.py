@@ -107,6 +107,11 @@ def resolve_options(
     return Options(remainder or "agrs", force_path, dispatch, rounds, depth, memory_budget)
 
 
+def layout_keys(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's layout keys (LAYOUT_DEFAULTS' and "flatten"), its own values or the defaults."""
+    return {k: group.get(k, LAYOUT_DEFAULTS.get(k)) for k in (*LAYOUT_DEFAULTS, "flatten")}
+
+
 class DistributedMuon(torch.optim.Optimizer):
     """Muon on DTensor / FSDP2 / TP shards: muon_ref.Muon's update, distributed.
 
@@ -262,10 +267,13 @@ class DistributedMuon(torch.optim.Optimizer):
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
-    def layout(self, p: Tensor, group: dict[str, Any], name: str) -> ParamLayout:
+    def layout(
+        self, p: Tensor, group: dict[str, Any], name: str, keys: dict[str, Any] | None = None
+    ) -> ParamLayout:
         """The param's layout, read once and reused while its shape, placements, mesh, local shape and layout keys
-        stay the same."""
-        keys = {k: group.get(k, LAYOUT_DEFAULTS.get(k)) for k in (*LAYOUT_DEFAULTS, "flatten")}
+        stay the same. `keys`: the group's layout keys (layout_keys(group)), where the caller has read them."""
+        if keys is None:
+            keys = layout_keys(group)
         split = keys.get("split_sizes")
         seen = (
             name,
@@ -290,7 +298,7 @@ class DistributedMuon(torch.optim.Optimizer):
         entries, inputs, params, error = [], [], [], None
         sent_dtypes: dict[tuple[int, torch.dtype], torch.dtype | None] = {}
         for gi, group in enumerate(self.param_groups):
-            update_dtype = configs[gi].ns_dtype
+            update_dtype, keys = configs[gi].ns_dtype, layout_keys(group)
             for i, p in enumerate(group["params"]):
                 name, grad = param_name(group, i), p.grad
                 if grad is not None and error is None:
@@ -309,7 +317,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 sent = sent_dtypes[gi, p.dtype]
                 entries.append(
                     Entry(
-                        self.layout(p, group, name),
+                        self.layout(p, group, name, keys),
                         gi,
                         str(update_dtype or p.dtype),
                         grad is not None,

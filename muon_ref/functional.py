@@ -113,9 +113,9 @@ class MatrixLayout:
             ), self
             assert (b.fan_out, b.fan_in) == (self.fan_out, self.fan_in), self
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
-        """The param's shape: the box that the blocks tile."""
+        """The param's shape: the box that the blocks tile (computed once per layout: the record is frozen)."""
         return tuple(
             max(b.offsets[d] + b.shape[d] for b in self.blocks)
             for d in range(len(self.blocks[0].shape))
