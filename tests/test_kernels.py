@@ -221,7 +221,8 @@ def test_where_the_batch_is_chosen_it_gives_the_loops_bits_on_inputs_the_probe_n
 def test_with_onednn_off_atens_own_kernel_runs_and_the_batch_is_chosen():
     # rule part 2 by construction: with oneDNN disabled ATen's bmm runs one addmm_ per matrix on every CPU (its
     # source, cited in the module docstring), so the probe must find the batch bitwise; not vacuous on any CPU
-    answer = reference.onednn_takes(torch.bfloat16)  # this process's own; the CPU's support is asked once
+    # this process's own answer; the CPU's support is asked once
+    answer = reference.onednn_takes(torch.bfloat16)
     with onednn(False):
         assert not reference.onednn_takes(torch.bfloat16)
         assert reference.batched_is_bitwise((3, 16, 24), torch.float32, CPU, dtype=torch.bfloat16)
