@@ -125,11 +125,10 @@ def in_rule(
     """Parts 1 and 2 of the module docstring's rule for a stack of `shape` on `device` (batched_is_bitwise without
     its probe)."""
     dtype = ns_kwargs.get("dtype", torch.bfloat16) or input_dtype
-    # the cheap parts first: where oneDNN takes the dtype (a dict lookup) the schedule is never resolved
+    # oneDNN first (a dict lookup): where it takes the dtype the schedule is never resolved
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return (
         kind == "cpu"
-        and dtype in LOW_PRECISION
         and not onednn_takes(dtype)
         and in_static_rule(
             tuple(shape), dtype, ns_kwargs.get("step_form", "addmm"), preconditioner(ns_kwargs)
