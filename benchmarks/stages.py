@@ -139,14 +139,9 @@ def instrumented(clock: StageClock) -> Iterator[None]:
 
 def timed_backend(opt: Any, clock: StageClock) -> None:
     """The optimizer's NS backend, its orthogonalize and its stack kernel timed as "NS"."""
-    import dataclasses
+    from muon_dist.kernels import with_kernels
 
-    b = opt.backend
-    opt.backend = dataclasses.replace(
-        b,
-        orthogonalize=clock.timed("NS", b.orthogonalize),
-        stack=None if b.stack is None else clock.timed("NS", b.stack),
-    )
+    opt.backend = with_kernels(opt.backend, lambda kernel: clock.timed("NS", kernel))
 
 
 def methods_of(b: Any, dion_path: str | None, clock: StageClock) -> tuple[dict, dict]:

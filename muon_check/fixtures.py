@@ -219,18 +219,25 @@ def padded_gather(t: Tensor) -> Tensor:
 
 
 def count_kernel_flops(opt: Any) -> list[int]:
-    """Replace a DistributedMuon's backend by one that adds the Newton-Schulz FLOPs of every block it orthogonalises
+    """Replace a DistributedMuon's backend by one that adds the Newton-Schulz FLOPs of every matrix it orthogonalises
     (muon_dist.balance.ns_flops, 5 steps) to the returned one-element list, then runs the real one: the figure
-    muon_dist.expected_flops predicts for a step."""
-    import dataclasses
-
+    muon_dist.expected_flops predicts for a step. Both kernels are counted (muon_dist.kernels.with_kernels): a
+    call's blocks through orthogonalize, each matrix of a stack [k, fan_out, fan_in] through the stack kernel,
+    where the backend stacks calls (orthogonalize_many)."""
     from muon_dist.balance import ns_flops
+    from muon_dist.kernels import with_kernels
 
-    real, count = opt.backend, [0]
+    count = [0]
 
-    def counted(direction: Tensor, layout: Any, cfg: Any) -> Tensor:
-        count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
-        return real.orthogonalize(direction, layout, cfg)
+    def counted(kernel: Any) -> Any:
+        def run(x: Tensor, *rest: Any) -> Tensor:
+            if len(rest) == 2:  # orthogonalize(direction, layout, cfg)
+                count[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in rest[0].blocks)
+            else:  # stack(stack, cfg)
+                count[0] += x.shape[0] * ns_flops(*x.shape[1:])
+            return kernel(x, *rest)
 
-    opt.backend = dataclasses.replace(real, orthogonalize=counted)
+        return run
+
+    opt.backend = with_kernels(opt.backend, counted)
     return count

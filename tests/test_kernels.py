@@ -289,6 +289,27 @@ def test_the_probe_is_made_once_per_key_and_the_key_holds_what_decides_the_kerne
     reference.forget_probes()
 
 
+def test_the_probe_runs_below_every_dispatch_mode_in_effect():
+    """A probe is a measurement of the kernels, no part of the caller's computation: the setup audit's tracer
+    (muon_check.trace.Trace, in effect around a training step) sees none of its products, and under a fake-tensor
+    mode it still computes on real tensors, with the verdict it gives outside. Control: the probe's own kernel,
+    called under the tracer, is seen."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from muon_check.trace import Trace
+
+    shape, kwargs = (2, 8, 16), MuonConfig().ns_kwargs()
+    with Trace() as trace:
+        verdict = reference.probe(shape, torch.bfloat16, CPU, kwargs)
+    assert trace.calls == [] and isinstance(verdict, bool)
+    with FakeTensorMode():
+        assert reference.probe(shape, torch.bfloat16, CPU, kwargs) is verdict
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with Trace() as control:
+        reference.newton_schulz_batched(G, **{k: v for k, v in kwargs.items() if k != "step_form"})
+    assert len(control.calls) == 1 and len(control.calls[0].inputs) == 2
+
+
 def test_negative_control_a_batched_kernel_that_is_not_bitwise_is_refused_and_the_loop_runs(
     monkeypatch,
 ):

@@ -104,6 +104,36 @@ def test_same_shape_matrices_of_several_calls_share_one_stack_kernel_call():
     assert seen == [(1 + 3 + 1, 6, 10), (2, 3, 10)]
 
 
+def test_the_flop_counter_counts_every_matrix_of_stacked_and_single_calls():
+    """muon_check.fixtures.count_kernel_flops (which the distributed tests hold against muon_dist.expected_flops)
+    counts both kernels (muon_dist.kernels.with_kernels): each matrix of calls that orthogonalize_many stacks, and
+    each block of a call made alone, muon_dist.balance.ns_flops apiece. Control: a counter of orthogonalize alone
+    counts none of the stacked matrices."""
+    from types import SimpleNamespace
+
+    from muon_check.fixtures import count_kernel_flops
+    from muon_dist.balance import ns_flops
+
+    names = [("matrix", "keller", 1), ("stack", "keller", 2), ("split", "polar_express", 3)]
+    calls = calls_of(names, torch.bfloat16)
+    single = calls_of([("heads", "keller", 4)], torch.bfloat16)[0]
+    want = sum(ns_flops(b.fan_out, b.fan_in) for _, lay, _ in [*calls, single] for b in lay.blocks)
+    holder = SimpleNamespace(backend=STACKING)
+    count = count_kernel_flops(holder)
+    orthogonalize_many(holder.backend, calls)
+    holder.backend.orthogonalize(*single)
+    assert count[0] == want > 0
+    # the control: orthogonalize alone wrapped
+    seen = [0]
+
+    def counted(direction, layout, cfg):
+        seen[0] += sum(ns_flops(b.fan_out, b.fan_in) for b in layout.blocks)
+        return STACKING.orthogonalize(direction, layout, cfg)
+
+    orthogonalize_many(dataclasses.replace(STACKING, orthogonalize=counted), calls)
+    assert seen[0] == 0 < want
+
+
 def test_a_backend_without_a_stack_kernel_takes_the_one_call_path():
     """Backend.stack None: stacks() admits nothing and orthogonalize_many is each call's own orthogonalize."""
     calls = calls_of([("matrix", "keller", 1), ("split", "keller", 2)], torch.float32)

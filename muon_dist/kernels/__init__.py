@@ -26,6 +26,7 @@ refuses: muon_ref declares them, tests/test_kernels.py checks every mirror again
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,6 +111,21 @@ def backend(name: str) -> Backend:
     found = BACKENDS[name]()
     assert found.name == name, (found.name, name)
     return found
+
+
+def with_kernels(
+    backend: Backend, wrap: Callable[[Callable[..., Tensor]], Callable[..., Tensor]]
+) -> Backend:
+    """The backend with each of its kernels, orthogonalize and (where it has one) stack, replaced by wrap(kernel):
+    what a tool that watches, counts or times every Newton-Schulz call must replace, since orthogonalize_many sends
+    the calls it stacks to the stack kernel, never through orthogonalize. Each wrapped kernel is called with the
+    kernel's own arguments: (direction, layout, cfg) for orthogonalize, (stack [k, fan_out, fan_in], cfg) for
+    stack."""
+    return dataclasses.replace(
+        backend,
+        orthogonalize=wrap(backend.orthogonalize),
+        stack=None if backend.stack is None else wrap(backend.stack),
+    )
 
 
 def over_stacks(stack_kernel: Callable[[Tensor, MuonConfig], Tensor]) -> Orthogonalize:

@@ -26,6 +26,7 @@ import time
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from muon_ref import MatrixLayout, MuonConfig, newton_schulz, resolve_ns_options
 from muon_ref import orthogonalize as reference_orthogonalize
@@ -78,12 +79,16 @@ def probe(
     shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device, ns_kwargs: dict
 ) -> bool:
     """Whether newton_schulz_batched gives muon_ref.newton_schulz's bits on a Gaussian stack of `shape` (seed 0,
-    drawn in float32 on the CPU, cast to input_dtype, moved to device) with these newton_schulz options."""
-    G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(input_dtype).to(device)
-    kwargs = {name: value for name, value in ns_kwargs.items() if name != "step_form"}
-    return torch.equal(
-        newton_schulz_batched(G, **kwargs), newton_schulz(G, step_form="addmm", **kwargs)
-    )
+    drawn in float32 on the CPU, cast to input_dtype, moved to device) with these newton_schulz options. The probe
+    runs below every Python dispatch mode in effect (a tracer, a FLOP counter, a fake-tensor mode): it measures the
+    kernels on real tensors and is no part of the caller's computation, so no mode sees its products."""
+    with _disable_current_modes():
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        G = G.to(input_dtype).to(device)
+        kwargs = {name: value for name, value in ns_kwargs.items() if name != "step_form"}
+        return torch.equal(
+            newton_schulz_batched(G, **kwargs), newton_schulz(G, step_form="addmm", **kwargs)
+        )
 
 
 def onednn_takes(dtype: torch.dtype) -> bool:

@@ -24,7 +24,7 @@ from muon_check.fixtures import same_bits, seeded
 from muon_dist import Entry, Options, ParamLayout, ThreadComm, ThreadWorld, expected_bytes
 from muon_dist.agreement import CHECKS
 from muon_dist.comm import run_threads
-from muon_dist.kernels import Backend, backend
+from muon_dist.kernels import Backend, backend, with_kernels
 from muon_dist.optim import UPDATE_LAYOUT
 from muon_dist.step import ParamInput, execute, prepare
 from muon_ref.optim import group_config
@@ -882,13 +882,16 @@ def test_the_forward_send_buffer_is_let_go_once_sent(
         return directions
 
     monkeypatch.setattr(StepRun, "momentum", momentum)
-    real, alive = backend("torch"), []
+    alive = []
 
-    def orthogonalize(x, layout, cfg):
-        alive.append(sum(w() is not None for w in sends.get(threading.get_ident(), [])))
-        return real.orthogonalize(x, layout, cfg)
+    def watched(kernel):
+        def run(*args):
+            alive.append(sum(w() is not None for w in sends.get(threading.get_ident(), [])))
+            return kernel(*args)
 
-    watching = dataclasses.replace(real, orthogonalize=orthogonalize)
+        return run
+
+    watching = with_kernels(backend("torch"), watched)  # a stacked call too
     assert_boxes_of_reference(case, on_threads(case, steps=1, kernels=watching), steps=1)
     assert sends and alive and max(alive) == 0, (len(sends), alive)
 
